@@ -1,0 +1,15 @@
+"""hostswap: run PyTorch programs in less GPU memory than their tensors need."""
+
+from hostswap import schedules
+from hostswap.passes import WeightOffloadError, apply_weight_offload, get_weight_schedule, save, to_executorch
+
+__all__ = ["WeightOffloadError", "apply_weight_offload", "get_weight_schedule", "save", "schedules", "to_executorch", "runtime"]
+
+
+def __getattr__(name):
+    # The runtime pulls in more of ExecuTorch and CUDA bindings; load it when first asked for.
+    if name == "runtime":
+        import importlib
+
+        return importlib.import_module("hostswap.runtime")
+    raise AttributeError(f"module 'hostswap' has no attribute {name!r}")

@@ -1,0 +1,12 @@
+"""Graph rewrites: the weight probe pass and the custom op it inserts."""
+
+from hostswap.passes import probe_op  # noqa: F401  (registers hostswap::probe)
+from hostswap.passes.lowering import save, to_executorch
+from hostswap.passes.weight_offload import (
+    WeightOffloadError,
+    WeightOffloadPass,
+    apply_weight_offload,
+    get_weight_schedule,
+)
+
+__all__ = ["WeightOffloadError", "WeightOffloadPass", "apply_weight_offload", "get_weight_schedule", "save", "to_executorch"]

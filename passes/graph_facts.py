@@ -1,0 +1,50 @@
+"""Facts about FX nodes that the weight pass and the schedule builder share."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+PROBE_SCHEMA_NAME = "hostswap::probe"
+
+
+def underlying_op(target) -> torch._ops.OpOverload | None:
+    """The ATen/custom OpOverload behind an FX target (edge ops wrap one in ``_op``)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target
+    op = getattr(target, "_op", None)  # EdgeOpOverload
+    return op if isinstance(op, torch._ops.OpOverload) else None
+
+
+def is_probe(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    op = underlying_op(node.target)
+    return op is not None and op._schema.name == PROBE_SCHEMA_NAME
+
+
+def is_view_like(node: torch.fx.Node) -> bool:
+    """Ops that only reinterpret their first input's data: aliasing views and ``*_copy`` views.
+
+    A weight read through such a chain is still the same weight; the probe goes in front of
+    the chain and the chain moves behind it.
+    """
+    if node.op != "call_function":
+        return False
+    op = underlying_op(node.target)
+    if op is None:
+        return False
+    returns = op._schema.returns
+    if len(returns) != 1 or str(returns[0].type) != "Tensor":
+        return False
+    if torch.Tag.view_copy in op.tags:
+        return True
+    alias = returns[0].alias_info
+    if alias is not None and not alias.is_write:
+        return True
+    return op._schema.name == "aten::_unsafe_view"
+
+
+def first_tensor_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    arg = node.args[0] if node.args else None
+    return arg if isinstance(arg, torch.fx.Node) else None

@@ -1,0 +1,149 @@
+"""Lower a probed program with ExecuTorch: weights external in a .ptd, schedule as constant methods."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch.fx
+from torch.export import ExportedProgram
+
+from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like
+from hostswap.passes.weight_offload import (
+    OPTIONS_META_KEY,
+    WeightOffloadError,
+    WeightOffloadOptions,
+    get_weight_schedule,
+    weight_placeholders,
+    weight_tensor,
+)
+from hostswap.schedules import serialization
+from hostswap.schedules.pte_program import plan_by_name
+from hostswap.schedules.weight_schedule import ScheduleError, WeightSchedule, schedule_from_graph
+
+METHOD = "forward"
+
+
+def _probe_derived(node: torch.fx.Node) -> bool:
+    """True if ``node`` is a probe's output or a view chain of one (out-variant graph)."""
+    while True:
+        if is_probe(node):
+            return True
+        if not is_view_like(node):
+            return False
+        parent = first_tensor_input(node)
+        if parent is None:
+            return False
+        node = parent
+
+
+def _make_memory_planning_pass():
+    from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.schema import TensorShapeDynamism
+
+    class ProbeAwareMemoryPlanningPass(MemoryPlanningPass):
+        """Leave probe outputs (and view copies of them) out of the planned arenas.
+
+        The runtime binds them to the weight pool's tensors, so planning arena space for
+        them would only make the activation arena hold weight-sized holes.
+        """
+
+        def _set_alloc_node_spec(self, graph_module: torch.fx.GraphModule) -> None:
+            super()._set_alloc_node_spec(graph_module)
+            for node in graph_module.graph.nodes:
+                if node.op != "call_function" or "out" not in node.kwargs:
+                    continue
+                if is_probe(node) or (is_view_like(node) and _probe_derived(first_tensor_input(node))):
+                    spec = node.kwargs["out"].meta.get("spec")
+                    if spec is not None:
+                        spec.shape_dynamism = TensorShapeDynamism.DYNAMIC_UNBOUND
+
+    return ProbeAwareMemoryPlanningPass()
+
+
+def _lowered_schedule(edge_ep: ExportedProgram, options: WeightOffloadOptions) -> WeightSchedule:
+    by_placeholder = weight_placeholders(edge_ep)
+    weight_bytes = {}
+    for fqn in by_placeholder.values():
+        t = weight_tensor(edge_ep, fqn)
+        weight_bytes[fqn] = t.numel() * t.element_size()
+    return schedule_from_graph(
+        edge_ep.graph_module.graph,
+        fqn_of_placeholder=by_placeholder,
+        weight_bytes=weight_bytes,
+        prefetch_depth=options.prefetch_depth,
+        pin=options.pin,
+    )
+
+
+def emitted_probe_sequence(program, method: str = METHOD) -> list[tuple[int, str]]:
+    """(probe_id, FQN) of every probe instruction of ``method``, in instruction order."""
+    plan = plan_by_name(program, method)
+    probe_ops = {i for i, op in enumerate(plan.operators) if op.name == "hostswap::probe"}
+    sequence = []
+    for chain in plan.chains:
+        for instruction in chain.instructions:
+            call = instruction.instr_args
+            if type(call).__name__ == "KernelCall" and call.op_index in probe_ops:
+                weight = plan.values[call.args[0]].val
+                probe_id = plan.values[call.args[1]].val.int_val
+                sequence.append((probe_id, weight.extra_tensor_info.fully_qualified_name))
+    return sequence
+
+
+def to_executorch(ep: ExportedProgram, *, progress=None):
+    """Lower a program returned by ``apply_weight_offload`` to an ExecutorchProgramManager.
+
+    The schedule is rebuilt on the lowered graph (decompositions change the kernels, e.g.
+    ``linear`` becomes ``permute_copy`` + ``addmm``) and checked against the emitted
+    instructions, so what the ``.pte`` carries describes what the runtime will execute.
+    """
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+
+    get_weight_schedule(ep)  # raises a clear error for a program the pass did not touch
+    options: WeightOffloadOptions = ep.graph_module.meta[OPTIONS_META_KEY]
+    say = progress or (lambda _msg: None)
+    say("lowering to the edge dialect")
+    edge = to_edge_transform_and_lower(ep, compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    schedule = _lowered_schedule(edge.exported_program(METHOD), options)
+    # ExecutorchProgramManager emits EdgeProgramManager._config_methods as constant methods;
+    # the schedule is only known after lowering, so it is set here rather than at creation.
+    edge._config_methods = {**(edge._config_methods or {}), **serialization.encode(schedule, METHOD)}
+    say("emitting the ExecuTorch program")
+    manager = edge.to_executorch(
+        ExecutorchBackendConfig(external_constants=True, memory_planning_pass=_make_memory_planning_pass())
+    )
+    emitted = emitted_probe_sequence(manager.executorch_program, METHOD)
+    expected = list(enumerate(schedule.probe_fqns()))
+    if emitted != expected:
+        first = next((i for i, (a, b) in enumerate(zip(emitted, expected)) if a != b), min(len(emitted), len(expected)))
+        raise ScheduleError(
+            f"emitted program's probe sequence diverges from the lowered schedule at position {first}: "
+            f"{emitted[first] if first < len(emitted) else 'end'} vs {expected[first] if first < len(expected) else 'end'}"
+        )
+    manager.hostswap_schedule = schedule
+    return manager
+
+
+def save(ep: ExportedProgram, path: str | os.PathLike, *, progress=None) -> tuple[str, str]:
+    """Lower ``ep`` and write ``<path>.pte`` and ``<path>.ptd``; returns both paths."""
+    path = os.fspath(path)
+    for suffix in (".pte", ".ptd"):
+        if path.endswith(suffix):
+            path = path[: -len(suffix)]
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    manager = to_executorch(ep, progress=progress)
+    pte_path, ptd_path = path + ".pte", path + ".ptd"
+    if progress:
+        progress(f"writing {pte_path} and {ptd_path}")
+    with open(pte_path, "wb") as f:
+        manager.write_to_file(f)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        manager.write_tensor_data_to_file(tmp)
+        written = [f for f in os.listdir(tmp) if f.endswith(".ptd")]
+        if len(written) != 1:
+            raise WeightOffloadError(f"expected ExecuTorch to write one .ptd, it wrote {written}")
+        shutil.move(os.path.join(tmp, written[0]), ptd_path)
+    return pte_path, ptd_path

@@ -1,0 +1,218 @@
+"""Probe pass: read every weight through ``hostswap::probe`` and record the static schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from hostswap.passes import probe_op
+from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, underlying_op
+from hostswap.schedules.weight_schedule import WeightSchedule, schedule_from_graph
+
+SCHEDULE_META_KEY = "hostswap_weight_schedule"
+OPTIONS_META_KEY = "hostswap_weight_offload_options"
+
+WEIGHT_INPUT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+class WeightOffloadError(ValueError):
+    """A program or an argument the weight pass cannot handle; the message names the culprit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightOffloadOptions:
+    prefetch_depth: int
+    pin: tuple[str, ...]
+
+
+def weight_placeholders(ep: ExportedProgram) -> dict[str, str]:
+    """Placeholder name -> FQN for parameters, buffers and lifted tensor constants."""
+    return {
+        spec.arg.name: spec.target
+        for spec in ep.graph_signature.input_specs
+        if spec.kind in WEIGHT_INPUT_KINDS and spec.target is not None
+    }
+
+
+def weight_tensor(ep: ExportedProgram, fqn: str) -> torch.Tensor:
+    if fqn in ep.state_dict:
+        return ep.state_dict[fqn]
+    return ep.constants[fqn]
+
+
+def _check_streamable(fqn: str, tensor: torch.Tensor) -> None:
+    if isinstance(tensor, torch.nn.Parameter):
+        tensor = tensor.data
+    if type(tensor) is not torch.Tensor:
+        raise WeightOffloadError(
+            f"weight '{fqn}' is a {type(tensor).__name__}, a tensor subclass hostswap cannot stream; "
+            "convert it to a plain tensor before export"
+        )
+    if tensor.numel() == 0:
+        raise WeightOffloadError(f"weight '{fqn}' has zero elements (shape {tuple(tensor.shape)}); it cannot be streamed")
+    storage_bytes = tensor.untyped_storage().nbytes()
+    own_bytes = tensor.numel() * tensor.element_size()
+    if tensor.storage_offset() != 0 or storage_bytes != own_bytes or not tensor.is_contiguous():
+        raise WeightOffloadError(
+            f"weight '{fqn}' is a view into a larger storage (shape {tuple(tensor.shape)}, "
+            f"storage offset {tensor.storage_offset()}, {own_bytes} of {storage_bytes} storage bytes, "
+            f"contiguous={tensor.is_contiguous()}); give it its own storage with .clone().contiguous() before export"
+        )
+
+
+class WeightOffloadPass:
+    """Put a ``hostswap::probe`` in front of every (consumer, weight) use, views behind it."""
+
+    def __init__(self, weight_fqn_by_placeholder: dict[str, str]):
+        self.weight_fqn_by_placeholder = weight_fqn_by_placeholder
+
+    def _weight_root(self, node: torch.fx.Node) -> torch.fx.Node | None:
+        """The weight placeholder that ``node`` is (a view chain of), else None."""
+        while True:
+            if node.op == "placeholder":
+                return node if node.name in self.weight_fqn_by_placeholder else None
+            if not is_view_like(node):
+                return None
+            parent = first_tensor_input(node)
+            if parent is None:
+                return None
+            node = parent
+
+    @staticmethod
+    def _view_chain(node: torch.fx.Node, root: torch.fx.Node) -> list[torch.fx.Node]:
+        chain = []
+        while node is not root:
+            chain.append(node)
+            node = first_tensor_input(node)
+        return list(reversed(chain))
+
+    def call(self, graph_module: torch.fx.GraphModule) -> int:
+        """Rewrites the graph in place; returns the number of probes inserted."""
+        graph = graph_module.graph
+        next_probe_id = 0
+        for consumer in list(graph.nodes):
+            if consumer.op == "output":
+                for arg in consumer.all_input_nodes:
+                    root = self._weight_root(arg)
+                    if root is not None:
+                        raise WeightOffloadError(
+                            f"weight '{self.weight_fqn_by_placeholder[root.name]}' is returned by the program; "
+                            "hostswap serves weights only to kernels (return a copy instead)"
+                        )
+                continue
+            if consumer.op != "call_function" or is_view_like(consumer) or is_probe(consumer):
+                continue
+            probes: dict[torch.fx.Node, torch.fx.Node] = {}
+            replacements: dict[torch.fx.Node, torch.fx.Node] = {}
+            for arg in consumer.all_input_nodes:
+                root = self._weight_root(arg)
+                if root is None:
+                    continue
+                with graph.inserting_before(consumer):
+                    if root not in probes:
+                        probe_node = graph.call_function(probe_op.probe, (root, next_probe_id))
+                        probe_node.meta["val"] = root.meta["val"]
+                        probe_node.meta["hostswap_fqn"] = self.weight_fqn_by_placeholder[root.name]
+                        probe_node.meta.setdefault("stack_trace", consumer.meta.get("stack_trace"))
+                        probe_node.meta["nn_module_stack"] = consumer.meta.get("nn_module_stack", {})
+                        probes[root] = probe_node
+                        next_probe_id += 1
+                    current = probes[root]
+                    for view in self._view_chain(arg, root):
+                        new_view = graph.node_copy(view, lambda n, _v=view, _c=[current]: _c[0] if n is first_tensor_input(_v) else n)
+                        current = new_view
+                replacements[arg] = current
+            for old, new in replacements.items():
+                consumer.replace_input_with(old, new)
+        graph.eliminate_dead_code()
+        graph_module.recompile()
+        return next_probe_id
+
+
+def _written_in_place(ep: ExportedProgram, by_placeholder: dict[str, str]) -> set[str]:
+    """FQNs that an op of the graph writes in place (export may keep ``add_`` on a buffer)."""
+    written = set()
+    for node in ep.graph.nodes:
+        op = underlying_op(node.target) if node.op == "call_function" else None
+        if op is None:
+            continue
+        for arg_schema, arg in zip(op._schema.arguments, node.args):
+            alias = arg_schema.alias_info
+            if alias is not None and alias.is_write and isinstance(arg, torch.fx.Node):
+                root = arg
+                while root.op != "placeholder" and is_view_like(root) and first_tensor_input(root) is not None:
+                    root = first_tensor_input(root)
+                if root.op == "placeholder" and root.name in by_placeholder:
+                    written.add(by_placeholder[root.name])
+    return written
+
+
+def _validate(ep: ExportedProgram, prefetch_depth: int, pin: Iterable[str]) -> tuple[dict[str, str], tuple[str, ...]]:
+    if not isinstance(ep, ExportedProgram):
+        raise WeightOffloadError(
+            f"apply_weight_offload expects a torch.export.ExportedProgram, got {type(ep).__name__}"
+        )
+    if OPTIONS_META_KEY in ep.graph_module.meta or any(is_probe(n) for n in ep.graph.nodes):
+        raise WeightOffloadError("apply_weight_offload was already applied to this program (it contains hostswap::probe nodes)")
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+        raise WeightOffloadError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
+    if isinstance(pin, str):
+        raise WeightOffloadError(f"pin must be a collection of FQNs, got the string {pin!r}")
+    pin = tuple(dict.fromkeys(pin))
+    by_placeholder = weight_placeholders(ep)
+    fqns = set(by_placeholder.values())
+    if not fqns:
+        raise WeightOffloadError("the program has no weights (parameters, buffers or tensor constants) to offload")
+    for fqn in pin:
+        if fqn not in fqns:
+            raise WeightOffloadError(f"pin names '{fqn}', which is not a weight of this program (weights: {sorted(fqns)[:8]}...)")
+    mutated = set(ep.graph_signature.buffers_to_mutate.values()) | _written_in_place(ep, by_placeholder)
+    for fqn in sorted(fqns):
+        if fqn in mutated:
+            raise WeightOffloadError(f"buffer '{fqn}' is mutated by the program; hostswap streams read-only weights")
+        _check_streamable(fqn, weight_tensor(ep, fqn))
+    return by_placeholder, pin
+
+
+def apply_weight_offload(ep: ExportedProgram, *, prefetch_depth: int = 1, pin: Sequence[str] = ()) -> ExportedProgram:
+    """Read every weight of ``ep`` through ``hostswap::probe`` and record the access order and floor.
+
+    Rewrites ``ep`` in place (after every check has passed, so a refused program is left as
+    it was) and returns it. ``pin`` FQNs stay resident for the program's lifetime.
+    """
+    by_placeholder, pin = _validate(ep, prefetch_depth, pin)
+    WeightOffloadPass(by_placeholder).call(ep.graph_module)
+    options = WeightOffloadOptions(prefetch_depth=prefetch_depth, pin=pin)
+    ep.graph_module.meta[OPTIONS_META_KEY] = options
+    schedule = schedule_from_exported_program(ep)
+    ep.graph_module.meta[SCHEDULE_META_KEY] = schedule
+    return ep
+
+
+def schedule_from_exported_program(ep: ExportedProgram) -> WeightSchedule:
+    """The weight schedule of a probed program (aten or edge dialect)."""
+    options: WeightOffloadOptions = ep.graph_module.meta[OPTIONS_META_KEY]
+    by_placeholder = weight_placeholders(ep)
+    weight_bytes = {}
+    for fqn in by_placeholder.values():
+        t = weight_tensor(ep, fqn)
+        weight_bytes[fqn] = t.numel() * t.element_size()
+    return schedule_from_graph(
+        ep.graph_module.graph,
+        fqn_of_placeholder=by_placeholder,
+        weight_bytes=weight_bytes,
+        prefetch_depth=options.prefetch_depth,
+        pin=options.pin,
+    )
+
+
+def get_weight_schedule(ep: ExportedProgram) -> WeightSchedule:
+    """The schedule ``apply_weight_offload`` recorded on ``ep``."""
+    if SCHEDULE_META_KEY not in ep.graph_module.meta:
+        raise WeightOffloadError("this program was not passed through hostswap.apply_weight_offload")
+    return ep.graph_module.meta[SCHEDULE_META_KEY]

@@ -1,0 +1,219 @@
+"""Pool decisions of the two runtime policies as plain data, shared by the runtime and ``inspect``.
+
+The runtime pool (runtime/pool.py) executes these decisions with real memory and streams;
+``hostswap inspect --budget-mb`` runs the same objects without memory to report what each
+forward would stream. Keeping one implementation means the report cannot drift from the
+runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+from hostswap.schedules.floor import StreamSequence, aligned, ring_placement, ring_requirement
+from hostswap.schedules.weight_schedule import WeightSchedule
+
+
+class BudgetError(ValueError):
+    """The budget cannot hold what the schedule needs."""
+
+
+def check_budget(schedule: WeightSchedule, budget_bytes: int) -> None:
+    if budget_bytes < schedule.floor_bytes:
+        raise BudgetError(
+            f"weight_offload_budget_mb={budget_bytes / 2**20:.2f} is below this program's floor: "
+            f"at least {schedule.floor_bytes} bytes ({mb_ceil(schedule.floor_bytes)} MB) are required "
+            f"(largest pair of consecutive kernels plus prefetch headroom for prefetch_depth={schedule.prefetch_depth})"
+        )
+
+
+def mb_ceil(nbytes: int) -> int:
+    """Whole MB (2**20 bytes) that hold ``nbytes``: the smallest budget_mb that loads."""
+    return -(-nbytes // 2**20)
+
+
+@dataclasses.dataclass
+class Action:
+    """One pool step: ``load`` a weight (``demand`` or prefetch), ``evict`` one, or ``hit``."""
+
+    kind: str  # "hit" | "load" | "evict"
+    weight: int
+    probe: int
+    demand: bool = False
+
+
+class LruPolicy:
+    """The seed's policy: per-weight allocations, LRU victims, prefetch of the next d probes."""
+
+    def __init__(self, schedule: WeightSchedule, budget_bytes: int):
+        check_budget(schedule, budget_bytes)
+        self.schedule = schedule
+        ids = {f: i for i, f in enumerate(schedule.fqns)}
+        self.pinned = {ids[f] for f in schedule.pin}
+        self.sizes = [aligned(b) for b in schedule.weight_bytes]
+        self.capacity = budget_bytes - sum(self.sizes[w] for w in self.pinned)
+        self.resident: OrderedDict[int, None] = OrderedDict()
+        self.used = 0
+        self.protect_until: dict[int, int] = {}
+        self.prefetched_unused: set[int] = set()
+        self.launched = 0
+        self.peak_used = 0
+
+    def begin_forward(self) -> None:
+        self.launched = 0
+        self.protect_until.clear()
+
+    def kernel_launched(self, kernel: int) -> None:
+        self.launched = kernel + 1
+
+    def _protected(self, w: int) -> bool:
+        return self.launched <= self.protect_until.get(w, -1)
+
+    def _make_room(self, size: int, probe: int, actions: list[Action]) -> None:
+        while self.used + size > self.capacity:
+            victim = next((w for w in self.resident if not self._protected(w)), None)
+            if victim is None:
+                # Unreachable at or above the floor (schedules/floor.py proves it).
+                raise BudgetError(f"lru pool exhausted at probe {probe}: every resident weight is protected")
+            del self.resident[victim]
+            self.used -= self.sizes[victim]
+            actions.append(Action("evict", victim, probe))
+
+    def _ensure(self, w: int, probe: int, demand: bool, actions: list[Action]) -> None:
+        kernel = self.schedule.probe_kernel[probe]
+        self.protect_until[w] = max(self.protect_until.get(w, -1), kernel + 1)
+        if w in self.resident:
+            self.resident.move_to_end(w)
+            if demand:
+                actions.append(Action("hit", w, probe))
+            return
+        self._make_room(self.sizes[w], probe, actions)
+        self.resident[w] = None
+        self.used += self.sizes[w]
+        self.peak_used = max(self.peak_used, self.used)
+        actions.append(Action("load", w, probe, demand=demand))
+
+    def on_probe(self, probe: int) -> list[Action]:
+        """Decisions at ``probe``: make its weight resident, then prefetch the next d probes."""
+        actions: list[Action] = []
+        w = self.schedule.probe_weight[probe]
+        if w in self.pinned:
+            actions.append(Action("hit", w, probe))
+        else:
+            self._ensure(w, probe, True, actions)
+        last = min(probe + self.schedule.prefetch_depth, self.schedule.num_probes - 1)
+        for q in range(probe + 1, last + 1):
+            wq = self.schedule.probe_weight[q]
+            if wq not in self.pinned:
+                self._ensure(wq, q, False, actions)
+        return actions
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedLayout:
+    """Where every weight lives under the ``planned`` policy, fixed at load."""
+
+    budget_bytes: int
+    pinned: frozenset[int]
+    resident: frozenset[int]  # kept for the program's lifetime (pinned ones included)
+    resident_offsets: dict[int, int]  # weight id -> offset in the resident region
+    resident_bytes: int
+    ring_offset: int  # where the ring starts in the arena
+    ring_bytes: int
+    fill_offset: dict[int, int]  # probe id -> ring offset its weight is copied to (fills only)
+    fill_waits_for: dict[int, int]  # probe id -> last kernel that read the bytes it overwrites (-1: none)
+    reuse_offset: dict[int, int]  # probe id -> ring offset of a weight still there (no copy)
+    streamed_bytes: int  # bytes copied host-to-device per forward
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.ring_offset + self.ring_bytes
+
+
+def _stream_sequence(schedule: WeightSchedule, kept: set[int]) -> tuple[StreamSequence, list[int]]:
+    probes = [p for p, w in enumerate(schedule.probe_weight) if w not in kept]
+    seq = StreamSequence(
+        probe_weight=tuple(schedule.probe_weight[p] for p in probes),
+        probe_kernel=tuple(schedule.probe_kernel[p] for p in probes),
+        num_kernels=schedule.num_kernels,
+        sizes=tuple(aligned(b) for b in schedule.weight_bytes),
+    )
+    return seq, probes
+
+
+def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
+    """Keep as many weight bytes resident as the budget allows beyond what streaming needs."""
+    check_budget(schedule, budget_bytes)
+    ids = {f: i for i, f in enumerate(schedule.fqns)}
+    sizes = [aligned(b) for b in schedule.weight_bytes]
+    pinned = {ids[f] for f in schedule.pin}
+    kept = set(pinned)
+    kept_bytes = sum(sizes[w] for w in kept)
+    seq, _ = _stream_sequence(schedule, kept)
+    ring = ring_requirement(seq, schedule.prefetch_depth)
+    # Greedy, largest first: a weight becomes resident if the ring for what is left still
+    # fits beside everything resident. Largest first removes the outliers that set the ring.
+    for w in sorted(set(range(len(sizes))) - kept, key=lambda w: -sizes[w]):
+        if kept_bytes + sizes[w] > budget_bytes:
+            continue
+        trial_seq, _ = _stream_sequence(schedule, kept | {w})
+        trial_ring = ring_requirement(trial_seq, schedule.prefetch_depth)
+        if kept_bytes + sizes[w] + trial_ring <= budget_bytes:
+            kept.add(w)
+            kept_bytes += sizes[w]
+            seq, ring = trial_seq, trial_ring
+    seq, probes = _stream_sequence(schedule, kept)
+    offsets = ring_placement(seq, ring) if seq.probe_weight else []
+    resident_offsets, cursor = {}, 0
+    for w in sorted(kept):
+        resident_offsets[w] = cursor
+        cursor += sizes[w]
+    fill_offset, reuse_offset, fill_waits_for = {}, {}, {}
+    # Live ring placements: [start, end, weight, last reader kernel]. Replays ring_placement's
+    # decisions to find, for each fill, the readers whose bytes it overwrites.
+    occupants: list[list[int]] = []
+    streamed = 0
+    for p, off in zip(probes, offsets):
+        w, kernel = schedule.probe_weight[p], schedule.probe_kernel[p]
+        same = next((o for o in occupants if o[0] == off and o[2] == w), None)
+        if same is not None:
+            reuse_offset[p] = off
+            same[3] = kernel
+            continue
+        end = off + sizes[w]
+        overwritten = [o for o in occupants if o[0] < end and off < o[1]]
+        fill_waits_for[p] = max((o[3] for o in overwritten), default=-1)
+        occupants = [o for o in occupants if not (o[0] < end and off < o[1])] + [[off, end, w, kernel]]
+        fill_offset[p] = off
+        streamed += schedule.weight_bytes[w]
+    return PlannedLayout(
+        budget_bytes=budget_bytes,
+        pinned=frozenset(pinned),
+        resident=frozenset(kept),
+        resident_offsets=resident_offsets,
+        resident_bytes=kept_bytes,
+        ring_offset=cursor,
+        ring_bytes=ring,
+        fill_offset=fill_offset,
+        fill_waits_for=fill_waits_for,
+        reuse_offset=reuse_offset,
+        streamed_bytes=streamed,
+    )
+
+
+def lru_streamed_bytes(schedule: WeightSchedule, budget_bytes: int, forwards: int = 2) -> int:
+    """Bytes the lru policy copies in a steady-state forward (the last of ``forwards``)."""
+    policy = LruPolicy(schedule, budget_bytes)
+    copied = 0
+    for _ in range(forwards):
+        copied = 0
+        policy.begin_forward()
+        kernel_of = schedule.probe_kernel
+        for p in range(schedule.num_probes):
+            for a in policy.on_probe(p):
+                if a.kind == "load":
+                    copied += schedule.weight_bytes[a.weight]
+            if p + 1 == schedule.num_probes or kernel_of[p + 1] != kernel_of[p]:
+                policy.kernel_launched(kernel_of[p])
+    return copied

@@ -1,0 +1,96 @@
+"""Read an ExecuTorch ``.pte`` with ExecuTorch's own deserializer; no execution."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+# ExecuTorch's ScalarType follows c10's numbering; map by name so the table is self-evident.
+_DTYPE_BY_SCALAR_TYPE_NAME = {
+    "BYTE": torch.uint8,
+    "CHAR": torch.int8,
+    "SHORT": torch.int16,
+    "INT": torch.int32,
+    "LONG": torch.int64,
+    "HALF": torch.float16,
+    "FLOAT": torch.float32,
+    "DOUBLE": torch.float64,
+    "BOOL": torch.bool,
+    "BFLOAT16": torch.bfloat16,
+    "COMPLEX32": torch.complex32,
+    "COMPLEX64": torch.complex64,
+    "COMPLEX128": torch.complex128,
+    "UINT16": torch.uint16,
+    "UINT32": torch.uint32,
+    "UINT64": torch.uint64,
+    "FLOAT8E5M2": torch.float8_e5m2,
+    "FLOAT8E4M3FN": torch.float8_e4m3fn,
+}
+
+
+def torch_dtype(scalar_type) -> torch.dtype:
+    try:
+        return _DTYPE_BY_SCALAR_TYPE_NAME[scalar_type.name]
+    except KeyError:
+        raise ValueError(f"ExecuTorch scalar type {scalar_type} has no torch dtype mapping") from None
+
+
+def tensor_nbytes(tensor_value) -> int:
+    dtype = torch_dtype(tensor_value.scalar_type)
+    return math.prod(tensor_value.sizes) * dtype.itemsize
+
+
+def read_program(pte: str | os.PathLike | bytes):
+    """The deserialized ``executorch.exir.schema.Program`` (and its segments' bytes aside)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    data = pte if isinstance(pte, (bytes, bytearray)) else open(os.fspath(pte), "rb").read()
+    try:
+        pte_file = deserialize_pte_binary(bytes(data))
+    except Exception as e:  # the deserializer raises assorted errors on foreign files
+        name = "<bytes>" if isinstance(pte, (bytes, bytearray)) else os.fspath(pte)
+        raise ValueError(f"{name} is not an ExecuTorch program: {e}") from e
+    return getattr(pte_file, "program", pte_file)
+
+
+def plan_by_name(program, name: str):
+    for plan in program.execution_plan:
+        if plan.name == name:
+            return plan
+    return None
+
+
+def _evalue_python(value) -> Any:
+    kind = type(value.val).__name__
+    v = value.val
+    if kind == "Int":
+        return v.int_val
+    if kind == "Bool":
+        return v.bool_val
+    if kind == "Double":
+        return v.double_val
+    if kind == "String":
+        return v.string_val
+    raise ValueError(f"constant method output of kind {kind} is not a plain scalar")
+
+
+def constant_method_outputs(program, name: str) -> list[Any] | None:
+    """The values a zero-input constant method returns, or None if there is no such method."""
+    plan = plan_by_name(program, name)
+    if plan is None:
+        return None
+    return [_evalue_python(plan.values[i]) for i in plan.outputs]
+
+
+def external_weights(plan) -> dict[str, Any]:
+    """FQN -> the schema Tensor of each external (``.ptd``) constant the plan references."""
+    result = {}
+    for value in plan.values:
+        t = value.val
+        info = getattr(t, "extra_tensor_info", None)
+        if info is not None and info.fully_qualified_name and info.location.name == "EXTERNAL":
+            result[info.fully_qualified_name] = t
+    return result

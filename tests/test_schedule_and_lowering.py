@@ -1,0 +1,167 @@
+"""Floor (against brute force), lowered schedule, constant-method round trip, inspect CLI."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+import hostswap
+from hostswap import models
+from hostswap.cli import main as cli_main
+from hostswap.schedules import ScheduleError, load_weight_schedule
+from hostswap.schedules.floor import StreamSequence, aligned, ring_is_safe, ring_step
+from hostswap.schedules.policies import BudgetError, LruPolicy, lru_streamed_bytes, plan_layout
+
+
+def brute_force_protected_peak(schedule) -> int:
+    """Literal replay of the runtime's protection rule over the probe/launch event sequence.
+
+    At each probe the runtime protects the probe's weight and the next ``d`` probes' weights
+    until the launch of the kernel after their reader; record the largest protected set.
+    """
+    pinned = {schedule.fqns.index(f) for f in schedule.pin}
+    size = [aligned(b) for b in schedule.weight_bytes]
+    until = {}
+    launched = 0
+    peak = 0
+    for p in range(schedule.num_probes):
+        for q in range(p, min(p + schedule.prefetch_depth, schedule.num_probes - 1) + 1):
+            w = schedule.probe_weight[q]
+            if w not in pinned:
+                until[w] = max(until.get(w, -1), schedule.probe_kernel[q] + 1)
+        protected = {w for w, u in until.items() if launched <= u}
+        peak = max(peak, sum(size[w] for w in protected))
+        if p + 1 == schedule.num_probes or schedule.probe_kernel[p + 1] != schedule.probe_kernel[p]:
+            launched = schedule.probe_kernel[p] + 1
+    return peak
+
+
+def _run_lru(schedule, capacity_override=None, forwards=2):
+    policy = LruPolicy(schedule, schedule.floor_bytes)
+    if capacity_override is not None:
+        policy.capacity = capacity_override
+    for _ in range(forwards):
+        policy.begin_forward()
+        for p in range(schedule.num_probes):
+            policy.on_probe(p)
+            if p + 1 == schedule.num_probes or schedule.probe_kernel[p + 1] != schedule.probe_kernel[p]:
+                policy.kernel_launched(schedule.probe_kernel[p])
+    return policy
+
+
+def test_floor_equals_brute_force(lowered):
+    s = lowered.schedule
+    assert s.floor.lru_bytes == brute_force_protected_peak(s)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
+def test_floor_is_safe_and_tight_for_lru(lowered_by_name, depth):
+    base = lowered_by_name("demo_transformer")
+    s = dataclasses.replace(base.schedule, prefetch_depth=depth)
+    assert s.floor.lru_bytes == brute_force_protected_peak(s)
+    policy = _run_lru(s)  # at the floor: never needs to evict a protected weight
+    assert policy.peak_used <= s.floor_bytes
+    with pytest.raises(BudgetError, match="protected"):
+        _run_lru(s, capacity_override=s.floor.lru_bytes - 1)
+
+
+def test_floor_is_tight_pair_not_model(lowered_by_name):
+    s = lowered_by_name("demo_transformer").schedule
+    # a deep model's floor is a couple of kernels plus headroom, far below the total
+    assert s.floor_bytes < 0.75 * s.total_bytes
+    assert s.floor.pair_bytes == max(a + b for a, b in zip(s.kernel_weight_bytes(), s.kernel_weight_bytes()[1:])) or s.floor.pair_bytes <= max(s.kernel_weight_bytes()) * 2
+
+
+def test_planned_ring_safe_at_floor_and_not_below(lowered):
+    s = lowered.schedule
+    layout = plan_layout(s, s.floor_bytes)
+    assert layout.arena_bytes <= s.floor_bytes
+    seq = StreamSequence(s.probe_weight, s.probe_kernel, s.num_kernels, tuple(aligned(b) for b in s.weight_bytes))
+    assert ring_is_safe(seq, s.prefetch_depth, s.floor.ring_bytes)
+    if s.floor.ring_bytes > s.floor.lru_bytes:
+        assert not ring_is_safe(seq, s.prefetch_depth, s.floor.ring_bytes - ring_step(seq))
+
+
+def test_planned_keeps_resident_what_the_budget_allows(lowered):
+    s = lowered.schedule
+    total = sum(aligned(b) for b in s.weight_bytes)
+    assert plan_layout(s, total).streamed_bytes == 0
+    for budget in (s.floor_bytes, (s.floor_bytes + total) // 2):
+        layout = plan_layout(s, budget)
+        assert layout.arena_bytes <= budget
+        # streams no more than what was not kept resident
+        assert layout.streamed_bytes <= sum(s.weight_bytes[w] * s.probe_weight.count(w) for w in range(len(s.fqns)) if w not in layout.resident)
+        assert lru_streamed_bytes(s, budget) >= 0
+
+
+def test_budget_below_floor_names_required_mb(lowered_by_name):
+    s = lowered_by_name("nonuniform").schedule
+    with pytest.raises(BudgetError, match=rf"at least {s.floor_bytes} bytes \({-(-s.floor_bytes // 2**20)} MB\)"):
+        plan_layout(s, s.floor_bytes - 1)
+
+
+def test_lowered_schedule_matches_pass_schedule(lowered):
+    stored = load_weight_schedule(lowered.pte)
+    assert stored.same_order(lowered.schedule)
+    assert stored.floor_bytes == lowered.schedule.floor_bytes
+    assert stored.weight_bytes == lowered.schedule.weight_bytes
+
+
+def test_constant_method_round_trip_is_exact(lowered):
+    stored = load_weight_schedule(lowered.pte)
+    manager_schedule = hostswap.to_executorch(lowered.ep).hostswap_schedule if lowered.expected_uses < 30 else stored
+    assert stored == manager_schedule
+    assert stored.floor == manager_schedule.floor
+
+
+def test_ptd_holds_the_weights_by_fqn(lowered):
+    from executorch.extension.flat_tensor.serialize.serialize import _deserialize_to_flat_tensor
+
+    flat = _deserialize_to_flat_tensor(open(lowered.ptd, "rb").read())
+    keys = {entry.key for entry in flat.named_data}
+    assert set(lowered.schedule.fqns) <= keys
+
+
+def test_error_to_executorch_without_pass():
+    ep = torch.export.export(models.NonUniformMLP(), (torch.randn(2, 32),))
+    with pytest.raises(hostswap.WeightOffloadError, match="not passed through"):
+        hostswap.to_executorch(ep)
+
+
+def test_error_schedule_from_foreign_pte(tmp_path):
+    from executorch.exir import to_edge
+
+    ep = torch.export.export(models.NonUniformMLP(), (torch.randn(2, 32),))
+    path = tmp_path / "plain.pte"
+    path.write_bytes(to_edge(ep).to_executorch().buffer)
+    with pytest.raises(ScheduleError, match="not produced by hostswap"):
+        load_weight_schedule(path)
+    with pytest.raises(ValueError, match="is not an ExecuTorch program"):
+        load_weight_schedule(b"definitely not a program")
+
+
+def test_inspect_cli_table_json_plot(lowered_by_name, tmp_path, capsys):
+    demo = lowered_by_name("demo_transformer")
+    s = demo.schedule
+    budget_mb = s.floor_bytes * 1.5 / 2**20
+    assert cli_main(["inspect", demo.pte, "--budget-mb", str(budget_mb), "--plot", str(tmp_path / "s.svg")]) == 0
+    text = capsys.readouterr().out
+    for needle in ("Summary", "Access order", "Floor set by kernels", "lru", "planned", "layers.0.q_proj.weight"):
+        assert needle in text
+    assert (tmp_path / "s.svg").read_text().lstrip().startswith("<?xml")
+    assert cli_main(["inspect", demo.pte, "--format", "json", "--budget-mb", "0.01", "--plot", str(tmp_path / "s.png")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["summary"]["floor_bytes"] == s.floor_bytes
+    assert report["budget"]["loads"] is False and report["budget"]["required_mb"] == -(-s.floor_bytes // 2**20)
+    assert len(report["access_order"]) == s.num_probes
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_inspect_cli_bad_file(tmp_path, capsys):
+    bad = tmp_path / "x.pte"
+    bad.write_bytes(b"nope")
+    assert cli_main(["inspect", str(bad)]) == 2
+    assert "not an ExecuTorch program" in capsys.readouterr().err
+    assert cli_main(["inspect", str(tmp_path / "missing.pte")]) == 2
