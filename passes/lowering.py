@@ -123,6 +123,7 @@ def to_executorch(ep: ExportedProgram, *, progress=None):
             f"{emitted[first] if first < len(emitted) else 'end'} vs {expected[first] if first < len(expected) else 'end'}"
         )
     manager.hostswap_schedule = schedule
+    manager.hostswap_edge_program = edge.exported_program(METHOD)  # same kernels as the .pte: the bitwise reference
     return manager
 
 

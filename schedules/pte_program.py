@@ -71,7 +71,7 @@ def _evalue_python(value) -> Any:
     if kind == "Bool":
         return v.bool_val
     if kind == "Double":
-        return v.double_val
+        return float(v.double_val)
     if kind == "String":
         return v.string_val
     raise ValueError(f"constant method output of kind {kind} is not a plain scalar")

@@ -1,0 +1,248 @@
+"""Executes an ExecuTorch method's instruction list with PyTorch's ATen kernels on a device.
+
+ExecuTorch's PyPI wheel has no CUDA backend, so the runtime interprets the program itself:
+values table, memory-planned arenas allocated on the device, operators resolved once at
+load. Probe instructions bind their output to the weight pool's tensor; ``*_copy`` view
+ops of a probe's output run as views (as ExecuTorch's CUDA backend does), so weights are
+never copied on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from hostswap.schedules.pte_program import torch_dtype
+
+PROBE_OPERATOR = "hostswap::probe"
+
+
+class ProgramError(ValueError):
+    """A program the executor cannot run; the message names the instruction or value."""
+
+
+def _register_executorch_ops() -> None:
+    # dim_order_ops::_clone_dim_order / _to_dim_order_copy are emitted for clones and casts.
+    import executorch.exir.passes.dim_order_ops_registry  # noqa: F401
+
+
+def resolve_operator(name: str, overload: str) -> torch._ops.OpOverload:
+    namespace, _, op_name = name.partition("::")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), op_name)
+        return getattr(packet, overload or "default")
+    except (AttributeError, RuntimeError) as e:
+        raise ProgramError(f"operator {name}.{overload or 'default'} has no PyTorch kernel: {e}") from None
+
+
+@dataclasses.dataclass
+class _Ref:
+    index: int
+
+
+@dataclasses.dataclass
+class _ListRef:
+    indices: list[int]
+    optional: bool = False
+
+
+def _tensor_from_arena(t, arenas: dict[int, torch.Tensor]) -> torch.Tensor:
+    info = t.allocation_info
+    offset = info.memory_offset_low + (info.memory_offset_high << 32)
+    dtype = torch_dtype(t.scalar_type)
+    numel = 1
+    for s in t.sizes:
+        numel *= s
+    raw = arenas[info.memory_id][offset : offset + numel * dtype.itemsize]
+    tensor = raw.view(dtype).view(list(t.sizes))
+    if list(t.dim_order) != list(range(len(t.sizes))):
+        # stored in dim order; expose logical sizes with the matching strides
+        physical = [t.sizes[d] for d in t.dim_order]
+        tensor = raw.view(dtype).view(physical).permute([list(t.dim_order).index(i) for i in range(len(t.sizes))])
+    return tensor
+
+
+class MethodExecutor:
+    """One method of a program, ready to run: every value and kernel resolved at load."""
+
+    def __init__(self, program, plan, device: torch.device, weights: Callable[[str], torch.Tensor] | None, probe_handler=None, constant_data: bytes | None = None):
+        _register_executorch_ops()
+        self.plan, self.device, self.name = plan, device, plan.name
+        self.probe_handler = probe_handler
+        self.arenas = {
+            memory_id: torch.empty(size, dtype=torch.uint8, device=device)
+            for memory_id, size in enumerate(plan.non_const_buffer_sizes)
+            if size > 0
+        }
+        self.arena_bytes = sum(plan.non_const_buffer_sizes)
+        self.values: list = [None] * len(plan.values)
+        self.unplanned: set[int] = set()
+        for i, value in enumerate(plan.values):
+            self.values[i] = self._initial_value(i, value, program, weights, constant_data)
+        self.operators = [resolve_operator(op.name, op.overload) for op in plan.operators]
+        self.instructions = []
+        for chain_index, chain in enumerate(plan.chains):
+            if chain_index > 0:
+                raise ProgramError(f"method '{self.name}' has {len(plan.chains)} chains; only one is supported")
+            for i, instruction in enumerate(chain.instructions):
+                self.instructions.append(self._compile(i, instruction))
+
+    # --- values -----------------------------------------------------------------------------
+    def _initial_value(self, i, value, program, weights, constant_data):
+        kind = type(value.val).__name__
+        v = value.val
+        if kind == "Null":
+            return None
+        if kind == "Int":
+            return v.int_val
+        if kind == "Double":
+            return float(v.double_val)
+        if kind == "Bool":
+            return v.bool_val
+        if kind == "String":
+            return v.string_val
+        if kind in ("IntList", "TensorList"):
+            return _ListRef(list(v.items))
+        if kind == "OptionalTensorList":
+            return _ListRef(list(v.items), optional=True)
+        if kind == "DoubleList":
+            return [float(x) for x in v.items]  # non-finite doubles come back as strings
+        if kind == "BoolList":
+            return list(v.items)
+        if kind == "Tensor":
+            return self._initial_tensor(i, v, program, weights, constant_data)
+        raise ProgramError(f"method '{self.name}': value {i} has kind {kind}, which the executor does not handle")
+
+    def _initial_tensor(self, i, t, program, weights, constant_data):
+        info = t.extra_tensor_info
+        if info is not None and info.location.name == "EXTERNAL":
+            if weights is None:
+                raise ProgramError(f"method '{self.name}' reads external weight '{info.fully_qualified_name}' but no .ptd was given")
+            return weights(info.fully_qualified_name)
+        if t.allocation_info is not None:
+            return _tensor_from_arena(t, self.arenas)
+        if t.data_buffer_idx > 0:
+            return self._constant_tensor(t, program, constant_data)
+        # unplanned: inputs bound per call, probe outputs bound to the pool, views of them
+        self.unplanned.add(i)
+        return None
+
+    def _constant_tensor(self, t, program, constant_data):
+        dtype = torch_dtype(t.scalar_type)
+        if program.constant_buffer and t.data_buffer_idx < len(program.constant_buffer):
+            data = bytes(program.constant_buffer[t.data_buffer_idx].storage)
+        elif constant_data is not None:
+            offsets = program.constant_segment.offsets
+            start = offsets[t.data_buffer_idx]
+            numel = 1
+            for s in t.sizes:
+                numel *= s
+            data = constant_data[start : start + numel * dtype.itemsize]
+        else:
+            raise ProgramError(f"method '{self.name}': constant tensor {t.data_buffer_idx} has no data")
+        return torch.frombuffer(bytearray(data), dtype=dtype).view(list(t.sizes)).to(self.device)
+
+    # --- instructions -----------------------------------------------------------------------
+    def _compile(self, index: int, instruction):
+        call = instruction.instr_args
+        kind = type(call).__name__
+        if kind == "KernelCall":
+            return self._compile_kernel(index, call)
+        if kind == "DelegateCall":
+            delegate = self.plan.delegates[call.delegate_index]
+            raise ProgramError(f"method '{self.name}' instruction {index} calls delegate backend '{delegate.id}'; hostswap runs non-delegated programs only")
+        if kind == "MoveCall":
+            return ("move", call.move_from, call.move_to)
+        if kind == "JumpFalseCall":
+            return ("jump_false", call.cond_value_index, call.destination_instruction)
+        if kind == "FreeCall":
+            return ("free", call.value_index)
+        raise ProgramError(f"method '{self.name}' instruction {index} is a {kind}, which the executor does not handle")
+
+    def _compile_kernel(self, index: int, call):
+        op_meta = self.plan.operators[call.op_index]
+        op = self.operators[call.op_index]
+        schema = op._schema
+        n_in = len(schema.arguments)
+        arg_ids, ret_ids = call.args[:n_in], call.args[n_in:]
+        if op_meta.name == PROBE_OPERATOR:
+            weight_value = self.plan.values[arg_ids[0]].val
+            fqn = weight_value.extra_tensor_info.fully_qualified_name
+            probe_id = self.plan.values[arg_ids[1]].val.int_val
+            return ("probe", probe_id, fqn, arg_ids[-1] if False else ret_ids[0])
+        positional, keyword = [], {}
+        for arg_schema, value_id in zip(schema.arguments, arg_ids):
+            if arg_schema.kwarg_only:
+                keyword[arg_schema.name] = value_id
+            else:
+                positional.append(value_id)
+        out_ids = [value_id for arg_schema, value_id in zip(schema.arguments, arg_ids) if arg_schema.alias_info is not None and arg_schema.alias_info.is_write]
+        view_op = None
+        if op_meta.name.endswith("_copy") and len(out_ids) == 1 and out_ids[0] in self.unplanned:
+            # a *_copy into an unplanned tensor: a view of a probe's output; run it as the view
+            base_name = op_meta.name[: -len("_copy")]
+            functional = resolve_operator(op_meta.name, "default" if op_meta.overload == "out" else op_meta.overload.replace("_out", ""))
+            view_op = getattr(getattr(torch.ops.aten, base_name.split("::")[1]), functional._overloadname, None)
+            if view_op is None:
+                raise ProgramError(f"instruction {index}: no view op for {op_meta.name}")
+        return ("kernel", op, positional, keyword, ret_ids, view_op, index)
+
+    def _get(self, value_id):
+        v = self.values[value_id]
+        if isinstance(v, _ListRef):
+            items = [self.values[j] for j in v.indices] if not v.optional else [None if j < 0 else self.values[j] for j in v.indices]
+            return items
+        return v
+
+    # --- running ----------------------------------------------------------------------------
+    def bind_inputs(self, inputs) -> None:
+        if len(inputs) != len(self.plan.inputs):
+            raise ProgramError(f"method '{self.name}' takes {len(self.plan.inputs)} inputs, got {len(inputs)}")
+        for value_id, given in zip(self.plan.inputs, inputs):
+            slot = self.values[value_id]
+            if isinstance(given, torch.Tensor):
+                if slot is not None and isinstance(slot, torch.Tensor):
+                    if tuple(slot.shape) != tuple(given.shape) or slot.dtype != given.dtype:
+                        raise ProgramError(f"method '{self.name}': input of shape {tuple(given.shape)} {given.dtype} does not match the program's {tuple(slot.shape)} {slot.dtype}")
+                    slot.copy_(given)
+                else:
+                    self.values[value_id] = given.to(self.device)
+            else:
+                self.values[value_id] = given
+
+    def outputs(self) -> list:
+        return [self._get(i) for i in self.plan.outputs]
+
+    def run(self, on_kernel: Callable[[int], None] | None = None) -> None:
+        values, instructions = self.values, self.instructions
+        pc, n = 0, len(instructions)
+        while pc < n:
+            ins = instructions[pc]
+            tag = ins[0]
+            if tag == "kernel":
+                _, op, positional, keyword, ret_ids, view_op, index = ins
+                args = [self._get(i) for i in positional]
+                if view_op is not None:
+                    values[ret_ids[0]] = view_op(*args)
+                else:
+                    kwargs = {name: self._get(i) for name, i in keyword.items()}
+                    result = op(*args, **kwargs)
+                    if len(ret_ids) == 1:
+                        values[ret_ids[0]] = result
+                    else:
+                        for rid, r in zip(ret_ids, result):
+                            values[rid] = r
+                    if on_kernel is not None:
+                        on_kernel(index)
+            elif tag == "probe":
+                _, probe_id, fqn, ret_id = ins
+                values[ret_id] = self.probe_handler(probe_id, fqn)
+            elif tag == "move":
+                values[ins[2]] = values[ins[1]]
+            elif tag == "jump_false":
+                if not bool(values[ins[1]]):
+                    pc = ins[2]
+                    continue
+            pc += 1

@@ -1,0 +1,211 @@
+"""``hostswap.runtime.Module``: load a lowered program with ``weight_offload_budget_mb`` and run it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+from hostswap.runtime.executor import MethodExecutor, ProgramError, _ListRef
+from hostswap.runtime.pool import PoolCreationError, WeightPool
+from hostswap.runtime.ptd import PtdError, PtdFile
+from hostswap.schedules.policies import check_budget
+from hostswap.schedules.pte_program import external_weights, plan_by_name, read_program, torch_dtype
+from hostswap.schedules.serialization import PREFIX, decode_program
+
+
+class ConcurrentExecutionError(RuntimeError):
+    """Two threads tried to run one loaded Module at the same time."""
+
+
+def _instruction_kernels(executor: MethodExecutor) -> list[tuple[int, set[int]]]:
+    """(instruction index, probe ids it reads) of every non-view kernel that reads a probe's output."""
+    derived: dict[int, set[int]] = {}
+    kernels = []
+    for ins in executor.instructions:
+        if ins[0] == "probe":
+            derived[ins[3]] = {ins[1]}
+        elif ins[0] == "kernel":
+            _, op, positional, keyword, ret_ids, view_op, index = ins
+            read: set[int] = set()
+            for value_id in list(positional) + list(keyword.values()):
+                v = executor.values[value_id]
+                ids = v.indices if isinstance(v, _ListRef) else [value_id]
+                for j in ids:
+                    read |= derived.get(j, set())
+            if not read:
+                continue
+            if view_op is not None:
+                derived[ret_ids[0]] = read
+            else:
+                kernels.append((index, read))
+    return kernels
+
+
+class Module:
+    """A hostswap program loaded for execution with its weights streamed from a ``.ptd``.
+
+    ``policy``: ``planned`` (default) or ``lru``. ``cuda_graph=True`` (planned, CUDA, static
+    input shapes) captures the whole forward, copies included, at the first call.
+    """
+
+    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True):
+        t0 = time.perf_counter()
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise PoolCreationError("device='cuda' was asked for but torch.cuda.is_available() is False")
+        self.pte_path = os.fspath(pte_path)
+        self.program = read_program(self.pte_path)
+        self.method_name, self.schedule = decode_program(self.program, self.pte_path)
+        self.budget_bytes = round(weight_offload_budget_mb * 2**20)
+        check_budget(self.schedule, self.budget_bytes)
+        if data_path is None:
+            data_path = os.path.splitext(self.pte_path)[0] + ".ptd"
+        self.ptd = PtdFile(data_path)
+        try:
+            self._check_weights()
+            if prefault:
+                self.ptd.prefault()
+            if lock:
+                self.ptd.lock()
+            if self.device.type == "cuda":
+                self.ptd.register_with_cuda()
+            host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
+            self.pool = WeightPool(self.schedule, host, self.budget_bytes, self.device, policy=policy, warm=warm_pool)
+            self._executors: dict[str, MethodExecutor] = {}
+            plan = plan_by_name(self.program, self.method_name)
+            self._executors[self.method_name] = MethodExecutor(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
+            self._kernel_of_instruction = self._map_kernels(self._executors[self.method_name])
+        except BaseException:
+            self.ptd.close()
+            raise
+        self.policy = policy
+        self.cuda_graph = cuda_graph
+        if cuda_graph and (policy != "planned" or self.device.type != "cuda"):
+            raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
+        self._graph = None
+        self._lock = threading.Lock()
+        self.load_seconds = time.perf_counter() - t0
+
+    # --- load-time checks --------------------------------------------------------------------
+    def _check_weights(self) -> None:
+        plan = plan_by_name(self.program, self.method_name)
+        expected = external_weights(plan)
+        for fqn in self.schedule.fqns:
+            if fqn not in self.ptd.entries:
+                raise PtdError(f"{self.ptd.path} has no entry for weight '{fqn}' that {self.pte_path} expects")
+        for fqn, t in expected.items():
+            entry = self.ptd.entries.get(fqn)
+            if entry is None:
+                raise PtdError(f"{self.ptd.path} has no entry for weight '{fqn}' that {self.pte_path} expects")
+            want = (tuple(t.sizes), torch_dtype(t.scalar_type))
+            have = (entry.shape, entry.dtype)
+            if want != have:
+                raise PtdError(f"weight '{fqn}': the program expects shape {want[0]} {want[1]}, {self.ptd.path} holds shape {have[0]} {have[1]}")
+
+    def _unprobed_weight(self, fqn: str):
+        # External tensors that are probed are bound per call by the pool; the placeholder
+        # value itself is never read by a kernel. Keep the host view for completeness.
+        return self.ptd.host_tensor(fqn)
+
+    def _map_kernels(self, executor: MethodExecutor) -> dict[int, int]:
+        kernels = _instruction_kernels(executor)
+        if len(kernels) != self.schedule.num_kernels:
+            raise ProgramError(f"{self.pte_path}: the program has {len(kernels)} kernels reading probes, the schedule {self.schedule.num_kernels}")
+        mapping = {}
+        for j, (index, probes) in enumerate(kernels):
+            if any(self.schedule.probe_kernel[p] != j for p in probes):
+                raise ProgramError(f"{self.pte_path}: instruction {index} reads probes {sorted(probes)}, which the schedule gives to other kernels")
+            mapping[index] = j
+        return mapping
+
+    # --- running -------------------------------------------------------------------------------
+    def _on_kernel(self, instruction_index: int) -> None:
+        j = self._kernel_of_instruction.get(instruction_index)
+        if j is not None:
+            self.pool.kernel_launched(j)
+
+    def _run_forward(self, executor: MethodExecutor) -> None:
+        self.pool.begin_forward()
+        executor.run(self._on_kernel)
+        self.pool.end_forward()
+
+    def run_method(self, name: str = "forward", inputs=()):
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentExecutionError("this hostswap Module is already executing on another thread; one loaded Module runs one call at a time (load one per thread)")
+        try:
+            with torch.no_grad():
+                return self._run_method(name, list(inputs))
+        finally:
+            self._lock.release()
+
+    def _run_method(self, name, inputs):
+        if name.startswith(PREFIX) or (name != self.method_name and plan_by_name(self.program, name) is not None and name not in self._executors):
+            plan = plan_by_name(self.program, name)
+            if not plan.inputs and not plan.chains[0].instructions if plan.chains else True:
+                from hostswap.schedules.pte_program import constant_method_outputs
+
+                return constant_method_outputs(self.program, name)
+        if name not in self._executors:
+            plan = plan_by_name(self.program, name)
+            if plan is None:
+                raise ProgramError(f"{self.pte_path} has no method '{name}' (methods: {[p.name for p in self.program.execution_plan]})")
+            self._executors[name] = MethodExecutor(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
+        executor = self._executors[name]
+        if name != self.method_name:
+            executor.bind_inputs(inputs)
+            executor.run()
+            return executor.outputs()
+        if self.cuda_graph:
+            return self._run_graphed(executor, inputs)
+        executor.bind_inputs(inputs)
+        self._run_forward(executor)
+        return executor.outputs()
+
+    def _run_graphed(self, executor, inputs):
+        if self._graph is None:
+            executor.bind_inputs([i.to(self.device) if isinstance(i, torch.Tensor) else i for i in inputs])
+            self._static_inputs = [executor.values[v] for v in executor.plan.inputs]
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up outside the graph (lazy inits, cuBLAS handles)
+                self._run_forward(executor)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._run_forward(executor)
+            self._graph_outputs = executor.outputs()
+        for static, given in zip(self._static_inputs, inputs):
+            if isinstance(static, torch.Tensor):
+                if static.shape != given.shape:
+                    raise ProgramError(f"cuda_graph=True needs static input shapes: captured {tuple(static.shape)}, got {tuple(given.shape)}")
+                static.copy_(given)
+        self._graph.replay()
+        self.pool.stats.forwards += 1
+        return self._graph_outputs
+
+    def __call__(self, *inputs):
+        outputs = self.run_method(self.method_name, inputs)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    @property
+    def stats(self) -> dict:
+        s = self.pool.collect_stats().as_dict()
+        s["activation_arena_bytes"] = self._executors[self.method_name].arena_bytes
+        s["budget_bytes"] = self.budget_bytes
+        s["policy"] = self.policy
+        return s
+
+    def method_names(self) -> list[str]:
+        return [p.name for p in self.program.execution_plan]
+
+    def close(self) -> None:
+        if hasattr(self, "pool"):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.pool.close()
+        self._executors = {}
+        self.ptd.close()

@@ -1,0 +1,386 @@
+"""The device weight pool: serves every probe from a budget-capped pool, two policies.
+
+``lru`` is the seed's design (per-weight allocations, LRU eviction, prefetch on a copy
+stream; on CUDA the allocations come from a ``cudaMemPool_t`` whose maximum size is the
+budget). ``planned`` fixes residency and ring offsets at load (schedules/policies.py) and
+copies into one arena, so a forward makes no allocator calls and can be captured in a CUDA
+graph. Both follow the protection contract that schedules/floor.py proves safe above the
+floor; memory is reused only behind the event of the last kernel that read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from hostswap.schedules.floor import aligned
+from hostswap.schedules.policies import LruPolicy, plan_layout
+from hostswap.schedules.weight_schedule import WeightSchedule
+
+POLICIES = ("lru", "planned")
+
+
+class PoolCreationError(RuntimeError):
+    """The device pool could not be created; carries the system-level cause."""
+
+
+class ScheduleDivergenceError(RuntimeError):
+    """The program asked for a probe the recorded schedule did not predict."""
+
+
+@dataclasses.dataclass
+class PoolStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_h2d: int = 0
+    prefetches_issued: int = 0
+    prefetches_used: int = 0
+    prefetches_wasted: int = 0
+    stall_seconds: float = 0.0
+    peak_weight_bytes: int = 0
+    forwards: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class _Streams:
+    """Copy stream, per-kernel release events and the waits between them; no-ops on CPU."""
+
+    def __init__(self, device: torch.device, num_kernels: int, measure_stalls: bool = True):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.measure_stalls = measure_stalls and self.cuda
+        self._stall_pairs: list[tuple] = []
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.kernel_events = [torch.cuda.Event() for _ in range(num_kernels)]
+            self.forward_start = torch.cuda.Event()
+            self.copies_done = torch.cuda.Event()
+
+    @property
+    def compute_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def begin_forward(self) -> None:
+        if self.cuda:
+            # Copies of this forward may overwrite what the previous one's kernels still read.
+            self.forward_start.record(self.compute_stream)
+            self.copy_stream.wait_event(self.forward_start)
+
+    def end_forward(self) -> None:
+        if self.cuda:
+            self.copies_done.record(self.copy_stream)
+            self.compute_stream.wait_event(self.copies_done)
+
+    def kernel_launched(self, kernel: int) -> None:
+        if self.cuda:
+            self.kernel_events[kernel].record(self.compute_stream)
+
+    def copy_waits_for_kernel(self, kernel: int) -> None:
+        if self.cuda and kernel >= 0:
+            self.copy_stream.wait_event(self.kernel_events[kernel])
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        """Host-to-device copy on the copy stream; returns its completion event (None on CPU)."""
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return event
+
+    def compute_waits(self, event) -> None:
+        if event is None:
+            return
+        if self.measure_stalls and not torch.cuda.is_current_stream_capturing() and not event.query():
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(self.compute_stream)
+            self.compute_stream.wait_event(event)
+            after.record(self.compute_stream)
+            self._stall_pairs.append((before, after))
+        else:
+            self.compute_stream.wait_event(event)
+
+    def collect_stalls(self) -> float:
+        if not self._stall_pairs:
+            return 0.0
+        torch.cuda.synchronize(self.device)
+        seconds = sum(b.elapsed_time(a) for b, a in self._stall_pairs) / 1e3
+        self._stall_pairs.clear()
+        return seconds
+
+
+class _CudaMemPool:
+    """Per-weight allocations from a cudaMemPool_t capped at the budget (cuda-python bindings)."""
+
+    def __init__(self, device: torch.device, max_bytes: int):
+        from hostswap.runtime.ptd import _cudart
+
+        self.cudart = cudart = _cudart()
+        props = cudart.cudaMemPoolProps()
+        props.allocType = cudart.cudaMemAllocationType.cudaMemAllocationTypePinned
+        props.location.type = cudart.cudaMemLocationType.cudaMemLocationTypeDevice
+        props.location.id = device.index if device.index is not None else torch.cuda.current_device()
+        props.maxSize = max_bytes
+        err, self.pool = cudart.cudaMemPoolCreate(props)
+        self._check(err, f"cudaMemPoolCreate(maxSize={max_bytes})")
+        # Keep freed memory in the pool: the budget is the cap, trimming would only add latency.
+        threshold = cudart.cuuint64_t(max_bytes)
+        (err,) = cudart.cudaMemPoolSetAttribute(self.pool, cudart.cudaMemPoolAttr.cudaMemPoolAttrReleaseThreshold, threshold)
+        self._check(err, "cudaMemPoolSetAttribute(ReleaseThreshold)")
+        self.device = device
+
+    def _check(self, err, what: str) -> None:
+        if err != self.cudart.cudaError_t.cudaSuccess:
+            self.cudart.cudaGetLastError()
+            _, name = self.cudart.cudaGetErrorName(err)
+            raise PoolCreationError(f"{what} failed: {name.decode()}")
+
+    def alloc(self, nbytes: int, stream: torch.cuda.Stream) -> tuple[int, torch.Tensor]:
+        err, ptr = self.cudart.cudaMallocFromPoolAsync(nbytes, self.pool, stream.cuda_stream)
+        if err != self.cudart.cudaError_t.cudaSuccess:
+            self.cudart.cudaGetLastError()
+            _, name = self.cudart.cudaGetErrorName(err)
+            raise PoolCreationError(f"cudaMallocFromPoolAsync({nbytes} bytes) from the capped pool failed: {name.decode()}")
+        ptr = int(ptr)
+        holder = _CudaArray(ptr, nbytes)
+        return ptr, torch.as_tensor(holder, device=self.device)
+
+    def free(self, ptr: int, stream: torch.cuda.Stream) -> None:
+        (err,) = self.cudart.cudaFreeAsync(ptr, stream.cuda_stream)
+        self._check(err, "cudaFreeAsync")
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.cudart.cudaMemPoolDestroy(self.pool)
+
+
+class _CudaArray:
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
+
+
+class WeightPool:
+    """Serves probes in the recorded order from at most ``budget_bytes`` of device memory."""
+
+    def __init__(self, schedule: WeightSchedule, host_weights: dict[str, torch.Tensor], budget_bytes: int, device: torch.device, policy: str = "planned", warm: bool = True):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.schedule, self.policy_name, self.device = schedule, policy, device
+        self.budget_bytes = budget_bytes
+        self.host = [host_weights[f] for f in schedule.fqns]
+        self.sizes = [aligned(b) for b in schedule.weight_bytes]
+        self.stats = PoolStats()
+        self.streams = _Streams(device, schedule.num_kernels)
+        self._next_probe = 0
+        self._live_bytes = 0
+        self._readers: list[list[int]] = [[] for _ in range(schedule.num_kernels)]
+        for p, w in enumerate(schedule.probe_weight):
+            self._readers[schedule.probe_kernel[p]].append(w)
+        if policy == "lru":
+            self._init_lru(warm)
+        else:
+            self._init_planned()
+
+    # --- bookkeeping shared by both policies -------------------------------------------
+    def _typed(self, raw: torch.Tensor, w: int) -> torch.Tensor:
+        host = self.host[w]
+        return raw[: host.numel() * host.element_size()].view(host.dtype).view(host.shape)
+
+    def _account(self, delta: int) -> None:
+        self._live_bytes += delta
+        self.stats.peak_weight_bytes = max(self.stats.peak_weight_bytes, self._live_bytes)
+
+    def _check_probe(self, probe_id: int, fqn: str) -> None:
+        expected = self._next_probe
+        if expected >= self.schedule.num_probes or probe_id != expected or self.schedule.fqns[self.schedule.probe_weight[expected]] != fqn:
+            want = "the end of the schedule" if expected >= self.schedule.num_probes else f"probe {expected} ('{self.schedule.fqns[self.schedule.probe_weight[expected]]}')"
+            raise ScheduleDivergenceError(
+                f"probe sequence diverged from the recorded schedule: the program asked for probe {probe_id} ('{fqn}') where the schedule has {want}"
+            )
+        self._next_probe += 1
+
+    def begin_forward(self) -> None:
+        self._next_probe = 0
+        self.streams.begin_forward()
+        if self.policy_name == "lru":
+            self.lru.begin_forward()
+        else:
+            self._issued = 0
+            self._prefetched_fills = set()
+
+    def end_forward(self) -> None:
+        if self._next_probe != self.schedule.num_probes:
+            raise ScheduleDivergenceError(
+                f"forward ended after {self._next_probe} probes; the recorded schedule has {self.schedule.num_probes}"
+            )
+        self.streams.end_forward()
+        self.stats.forwards += 1
+
+    def kernel_launched(self, kernel: int) -> None:
+        self.streams.kernel_launched(kernel)
+        if self.policy_name == "lru":
+            self.lru.kernel_launched(kernel)
+            for w in self._readers[kernel]:
+                self._last_reader[w] = kernel
+
+    def acquire(self, probe_id: int, fqn: str) -> torch.Tensor:
+        self._check_probe(probe_id, fqn)
+        return self._acquire_lru(probe_id) if self.policy_name == "lru" else self._acquire_planned(probe_id)
+
+    def collect_stats(self) -> PoolStats:
+        self.stats.stall_seconds += self.streams.collect_stalls()
+        return self.stats
+
+    # --- lru -------------------------------------------------------------------------------
+    def _init_lru(self, warm: bool) -> None:
+        self.lru = LruPolicy(self.schedule, self.budget_bytes)
+        self._tensor: dict[int, torch.Tensor] = {}
+        self._ptr: dict[int, int] = {}
+        self._ready: dict[int, object] = {}
+        self._last_reader: dict[int, int] = {}
+        self._prefetched: set[int] = set()
+        self._cuda_pool = None
+        if self.device.type == "cuda":
+            try:
+                self._cuda_pool = _CudaMemPool(self.device, self.budget_bytes)
+            except PoolCreationError:
+                raise
+            except Exception as e:  # bindings missing or too old
+                raise PoolCreationError(f"cannot create the capped CUDA memory pool: {e}") from e
+        pinned = self.lru.pinned
+        for w in sorted(pinned):
+            self._load(w, demand=False, count=False)
+        if warm and self._cuda_pool is not None:
+            # One allocation per distinct size, freed again: first-forward allocator work moves to load.
+            stream = self.streams.copy_stream
+            for size in sorted({self.sizes[w] for w in range(len(self.sizes)) if w not in pinned}):
+                ptr, _ = self._cuda_pool.alloc(size, stream)
+                self._cuda_pool.free(ptr, stream)
+            torch.cuda.synchronize(self.device)
+
+    def _load(self, w: int, demand: bool, count: bool = True) -> None:
+        if self._cuda_pool is not None:
+            ptr, raw = self._cuda_pool.alloc(self.sizes[w], self.streams.copy_stream)
+            self._ptr[w] = ptr
+        else:
+            raw = torch.empty(self.sizes[w], dtype=torch.uint8, device=self.device)
+        tensor = self._typed(raw, w)
+        self._ready[w] = self.streams.copy(tensor, self.host[w])
+        self._tensor[w] = tensor
+        self._account(self.sizes[w])
+        if count:
+            self.stats.bytes_h2d += self.schedule.weight_bytes[w]
+            if demand:
+                self.stats.misses += 1
+            else:
+                self.stats.prefetches_issued += 1
+                self._prefetched.add(w)
+
+    def _evict(self, w: int) -> None:
+        if w in self._prefetched:
+            self.stats.prefetches_wasted += 1
+            self._prefetched.discard(w)
+        self.stats.evictions += 1
+        # Reuse of the bytes waits for the last kernel that read them (stream-ordered free).
+        self.streams.copy_waits_for_kernel(self._last_reader.get(w, -1))
+        if self._cuda_pool is not None:
+            self._cuda_pool.free(self._ptr.pop(w), self.streams.copy_stream)
+        del self._tensor[w]
+        self._ready.pop(w, None)
+        self._account(-self.sizes[w])
+
+    def _acquire_lru(self, probe_id: int) -> torch.Tensor:
+        w = self.schedule.probe_weight[probe_id]
+        for action in self.lru.on_probe(probe_id):
+            if action.kind == "evict":
+                self._evict(action.weight)
+            elif action.kind == "load":
+                self._load(action.weight, demand=action.demand)
+            elif action.kind == "hit":
+                self.stats.hits += 1
+                if action.weight in self._prefetched:
+                    self.stats.prefetches_used += 1
+                    self._prefetched.discard(action.weight)
+        self.streams.compute_waits(self._ready.get(w))
+        return self._tensor[w]
+
+    # --- planned -----------------------------------------------------------------------------
+    def _init_planned(self) -> None:
+        self.layout = layout = plan_layout(self.schedule, self.budget_bytes)
+        try:
+            self.arena = torch.empty(layout.arena_bytes, dtype=torch.uint8, device=self.device)
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            raise PoolCreationError(f"cannot allocate the {layout.arena_bytes}-byte weight arena on {self.device}: {e}") from e
+        self._account(layout.arena_bytes)
+        self._resident: dict[int, torch.Tensor] = {}
+        for w, offset in layout.resident_offsets.items():
+            t = self._typed(self.arena[offset : offset + self.sizes[w]], w)
+            self.streams.copy(t, self.host[w])
+            self._resident[w] = t
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._ring_tensor: dict[int, torch.Tensor] = {}  # probe -> tensor in the ring
+        self._ring_ready: dict[int, object] = {}
+        for p, offset in {**layout.fill_offset, **layout.reuse_offset}.items():
+            w = self.schedule.probe_weight[p]
+            start = layout.ring_offset + offset
+            self._ring_tensor[p] = self._typed(self.arena[start : start + self.sizes[w]], w)
+        # reuse probe -> the fill probe whose copy it reads
+        self._source_fill: dict[int, int] = {}
+        last_fill: dict[tuple[int, int], int] = {}
+        for p in range(self.schedule.num_probes):
+            w = self.schedule.probe_weight[p]
+            if p in layout.fill_offset:
+                last_fill[(w, layout.fill_offset[p])] = p
+            elif p in layout.reuse_offset:
+                self._source_fill[p] = last_fill[(w, layout.reuse_offset[p])]
+        self._issued = 0
+        self._prefetched_fills: set[int] = set()
+
+    def _issue_fill(self, q: int) -> None:
+        self.streams.copy_waits_for_kernel(self.layout.fill_waits_for[q])
+        w = self.schedule.probe_weight[q]
+        self._ring_ready[q] = self.streams.copy(self._ring_tensor[q], self.host[w])
+        self.stats.bytes_h2d += self.schedule.weight_bytes[w]
+
+    def _acquire_planned(self, probe_id: int) -> torch.Tensor:
+        layout = self.layout
+        w = self.schedule.probe_weight[probe_id]
+        last = min(probe_id + self.schedule.prefetch_depth, self.schedule.num_probes - 1)
+        while self._issued <= last:
+            q = self._issued
+            if q in layout.fill_offset:
+                self._issue_fill(q)
+                if q == probe_id:
+                    self.stats.misses += 1
+                else:
+                    self.stats.prefetches_issued += 1
+                    self._prefetched_fills.add(q)
+            self._issued += 1
+        if w in self._resident:
+            self.stats.hits += 1
+            return self._resident[w]
+        if probe_id in layout.fill_offset:
+            if probe_id in self._prefetched_fills:
+                self._prefetched_fills.discard(probe_id)
+                self.stats.prefetches_used += 1
+            self.streams.compute_waits(self._ring_ready[probe_id])
+        else:
+            self.stats.hits += 1
+            self.streams.compute_waits(self._ring_ready[self._source_fill[probe_id]])
+        return self._ring_tensor[probe_id]
+
+    def close(self) -> None:
+        if self.policy_name == "lru" and self._cuda_pool is not None:
+            for w in list(self._ptr):
+                self._cuda_pool.free(self._ptr.pop(w), self.streams.copy_stream)
+            self._tensor.clear()
+            self._cuda_pool.close()
+            self._cuda_pool = None

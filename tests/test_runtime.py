@@ -1,0 +1,240 @@
+"""The runtime on CPU: executor, .ptd mapping, both pool policies, stats and every failure mode."""
+
+import os
+import resource
+import shutil
+import threading
+
+import pytest
+import torch
+
+import hostswap
+from hostswap.runtime import (
+    BudgetError,
+    ConcurrentExecutionError,
+    Module,
+    ProgramError,
+    PtdError,
+    PtdFile,
+    ScheduleDivergenceError,
+)
+from hostswap.schedules import ScheduleError
+from hostswap.schedules.floor import aligned
+
+MB = 2**20
+
+
+def budgets(schedule):
+    total = sum(aligned(b) for b in schedule.weight_bytes)
+    return {"floor": schedule.floor_bytes, "half": max(schedule.floor_bytes, (schedule.floor_bytes + total) // 2), "total": total}
+
+
+@pytest.mark.parametrize("policy", ["lru", "planned"])
+@pytest.mark.parametrize("where", ["floor", "half", "total"])
+def test_outputs_equal_lowered_program_bitwise(lowered, policy, where):
+    budget = budgets(lowered.schedule)[where]
+    m = Module(lowered.pte, lowered.ptd, weight_offload_budget_mb=budget / MB, device="cpu", policy=policy)
+    try:
+        for _ in range(3):  # steady state too: reuse, eviction and ring wrap across forwards
+            y = m(*lowered.args)
+            assert torch.equal(y, lowered.lowered_expected)
+            torch.testing.assert_close(y, lowered.expected, rtol=1e-5, atol=1e-5)
+        stats = m.stats
+        # the cap holds: device bytes held by weights never exceed the budget
+        assert stats["peak_weight_bytes"] <= budget
+        assert stats["forwards"] == 3
+    finally:
+        m.close()
+
+
+def test_lru_stats_add_up(lowered_by_name):
+    demo = lowered_by_name("demo_transformer")
+    s = demo.schedule
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cpu", policy="lru")
+    m(*demo.args)
+    m(*demo.args)
+    st = m.stats
+    pool = m.pool
+    loads = st["misses"] + st["prefetches_issued"]
+    assert loads > 0 and st["evictions"] > 0
+    # bytes copied equal the bytes of every load (misses and prefetches)
+    assert st["prefetches_used"] + st["prefetches_wasted"] <= st["prefetches_issued"]
+    assert st["hits"] + st["misses"] == 2 * s.num_probes - st["prefetches_used"] + st["prefetches_used"]
+    assert st["bytes_h2d"] == hostswap.schedules.policies.lru_streamed_bytes(s, s.floor_bytes, forwards=1) + hostswap.schedules.policies.lru_streamed_bytes(s, s.floor_bytes, forwards=2)
+    assert pool.stats.peak_weight_bytes <= s.floor_bytes
+    m.close()
+
+
+def test_planned_streams_only_what_is_not_resident(lowered_by_name):
+    demo = lowered_by_name("demo_transformer")
+    s = demo.schedule
+    for budget in budgets(s).values():
+        m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=budget / MB, device="cpu", policy="planned")
+        m(*demo.args)
+        layout = m.pool.layout
+        assert m.stats["bytes_h2d"] == layout.streamed_bytes
+        assert layout.streamed_bytes <= sum(s.weight_bytes[w] for w in s.probe_weight if w not in layout.resident)
+        m.close()
+
+
+def test_constant_methods_readable_and_several_methods(lowered_by_name):
+    demo = lowered_by_name("demo_transformer")
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=100, device="cpu")
+    assert m.run_method("hostswap_floor_bytes", []) == [demo.schedule.floor_bytes]
+    assert m.run_method("hostswap_weight_fqns", []) == list(demo.schedule.fqns)
+    assert "forward" in m.method_names() and len(m.method_names()) > 5
+    with pytest.raises(ProgramError, match="no method 'nope'"):
+        m.run_method("nope", [])
+    m.close()
+
+
+def test_ptd_mapping_does_not_read_the_file(lowered_by_name, tmp_path):
+    demo = lowered_by_name("demo_transformer")
+    ptd = PtdFile(demo.ptd)
+    try:
+        for fqn in demo.schedule.fqns:
+            t = ptd.host_tensor(fqn)
+            # a view into the mapping, not a copy
+            assert ptd.base_pointer <= t.data_ptr() < ptd.base_pointer + ptd.nbytes
+        w = ptd.host_tensor("lm_head.weight")
+        assert torch.equal(w, demo.model.lm_head.weight)
+        ptd.prefault()
+    finally:
+        ptd.close()
+
+
+def test_loading_does_not_grow_resident_memory_by_file_size(tmp_path):
+    big = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)]).eval()  # 64 MB
+    args = (torch.randn(2, 1024),)
+    ep = hostswap.apply_weight_offload(torch.export.export(big, args))
+    pte, ptd = hostswap.save(ep, tmp_path / "big")
+    size = os.path.getsize(ptd)
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = rss()
+    m = Module(pte, ptd, weight_offload_budget_mb=20, device="cpu", policy="planned")
+    grown = rss() - before
+    # the planned arena (20 MB) is allocated; the 64 MB of weights are not read
+    assert grown < 20 * MB + size * 0.25, (grown, size)
+    assert torch.equal(m(*args), big(*args)) or torch.allclose(m(*args), big(*args))
+    m.close()
+
+
+def test_error_budget_below_floor_names_required_mb(lowered_by_name):
+    demo = lowered_by_name("demo_transformer")
+    need = -(-demo.schedule.floor_bytes // MB)
+    with pytest.raises(BudgetError, match=rf"\({need} MB\) are required"):
+        Module(demo.pte, demo.ptd, weight_offload_budget_mb=(demo.schedule.floor_bytes - 1) / MB, device="cpu")
+
+
+def _copy_pair(src, tmp_path):
+    pte = tmp_path / "m.pte"
+    shutil.copy(src.pte, pte)
+    return pte
+
+
+def test_error_ptd_missing_weight(lowered_by_name, tmp_path):
+    nonuniform, tied = lowered_by_name("nonuniform"), lowered_by_name("tied")
+    # the tied model's .ptd lacks every weight of the nonuniform program
+    with pytest.raises(PtdError, match="no entry for weight 'small1.weight'"):
+        Module(nonuniform.pte, tied.ptd, weight_offload_budget_mb=10, device="cpu")
+
+
+def test_error_ptd_shape_dtype_disagreement(tmp_path):
+    class M(torch.nn.Module):
+        def __init__(self, n, dtype):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, n).to(dtype)
+
+        def forward(self, x):
+            return self.lin(x.to(self.lin.weight.dtype))
+
+    x = (torch.randn(2, 8),)
+    a, _ = hostswap.save(hostswap.apply_weight_offload(torch.export.export(M(4, torch.float32), x)), tmp_path / "a")
+    _, b_ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(M(6, torch.float32), x)), tmp_path / "b")
+    with pytest.raises(PtdError, match=r"weight 'lin.weight': the program expects shape \(4, 8\) torch.float32, .* holds shape \(6, 8\) torch.float32"):
+        Module(a, b_ptd, weight_offload_budget_mb=10, device="cpu")
+    _, c_ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(M(4, torch.float16), x)), tmp_path / "c")
+    with pytest.raises(PtdError, match=r"expects shape \(4, 8\) torch.float32, .* holds shape \(4, 8\) torch.float16"):
+        Module(a, c_ptd, weight_offload_budget_mb=10, device="cpu")
+
+
+def test_error_not_a_ptd(lowered_by_name, tmp_path):
+    bad = tmp_path / "bad.ptd"
+    bad.write_bytes(b"x" * 100)
+    with pytest.raises(PtdError, match="not an ExecuTorch .ptd"):
+        Module(lowered_by_name("nonuniform").pte, bad, weight_offload_budget_mb=10, device="cpu")
+
+
+def test_error_pte_not_from_the_pass(tmp_path):
+    from executorch.exir import to_edge
+
+    ep = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(1, 4),))
+    path = tmp_path / "plain.pte"
+    path.write_bytes(to_edge(ep).to_executorch().buffer)
+    with pytest.raises(ScheduleError, match="not produced by hostswap"):
+        Module(path, None, weight_offload_budget_mb=10, device="cpu")
+
+
+def test_error_probe_sequence_diverges_at_run_time(lowered_by_name):
+    demo = lowered_by_name("nonuniform")
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=10, device="cpu")
+    # simulate a program that asks for the probes in another order than recorded
+    ex = m._executors["forward"]
+    probes = [i for i, ins in enumerate(ex.instructions) if ins[0] == "probe"]
+    a, b = probes[0], probes[2]
+    ex.instructions[a], ex.instructions[b] = ex.instructions[b], ex.instructions[a]
+    with pytest.raises(ScheduleDivergenceError, match=r"asked for probe 2 \('big.weight'\) where the schedule has probe 0 \('small1.weight'\)"):
+        m(*demo.args)
+    m.close()
+
+
+def test_error_concurrent_execution_refused(lowered_by_name):
+    demo = lowered_by_name("nonuniform")
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=10, device="cpu")
+    entered, release = threading.Event(), threading.Event()
+    original = m.pool.acquire
+
+    def slow_acquire(probe_id, fqn):
+        entered.set()
+        release.wait(10)
+        return original(probe_id, fqn)
+
+    m.pool.acquire = slow_acquire
+    m._executors["forward"].probe_handler = slow_acquire
+    t = threading.Thread(target=lambda: m(*demo.args))
+    t.start()
+    assert entered.wait(10)
+    with pytest.raises(ConcurrentExecutionError, match="already executing"):
+        m(*demo.args)
+    release.set()
+    t.join()
+    assert torch.equal(m(*demo.args), demo.lowered_expected)  # and it still works afterwards
+    m.close()
+
+
+def test_error_cuda_requested_without_cuda(lowered_by_name):
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    demo = lowered_by_name("nonuniform")
+    with pytest.raises(hostswap.runtime.PoolCreationError, match="cuda"):
+        Module(demo.pte, demo.ptd, weight_offload_budget_mb=10, device="cuda")
+
+
+def test_error_delegate_call_names_backend():
+    from types import SimpleNamespace
+
+    from hostswap.runtime.executor import MethodExecutor
+
+    ex = MethodExecutor.__new__(MethodExecutor)
+    ex.name = "forward"
+    ex.plan = SimpleNamespace(delegates=[SimpleNamespace(id="CudaBackend")])
+
+    class DelegateCall:
+        delegate_index = 0
+
+    with pytest.raises(ProgramError, match="delegate backend 'CudaBackend'"):
+        ex._compile(3, SimpleNamespace(instr_args=DelegateCall()))
