@@ -187,7 +187,15 @@ class MethodExecutor:
             view_op = getattr(getattr(torch.ops.aten, base_name.split("::")[1]), functional._overloadname, None)
             if view_op is None:
                 raise ProgramError(f"instruction {index}: no view op for {op_meta.name}")
-        return ("kernel", op, positional, keyword, ret_ids, view_op, index)
+        # A zero-element planned output (e.g. batch norm's save_mean in inference) occupies no
+        # arena bytes, yet CUDA kernels resize it to (C,) and would write into whatever lives
+        # at that offset. Give such outputs a fresh empty tensor per call instead.
+        scratch = {}
+        for name, value_id in keyword.items():
+            v = self.values[value_id]
+            if isinstance(v, torch.Tensor) and v.numel() == 0 and value_id not in self.unplanned:
+                scratch[name] = v.dtype
+        return ("kernel", op, positional, keyword, ret_ids, view_op, index, scratch)
 
     def _get(self, value_id):
         v = self.values[value_id]
@@ -222,12 +230,14 @@ class MethodExecutor:
             ins = instructions[pc]
             tag = ins[0]
             if tag == "kernel":
-                _, op, positional, keyword, ret_ids, view_op, index = ins
+                _, op, positional, keyword, ret_ids, view_op, index, scratch = ins
                 args = [self._get(i) for i in positional]
                 if view_op is not None:
                     values[ret_ids[0]] = view_op(*args)
                 else:
                     kwargs = {name: self._get(i) for name, i in keyword.items()}
+                    for name, dtype in scratch.items():
+                        kwargs[name] = torch.empty(0, dtype=dtype, device=self.device)
                     result = op(*args, **kwargs)
                     if len(ret_ids) == 1:
                         values[ret_ids[0]] = result

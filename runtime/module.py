@@ -28,7 +28,7 @@ def _instruction_kernels(executor: MethodExecutor) -> list[tuple[int, set[int]]]
         if ins[0] == "probe":
             derived[ins[3]] = {ins[1]}
         elif ins[0] == "kernel":
-            _, op, positional, keyword, ret_ids, view_op, index = ins
+            _, op, positional, keyword, ret_ids, view_op, index, _scratch = ins
             read: set[int] = set()
             for value_id in list(positional) + list(keyword.values()):
                 v = executor.values[value_id]

@@ -131,7 +131,12 @@ class _CudaMemPool:
         err, self.pool = cudart.cudaMemPoolCreate(props)
         self._check(err, f"cudaMemPoolCreate(maxSize={max_bytes})")
         # Keep freed memory in the pool: the budget is the cap, trimming would only add latency.
-        threshold = cudart.cuuint64_t(max_bytes)
+        uint64 = getattr(cudart, "cuuint64_t", None)
+        if uint64 is None:
+            from cuda.bindings import driver
+
+            uint64 = driver.cuuint64_t
+        threshold = uint64(max_bytes)
         (err,) = cudart.cudaMemPoolSetAttribute(self.pool, cudart.cudaMemPoolAttr.cudaMemPoolAttrReleaseThreshold, threshold)
         self._check(err, "cudaMemPoolSetAttribute(ReleaseThreshold)")
         self.device = device

@@ -238,3 +238,13 @@ def test_error_delegate_call_names_backend():
 
     with pytest.raises(ProgramError, match="delegate backend 'CudaBackend'"):
         ex._compile(3, SimpleNamespace(instr_args=DelegateCall()))
+
+
+def test_zero_element_outputs_get_their_own_storage(lowered_by_name):
+    # batch norm's save_mean/save_invstd are planned with 0 bytes; CUDA resizes them to (C,),
+    # which must not write into the arena (seen on an H200: wrong ConvNet outputs before this)
+    conv = lowered_by_name("convnet")
+    m = Module(conv.pte, conv.ptd, weight_offload_budget_mb=10, device="cpu")
+    scratch = [ins for ins in m._executors["forward"].instructions if ins[0] == "kernel" and ins[7]]
+    assert scratch and all("_native_batch_norm" in str(ins[1]) for ins in scratch)
+    m.close()

@@ -1,0 +1,110 @@
+"""GPU checks (``pytest -m gpu`` on the GPU machine): correctness, cap, overlap, registration, graphs."""
+
+import pytest
+import torch
+
+import hostswap
+from hostswap.runtime import HostRegistrationError, Module, PtdFile
+from hostswap.runtime.ptd import _cudart, register_host_memory
+from hostswap.schedules.floor import aligned
+
+pytestmark = pytest.mark.gpu
+MB = 2**20
+
+
+def _budgets(s):
+    total = sum(aligned(b) for b in s.weight_bytes)
+    return [s.floor_bytes, max(s.floor_bytes, (s.floor_bytes + total) // 2), total]
+
+
+def _cuda_reference(lowered):
+    """Plain PyTorch on the same GPU (cuDNN convolutions use TF32 there, as in the runtime)."""
+    import copy
+
+    with torch.no_grad():
+        return copy.deepcopy(lowered.model).cuda()(*[a.cuda() for a in lowered.args]).cpu()
+
+
+@pytest.mark.parametrize("policy", ["lru", "planned"])
+def test_cuda_outputs_match_and_cap_holds(lowered, policy):
+    reference = _cuda_reference(lowered)
+    for budget in _budgets(lowered.schedule):
+        m = Module(lowered.pte, lowered.ptd, weight_offload_budget_mb=budget / MB, device="cuda", policy=policy)
+        args = [a.cuda() for a in lowered.args]
+        for _ in range(3):
+            y = m(*args)
+        torch.testing.assert_close(y.cpu(), reference, rtol=1e-4, atol=1e-4)
+        st = m.stats
+        assert st["peak_weight_bytes"] <= budget
+        if policy == "lru":
+            cudart = m.pool._cuda_pool.cudart
+            err, high = cudart.cudaMemPoolGetAttribute(m.pool._cuda_pool.pool, cudart.cudaMemPoolAttr.cudaMemPoolAttrReservedMemHigh)
+            print(f"{policy} budget={budget} pool reserved high={int(high)} stats={st}")
+        else:
+            print(f"{policy} budget={budget} stats={st}")
+        m.close()
+
+
+def test_registration_works_and_refusal_is_reported(lowered_by_name):
+    demo = lowered_by_name("demo_transformer")
+    ptd = PtdFile(demo.ptd)
+    ptd.register_with_cuda()
+    cudart = _cudart()
+    err, attrs = cudart.cudaPointerGetAttributes(ptd.base_pointer)
+    assert err == cudart.cudaError_t.cudaSuccess
+    assert attrs.type == cudart.cudaMemoryType.cudaMemoryTypeHost, attrs.type
+    # registering the same range again is refused, with the CUDA error named, and no sticky error remains
+    with pytest.raises(HostRegistrationError, match="cudaErrorHostMemoryAlreadyRegistered"):
+        register_host_memory(ptd.base_pointer, ptd.nbytes, what=demo.ptd)
+    torch.zeros(1, device="cuda").add_(1)  # the next CUDA call is unaffected
+    ptd.close()
+
+
+def test_copies_overlap_compute_on_two_streams(tmp_path):
+    # Enough compute per weight that prefetch copies run under kernels.
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(12)]).eval()
+    x = torch.randn(4096, 2048)
+    ep = hostswap.apply_weight_offload(torch.export.export(model, (x,)), prefetch_depth=2)
+    pte, ptd = hostswap.save(ep, tmp_path / "mlp")
+    s = hostswap.schedules.load_weight_schedule(pte)
+    m = Module(pte, ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cuda", policy="planned")
+    xc = x.cuda()
+    m(xc)
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        y = m(xc)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    copies = [e for e in events if "HtoD" in e.name]
+    kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
+    copy_streams = {getattr(e, "device_resource_id", None) for e in copies}
+    kernel_streams = {getattr(e, "device_resource_id", None) for e in kernels}
+    overlap = 0.0
+    for c in copies:
+        for k in kernels:
+            lo, hi = max(c.time_range.start, k.time_range.start), min(c.time_range.end, k.time_range.end)
+            overlap += max(0, hi - lo)
+    copy_time = sum(c.time_range.end - c.time_range.start for c in copies)
+    print(f"copies={len(copies)} on streams {copy_streams}, kernels on {kernel_streams}, copy time {copy_time:.0f} us, overlapped {overlap:.0f} us")
+    assert copies and copy_streams.isdisjoint(kernel_streams)
+    assert overlap > 0.3 * copy_time
+    torch.testing.assert_close(y.cpu(), model(x), rtol=1e-3, atol=1e-3)
+    m.close()
+
+
+def test_cuda_graph_replays_correctly(lowered_by_name):
+    demo = lowered_by_name("demo_transformer")
+    s = demo.schedule
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cuda", policy="planned", cuda_graph=True)
+    args = [a.cuda() for a in demo.args]
+    first = m(*args).clone()
+    again = m(*args)
+    torch.testing.assert_close(again.cpu(), demo.expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(first, again)
+    other = torch.randint(0, 4096, demo.args[0].shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = demo.model(other)
+    torch.testing.assert_close(m(other.cuda()).cpu(), want, rtol=1e-4, atol=1e-4)
+    m.close()
