@@ -124,8 +124,8 @@ class WeightOffloadPass:
                         next_probe_id += 1
                     current = probes[root]
                     for view in self._view_chain(arg, root):
-                        new_view = graph.node_copy(view, lambda n, _v=view, _c=[current]: _c[0] if n is first_tensor_input(_v) else n)
-                        current = new_view
+                        parent = first_tensor_input(view)
+                        current = graph.node_copy(view, lambda n, parent=parent, new_parent=current: new_parent if n is parent else n)
                 replacements[arg] = current
             for old, new in replacements.items():
                 consumer.replace_input_with(old, new)

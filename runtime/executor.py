@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from hostswap.schedules.pte_program import torch_dtype
+from hostswap.schedules.pte_program import SCALAR_EVALUES, evalue_scalar, torch_dtype
 
 PROBE_OPERATOR = "hostswap::probe"
 
@@ -95,14 +95,8 @@ class MethodExecutor:
         v = value.val
         if kind == "Null":
             return None
-        if kind == "Int":
-            return v.int_val
-        if kind == "Double":
-            return float(v.double_val)
-        if kind == "Bool":
-            return v.bool_val
-        if kind == "String":
-            return v.string_val
+        if kind in SCALAR_EVALUES:
+            return evalue_scalar(value)
         if kind in ("IntList", "TensorList"):
             return _ListRef(list(v.items))
         if kind == "OptionalTensorList":
@@ -171,7 +165,7 @@ class MethodExecutor:
             weight_value = self.plan.values[arg_ids[0]].val
             fqn = weight_value.extra_tensor_info.fully_qualified_name
             probe_id = self.plan.values[arg_ids[1]].val.int_val
-            return ("probe", probe_id, fqn, arg_ids[-1] if False else ret_ids[0])
+            return ("probe", probe_id, fqn, ret_ids[0])
         positional, keyword = [], {}
         for arg_schema, value_id in zip(schema.arguments, arg_ids):
             if arg_schema.kwarg_only:

@@ -12,8 +12,8 @@ from hostswap.runtime.executor import MethodExecutor, ProgramError, _ListRef
 from hostswap.runtime.pool import PoolCreationError, WeightPool
 from hostswap.runtime.ptd import PtdError, PtdFile
 from hostswap.schedules.policies import check_budget
-from hostswap.schedules.pte_program import external_weights, plan_by_name, read_program, torch_dtype
-from hostswap.schedules.serialization import PREFIX, decode_program
+from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, torch_dtype
+from hostswap.schedules.serialization import decode_program
 
 
 class ConcurrentExecutionError(RuntimeError):
@@ -142,16 +142,12 @@ class Module:
             self._lock.release()
 
     def _run_method(self, name, inputs):
-        if name.startswith(PREFIX) or (name != self.method_name and plan_by_name(self.program, name) is not None and name not in self._executors):
-            plan = plan_by_name(self.program, name)
-            if not plan.inputs and not plan.chains[0].instructions if plan.chains else True:
-                from hostswap.schedules.pte_program import constant_method_outputs
-
-                return constant_method_outputs(self.program, name)
         if name not in self._executors:
             plan = plan_by_name(self.program, name)
             if plan is None:
                 raise ProgramError(f"{self.pte_path} has no method '{name}' (methods: {[p.name for p in self.program.execution_plan]})")
+            if not plan.inputs and not any(chain.instructions for chain in plan.chains):
+                return constant_method_outputs(self.program, name)  # a constant method
             self._executors[name] = MethodExecutor(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
         executor = self._executors[name]
         if name != self.method_name:

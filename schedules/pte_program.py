@@ -63,18 +63,21 @@ def plan_by_name(program, name: str):
     return None
 
 
-def _evalue_python(value) -> Any:
+# EValue kind -> its Python value; non-finite doubles come back from the deserializer as strings.
+SCALAR_EVALUES = {
+    "Int": lambda v: v.int_val,
+    "Bool": lambda v: v.bool_val,
+    "Double": lambda v: float(v.double_val),
+    "String": lambda v: v.string_val,
+}
+
+
+def evalue_scalar(value) -> Any:
+    """The Python value of an Int/Bool/Double/String EValue."""
     kind = type(value.val).__name__
-    v = value.val
-    if kind == "Int":
-        return v.int_val
-    if kind == "Bool":
-        return v.bool_val
-    if kind == "Double":
-        return float(v.double_val)
-    if kind == "String":
-        return v.string_val
-    raise ValueError(f"constant method output of kind {kind} is not a plain scalar")
+    if kind not in SCALAR_EVALUES:
+        raise ValueError(f"EValue of kind {kind} is not a plain scalar")
+    return SCALAR_EVALUES[kind](value.val)
 
 
 def constant_method_outputs(program, name: str) -> list[Any] | None:
@@ -82,7 +85,7 @@ def constant_method_outputs(program, name: str) -> list[Any] | None:
     plan = plan_by_name(program, name)
     if plan is None:
         return None
-    return [_evalue_python(plan.values[i]) for i in plan.outputs]
+    return [evalue_scalar(plan.values[i]) for i in plan.outputs]
 
 
 def external_weights(plan) -> dict[str, Any]:
