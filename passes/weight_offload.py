@@ -11,6 +11,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from hostswap.passes import probe_op
+from hostswap.passes.fused_attention import KeepFusedAttentionPass
 from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, underlying_op
 from hostswap.schedules.weight_schedule import WeightSchedule, schedule_from_graph
 
@@ -187,6 +188,8 @@ def apply_weight_offload(ep: ExportedProgram, *, prefetch_depth: int = 1, pin: S
     """
     by_placeholder, pin = _validate(ep, prefetch_depth, pin)
     WeightOffloadPass(by_placeholder).call(ep.graph_module)
+    # lowering would otherwise decompose attention into the math reference (see fused_attention.py)
+    KeepFusedAttentionPass().call(ep.graph_module)
     options = WeightOffloadOptions(prefetch_depth=prefetch_depth, pin=pin)
     ep.graph_module.meta[OPTIONS_META_KEY] = options
     schedule = schedule_from_exported_program(ep)

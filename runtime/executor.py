@@ -17,6 +17,12 @@ import torch
 from hostswap.schedules.pte_program import SCALAR_EVALUES, evalue_scalar, torch_dtype
 
 PROBE_OPERATOR = "hostswap::probe"
+# ExecuTorch's dim-order ops (emitted for casts and clones) and the ATen out-kernels they wrap.
+DIM_ORDER_OUT_OPS = {
+    "dim_order_ops::_to_dim_order_copy": lambda: torch.ops.aten._to_copy.out,
+    "dim_order_ops::_clone_dim_order": lambda: torch.ops.aten.clone.out,
+    "dim_order_ops::_empty_dim_order": lambda: torch.ops.aten.empty.out,
+}
 
 
 class ProgramError(ValueError):
@@ -189,7 +195,18 @@ class MethodExecutor:
             v = self.values[value_id]
             if isinstance(v, torch.Tensor) and v.numel() == 0 and value_id not in self.unplanned:
                 scratch[name] = v.dtype
-        return ("kernel", op, positional, keyword, ret_ids, view_op, index, scratch)
+        constant_keyword = {}
+        if op_meta.name in DIM_ORDER_OUT_OPS:
+            # ExecuTorch's Python kernel for these maps dim_order to a memory format on every
+            # call; the dim order is a constant of the program, so map it once here.
+            from executorch.exir.dim_order_utils import get_memory_format
+
+            dim_order = self._get(keyword.pop("dim_order")) if "dim_order" in keyword else None
+            constant_keyword["memory_format"] = get_memory_format(list(dim_order) if dim_order is not None else None)
+            op = DIM_ORDER_OUT_OPS[op_meta.name]()
+            accepted = {a.name for a in op._schema.arguments}
+            keyword = {name: value_id for name, value_id in keyword.items() if name in accepted}
+        return ("kernel", op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword)
 
     def _get(self, value_id):
         v = self.values[value_id]
@@ -217,19 +234,86 @@ class MethodExecutor:
     def outputs(self) -> list:
         return [self._get(i) for i in self.plan.outputs]
 
-    def run(self, on_kernel: Callable[[int], None] | None = None) -> None:
+    def run(self, on_kernel: Callable[[int], None] | None = None, hooked: frozenset[int] | None = None) -> None:
+        """Execute the instruction list; ``on_kernel(index)`` follows each kernel in ``hooked``
+        (every kernel when ``hooked`` is None).
+
+        Straight-line programs (no jumps: every program hostswap emits) run as Python code
+        generated from the instruction list on first use, one statement per instruction, so
+        the per-kernel host cost is the ATen call itself; others are interpreted.
+        """
+        # bound methods compare equal when they wrap the same function and object
+        if self._straight_line is None or self._straight_line[0] != (on_kernel, hooked):
+            self._straight_line = ((on_kernel, hooked), self._generate(on_kernel, hooked))
+        function = self._straight_line[1]
+        if function is not None:
+            function(self.values)
+        else:
+            self._interpret(on_kernel, hooked)
+
+    _straight_line = None
+
+    def _generate(self, on_kernel, hooked):
+        if any(ins[0] == "jump_false" for ins in self.instructions):
+            return None
+        namespace: dict = {"_empty": torch.empty, "_device": self.device, "_acquire": self.probe_handler, "_hook": on_kernel}
+        lines = ["def _run(V):"]
+
+        def ref(value_id: int) -> str:
+            v = self.values[value_id]
+            if isinstance(v, _ListRef):
+                items = ", ".join("None" if (v.optional and j < 0) else f"V[{j}]" for j in v.indices)
+                return f"[{items}]"
+            return f"V[{value_id}]"
+
+        for pc, ins in enumerate(self.instructions):
+            tag = ins[0]
+            if tag == "kernel":
+                _, op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword = ins
+                target = view_op if view_op is not None else op
+                namespace[f"_op{pc}"] = target
+                args = [ref(i) for i in positional]
+                if view_op is None:
+                    args += [f"{name}={ref(i)}" for name, i in keyword.items() if name not in scratch]
+                    for name, value in constant_keyword.items():
+                        namespace[f"_c{pc}_{name}"] = value
+                        args.append(f"{name}=_c{pc}_{name}")
+                    for name, dtype in scratch.items():
+                        namespace[f"_d{pc}_{name}"] = dtype
+                        args.append(f"{name}=_empty(0, dtype=_d{pc}_{name}, device=_device)")
+                call = f"_op{pc}({', '.join(args)})"
+                if view_op is not None or len(ret_ids) == 1:
+                    lines.append(f"    V[{ret_ids[0]}] = {call}")
+                else:
+                    lines.append(f"    _r = {call}")
+                    lines += [f"    V[{rid}] = _r[{k}]" for k, rid in enumerate(ret_ids)]
+                if view_op is None and on_kernel is not None and (hooked is None or index in hooked):
+                    lines.append(f"    _hook({index})")
+            elif tag == "probe":
+                _, probe_id, fqn, ret_id = ins
+                namespace[f"_fqn{pc}"] = fqn
+                lines.append(f"    V[{ret_id}] = _acquire({probe_id}, _fqn{pc})")
+            elif tag == "move":
+                lines.append(f"    V[{ins[2]}] = V[{ins[1]}]")
+        lines.append("    return None")
+        code = compile("\n".join(lines), f"<hostswap method {self.name}>", "exec")
+        exec(code, namespace)
+        return namespace["_run"]
+
+    def _interpret(self, on_kernel, hooked) -> None:
         values, instructions = self.values, self.instructions
         pc, n = 0, len(instructions)
         while pc < n:
             ins = instructions[pc]
             tag = ins[0]
             if tag == "kernel":
-                _, op, positional, keyword, ret_ids, view_op, index, scratch = ins
+                _, op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword = ins
                 args = [self._get(i) for i in positional]
                 if view_op is not None:
                     values[ret_ids[0]] = view_op(*args)
                 else:
                     kwargs = {name: self._get(i) for name, i in keyword.items()}
+                    kwargs.update(constant_keyword)
                     for name, dtype in scratch.items():
                         kwargs[name] = torch.empty(0, dtype=dtype, device=self.device)
                     result = op(*args, **kwargs)
@@ -238,7 +322,7 @@ class MethodExecutor:
                     else:
                         for rid, r in zip(ret_ids, result):
                             values[rid] = r
-                    if on_kernel is not None:
+                    if on_kernel is not None and (hooked is None or index in hooked):
                         on_kernel(index)
             elif tag == "probe":
                 _, probe_id, fqn, ret_id = ins

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -28,7 +29,7 @@ def _instruction_kernels(executor: MethodExecutor) -> list[tuple[int, set[int]]]
         if ins[0] == "probe":
             derived[ins[3]] = {ins[1]}
         elif ins[0] == "kernel":
-            _, op, positional, keyword, ret_ids, view_op, index, _scratch = ins
+            _, op, positional, keyword, ret_ids, view_op, index, _scratch, _constants = ins
             read: set[int] = set()
             for value_id in list(positional) + list(keyword.values()):
                 v = executor.values[value_id]
@@ -49,9 +50,11 @@ class Module:
 
     ``policy``: ``planned`` (default) or ``lru``. ``cuda_graph=True`` (planned, CUDA, static
     input shapes) captures the whole forward, copies included, at the first call.
+    ``prefetch_depth`` overrides the depth recorded by the pass; the floor is recomputed
+    for it (a deeper prefetch needs more headroom), so the budget check stays exact.
     """
 
-    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True):
+    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None):
         t0 = time.perf_counter()
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -59,6 +62,10 @@ class Module:
         self.pte_path = os.fspath(pte_path)
         self.program = read_program(self.pte_path)
         self.method_name, self.schedule = decode_program(self.program, self.pte_path)
+        if prefetch_depth is not None:
+            if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+                raise ValueError(f"prefetch_depth must be a non-negative int, got {prefetch_depth!r}")
+            self.schedule = dataclasses.replace(self.schedule, prefetch_depth=prefetch_depth)
         self.budget_bytes = round(weight_offload_budget_mb * 2**20)
         check_budget(self.schedule, self.budget_bytes)
         if data_path is None:
@@ -78,6 +85,7 @@ class Module:
             plan = plan_by_name(self.program, self.method_name)
             self._executors[self.method_name] = MethodExecutor(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
             self._kernel_of_instruction = self._map_kernels(self._executors[self.method_name])
+            self._hooked = frozenset(self._kernel_of_instruction)
         except BaseException:
             self.ptd.close()
             raise
@@ -123,13 +131,11 @@ class Module:
 
     # --- running -------------------------------------------------------------------------------
     def _on_kernel(self, instruction_index: int) -> None:
-        j = self._kernel_of_instruction.get(instruction_index)
-        if j is not None:
-            self.pool.kernel_launched(j)
+        self.pool.kernel_launched(self._kernel_of_instruction[instruction_index])
 
     def _run_forward(self, executor: MethodExecutor) -> None:
         self.pool.begin_forward()
-        executor.run(self._on_kernel)
+        executor.run(self._on_kernel, hooked=self._hooked)
         self.pool.end_forward()
 
     def run_method(self, name: str = "forward", inputs=()):

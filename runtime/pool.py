@@ -42,6 +42,8 @@ class PoolStats:
     stall_seconds: float = 0.0
     peak_weight_bytes: int = 0
     forwards: int = 0
+    allocations: int = 0  # lru on CUDA: cudaMallocFromPoolAsync calls
+    allocation_seconds: float = 0.0  # host time spent in them
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -147,8 +149,12 @@ class _CudaMemPool:
             _, name = self.cudart.cudaGetErrorName(err)
             raise PoolCreationError(f"{what} failed: {name.decode()}")
 
-    def alloc(self, nbytes: int, stream: torch.cuda.Stream) -> tuple[int, torch.Tensor]:
+    def alloc(self, nbytes: int, stream: torch.cuda.Stream, stats: PoolStats | None = None) -> tuple[int, torch.Tensor]:
+        t0 = time.perf_counter()
         err, ptr = self.cudart.cudaMallocFromPoolAsync(nbytes, self.pool, stream.cuda_stream)
+        if stats is not None:
+            stats.allocations += 1
+            stats.allocation_seconds += time.perf_counter() - t0
         if err != self.cudart.cudaError_t.cudaSuccess:
             self.cudart.cudaGetLastError()
             _, name = self.cudart.cudaGetErrorName(err)
@@ -272,7 +278,7 @@ class WeightPool:
 
     def _load(self, w: int, demand: bool, count: bool = True) -> None:
         if self._cuda_pool is not None:
-            ptr, raw = self._cuda_pool.alloc(self.sizes[w], self.streams.copy_stream)
+            ptr, raw = self._cuda_pool.alloc(self.sizes[w], self.streams.copy_stream, self.stats if count else None)
             self._ptr[w] = ptr
         else:
             raw = torch.empty(self.sizes[w], dtype=torch.uint8, device=self.device)

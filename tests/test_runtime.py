@@ -1,5 +1,6 @@
 """The runtime on CPU: executor, .ptd mapping, both pool policies, stats and every failure mode."""
 
+import dataclasses
 import os
 import resource
 import shutil
@@ -20,6 +21,7 @@ from hostswap.runtime import (
 )
 from hostswap.schedules import ScheduleError
 from hostswap.schedules.floor import aligned
+from hostswap.schedules.pte_program import read_program
 
 MB = 2**20
 
@@ -248,3 +250,63 @@ def test_zero_element_outputs_get_their_own_storage(lowered_by_name):
     scratch = [ins for ins in m._executors["forward"].instructions if ins[0] == "kernel" and ins[7]]
     assert scratch and all("_native_batch_norm" in str(ins[1]) for ins in scratch)
     m.close()
+
+
+def test_attention_stays_one_kernel_through_lowering(lowered_by_name):
+    demo = lowered_by_name("demo_transformer")
+    program = read_program(demo.pte)
+    names = {op.name for op in program.execution_plan[0].operators}
+    assert "hostswap::sdpa" in names
+    # the math decomposition's per-layer mask and softmax are gone
+    assert not names & {"aten::_softmax", "aten::bmm", "aten::logical_not"}
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=100, device="cpu")
+    assert torch.equal(m(*demo.args), demo.expected)
+    m.close()
+
+
+def test_dropout_attention_is_left_to_the_decomposition():
+    from hostswap.passes.fused_attention import KeepFusedAttentionPass
+
+    class Attn(torch.nn.Module):
+        def forward(self, q):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5) + torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    ep = torch.export.export(Attn(), (torch.randn(1, 2, 4, 8),))
+    assert KeepFusedAttentionPass().call(ep.graph_module) == 1
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count("hostswap.sdpa.default") == 1 and targets.count("aten.scaled_dot_product_attention.default") == 1
+
+
+@pytest.mark.parametrize("model", ["demo_transformer", "convnet"])
+def test_generated_code_equals_interpreter(lowered_by_name, model):
+    demo = lowered_by_name(model)
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=100, device="cpu")
+    generated = m(*demo.args).clone()
+    executor = m._executors["forward"]
+    assert executor._straight_line[1] is not None  # the generated function ran
+    executor.bind_inputs(list(demo.args))  # the arena may have reused the input's bytes
+    m.pool.begin_forward()
+    executor._interpret(m._on_kernel, m._hooked)
+    m.pool.end_forward()
+    assert torch.equal(executor.outputs()[0], generated)
+    assert torch.equal(generated, demo.expected)
+    m.close()
+
+
+def test_prefetch_depth_override_recomputes_the_floor(lowered_by_name):
+    demo = lowered_by_name("demo_transformer")
+    deep = dataclasses.replace(demo.schedule, prefetch_depth=4)
+    assert deep.floor_bytes > demo.schedule.floor_bytes
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=deep.floor_bytes / 2**20, device="cpu", prefetch_depth=4)
+    assert m.schedule.prefetch_depth == 4
+    assert torch.equal(m(*demo.args), demo.expected)
+    m.close()
+    with pytest.raises(BudgetError, match=f"prefetch_depth=4"):
+        Module(demo.pte, demo.ptd, weight_offload_budget_mb=(deep.floor_bytes - 1) / 2**20, device="cpu", prefetch_depth=4)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_error_bad_prefetch_depth_override(lowered_by_name, bad):
+    demo = lowered_by_name("nonuniform")
+    with pytest.raises(ValueError, match="prefetch_depth must be a non-negative int"):
+        Module(demo.pte, demo.ptd, weight_offload_budget_mb=10, device="cpu", prefetch_depth=bad)

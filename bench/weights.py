@@ -1,0 +1,451 @@
+"""Weight-streaming benchmark: hostswap against all-resident, the PCIe bound and accelerate.
+
+One process, one run: a Llama-style bf16 decoder (models.llama_decoder) is exported,
+passed and saved once per workload (decode: batch 1, one token; prefill: batch 1, N
+tokens), then every configuration is loaded and timed in turn. Each configuration's row
+goes into one JSON file under --out as soon as it is measured, so a run cut short still
+leaves its numbers. bench/report.py turns the JSON into the README's table and plot.
+
+    python bench/weights.py --layers 10 --out bench/results           # GPU machine
+    python bench/weights.py --quick --device cpu --out /tmp/bench      # smoke test anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import hostswap  # noqa: E402
+from hostswap.models import DecoderBlock, llama_decoder  # noqa: E402
+from hostswap.passes.lowering import to_executorch  # noqa: E402
+from hostswap.runtime import Module  # noqa: E402
+from hostswap.schedules import load_weight_schedule  # noqa: E402
+from hostswap.schedules.policies import mb_ceil  # noqa: E402
+
+DEPTHS = (0, 1, 2, 4)
+BUDGET_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+# --- measurement helpers ---------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn, device, runs: int, warmup: int):
+    """Median and spread of ``fn()`` wall time, each call synchronized; returns the last output."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    sync(device)
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return {
+        "latency_s": statistics.median(times),
+        "latency_p10_s": times[len(times) // 10],
+        "latency_p90_s": times[(len(times) * 9) // 10 - (1 if len(times) % 10 == 0 else 0)],
+        "runs": runs,
+    }, out
+
+
+def h2d_bandwidth(device: torch.device, source: torch.Tensor, repeats: int = 10) -> float:
+    """Median bytes/s of copying ``source`` (host) to ``device`` with a non-blocking copy."""
+    dst = torch.empty(source.shape, dtype=source.dtype, device=device)
+    times = []
+    for _ in range(repeats + 2):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(source, non_blocking=True)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return source.numel() * source.element_size() / statistics.median(times[2:])
+
+
+def host_memory() -> dict:
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                fields[key.lower() + "_bytes"] = int(rest.split()[0]) * 1024
+    return fields
+
+
+def drop_page_cache(path: str) -> None:
+    """Evict ``path``'s clean pages from the page cache (no root needed)."""
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def compare(out: torch.Tensor, reference: torch.Tensor) -> dict:
+    a, b = out.float().cpu(), reference.float().cpu()
+    return {
+        "max_abs_diff_vs_plain": (a - b).abs().max().item(),
+        "rel_err_vs_plain": ((a - b).norm() / b.norm()).item(),
+    }
+
+
+def environment(device: torch.device) -> dict:
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "device": str(device),
+    }
+    try:
+        env["hostswap_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        pass
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda)
+    try:
+        import accelerate
+
+        env["accelerate"] = accelerate.__version__
+    except ImportError:
+        env["accelerate"] = None
+    return env
+
+
+# --- the run ------------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.t0 = time.perf_counter()
+        os.makedirs(args.out, exist_ok=True)
+        os.makedirs(args.workdir, exist_ok=True)
+        stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
+        self.path = os.path.join(args.out, f"weights_{'quick_' if args.quick else ''}{stamp}.json")
+        self.result = {"environment": environment(self.device), "args": vars(args), "rows": [], "load": [], "notes": []}
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
+
+    def time_left(self) -> float:
+        return self.args.deadline_s - (time.perf_counter() - self.t0)
+
+    def save(self) -> None:
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(self.result, f, indent=1)
+        os.replace(self.path + ".tmp", self.path)
+
+    def add_row(self, row: dict) -> None:
+        self.result["rows"].append(row)
+        self.save()
+        lat = row.get("latency_s")
+        extra = f" bound {row['bound_s'] * 1e3:.2f} ms ratio {row['latency_s'] / row['bound_s']:.3f}" if row.get("bound_s") else ""
+        self.log(f"{row['workload']:7s} {row['config']:22s} {row['budget_name']:>6s} "
+                 f"{'' if lat is None else f'{lat * 1e3:9.2f} ms'} H2D/fwd {row.get('bytes_h2d_per_forward', 0) / 2**20:9.1f} MB{extra}")
+
+    # --- model and programs
+    def build(self):
+        a = self.args
+        if a.quick:
+            self.model = llama_decoder(a.layers, hidden=256, intermediate=688, vocab=2048, heads=4, max_seq=a.prefill_tokens, seed=0)
+        else:
+            self.model = llama_decoder(a.layers, seed=0, max_seq=max(a.prefill_tokens, 2048))
+        gen = torch.Generator().manual_seed(1)
+        vocab = self.model.embed.num_embeddings
+        self.inputs = {
+            "decode": torch.randint(0, vocab, (1, 1), generator=gen),
+            "prefill": torch.randint(0, vocab, (1, a.prefill_tokens), generator=gen),
+        }
+        self.programs = {}
+        for i, (workload, tokens) in enumerate(self.inputs.items()):
+            t = time.perf_counter()
+            ep = hostswap.apply_weight_offload(torch.export.export(self.model, (tokens,)))
+            base = os.path.join(a.workdir, f"llama{a.layers}_{workload}")
+            if i == 0:
+                pte, ptd = hostswap.save(ep, base)
+                self.ptd = ptd
+            else:  # same weights, same FQNs: write only the .pte and share the first .ptd
+                manager = to_executorch(ep)
+                pte = base + ".pte"
+                with open(pte, "wb") as f:
+                    manager.write_to_file(f)
+            self.programs[workload] = pte
+            self.log(f"{workload}: exported, passed and lowered in {time.perf_counter() - t:.1f} s -> {pte}")
+        self.schedule = load_weight_schedule(self.programs["decode"])
+        self.total_bytes = self.schedule.total_bytes
+        self.result["model"] = {
+            "layers": a.layers,
+            "weight_bytes": self.total_bytes,
+            "num_weights": len(self.schedule.fqns),
+            "num_kernels": self.schedule.num_kernels,
+            "prefill_tokens": a.prefill_tokens,
+            "ptd_bytes": os.path.getsize(self.ptd),
+            "floor_bytes_by_depth": {d: self._floor(d) for d in DEPTHS},
+        }
+        self.save()
+
+    def _floor(self, depth: int) -> int:
+        import dataclasses
+
+        return dataclasses.replace(self.schedule, prefetch_depth=depth).floor_bytes
+
+    def budgets(self) -> list[tuple[str, int]]:
+        floor = mb_ceil(max(self._floor(d) for d in DEPTHS)) * 2**20
+        out = [("floor", floor)]
+        for f in BUDGET_FRACTIONS:
+            out.append((f"{round(f * 100)}%", max(floor, int(f * self.total_bytes))))
+        out.append(("100%", mb_ceil(self.total_bytes) * 2**20 + 2**20))
+        return out
+
+    # --- bandwidth
+    def measure_bandwidth(self) -> None:
+        if self.device.type != "cuda":
+            self.result["pinned_h2d_bytes_per_s"] = None
+            return
+        nbytes = 1 << 30 if not self.args.quick else 64 << 20
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        pinned.fill_(1)
+        self.pinned_bw = h2d_bandwidth(self.device, pinned)
+        pageable = torch.ones(nbytes, dtype=torch.uint8)
+        self.result["pinned_h2d_bytes_per_s"] = self.pinned_bw
+        self.result["pageable_h2d_bytes_per_s"] = h2d_bandwidth(self.device, pageable, repeats=5)
+        del pinned, pageable
+        self.log(f"pinned H2D {self.pinned_bw / 1e9:.1f} GB/s, pageable {self.result['pageable_h2d_bytes_per_s'] / 1e9:.1f} GB/s")
+
+    def registered_bandwidth(self, m: Module) -> None:
+        """Bandwidth from the registered .ptd mapping itself (largest weight), once."""
+        if self.device.type != "cuda" or "registered_h2d_bytes_per_s" in self.result:
+            return
+        largest = max(range(len(self.schedule.fqns)), key=lambda w: self.schedule.weight_bytes[w])
+        host = m.ptd.host_tensor(self.schedule.fqns[largest])
+        self.result["registered_h2d_bytes_per_s"] = h2d_bandwidth(self.device, host)
+        self.log(f"registered .ptd H2D {self.result['registered_h2d_bytes_per_s'] / 1e9:.1f} GB/s")
+
+    def bound(self, workload: str, streamed: int) -> float | None:
+        resident = self.resident_latency.get(workload)
+        if resident is None or not getattr(self, "pinned_bw", None):
+            return None
+        return max(resident, streamed / self.pinned_bw)
+
+    # --- plain PyTorch
+    def run_plain(self) -> None:
+        self.reference, self.resident_latency, self.hostswap_resident_out = {}, {}, {}
+        for workload, tokens in self.inputs.items():
+            module = torch.export.export(self.model, (tokens,)).module().to(self.device)
+            x = tokens.to(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+                before = torch.cuda.memory_allocated(self.device)
+            timing, out = time_calls(lambda: module(x), self.device, self.args.runs, self.args.warmup)
+            row = {"workload": workload, "config": "plain PyTorch", "policy": None, "budget_name": "100%", "budget_bytes": self.total_bytes, **timing, "bytes_h2d_per_forward": 0, "peak_weight_bytes": self.total_bytes}
+            if self.device.type == "cuda":
+                row["activation_peak_bytes"] = torch.cuda.max_memory_allocated(self.device) - before
+            self.reference[workload] = out.float().cpu()
+            self.resident_latency[workload] = timing["latency_s"]
+            self.add_row(row)
+            del module, out
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    # --- hostswap
+    def run_hostswap(self, workload: str, budget_name: str, budget: int, config: str, policy: str, depth: int, cuda_graph: bool = False, warm_pool: bool = True) -> dict:
+        x = self.inputs[workload].to(self.device)
+        m = Module(self.programs[workload], self.ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, policy=policy, prefetch_depth=depth, cuda_graph=cuda_graph, warm_pool=warm_pool)
+        self.registered_bandwidth(m)
+        try:
+            for _ in range(self.args.warmup):
+                m(x)
+            sync(self.device)
+            before = dict(m.stats)
+            timing, out = time_calls(lambda: m(x), self.device, self.args.runs, 0)
+            after = m.stats
+            runs = timing["runs"]
+            if cuda_graph:  # replays do not pass through the pool's bookkeeping
+                streamed = m.pool.layout.streamed_bytes
+            else:
+                streamed = (after["bytes_h2d"] - before["bytes_h2d"]) // runs
+            row = {
+                "workload": workload, "config": config, "policy": policy, "prefetch_depth": depth, "cuda_graph": cuda_graph, "warm_pool": warm_pool,
+                "budget_name": budget_name, "budget_bytes": budget, "floor_bytes": m.schedule.floor_bytes,
+                **timing,
+                "bytes_h2d_per_forward": streamed,
+                "achieved_h2d_bytes_per_s": streamed / timing["latency_s"] if streamed else None,
+                "stall_s_per_forward": (after["stall_seconds"] - before["stall_seconds"]) / runs,
+                "peak_weight_bytes": after["peak_weight_bytes"],
+                "activation_arena_bytes": after["activation_arena_bytes"],
+                "load_s": m.load_seconds,
+                "allocations_per_forward": (after["allocations"] - before["allocations"]) / runs,
+                "allocation_s_per_call": ((after["allocation_seconds"] - before["allocation_seconds"]) / (after["allocations"] - before["allocations"])) if after["allocations"] > before["allocations"] else None,
+                **compare(out, self.reference[workload]),
+            }
+            if policy == "planned":
+                row["planned_resident_bytes"] = m.pool.layout.resident_bytes
+                row["planned_ring_bytes"] = m.pool.layout.ring_bytes
+            resident = self.hostswap_resident_out.get(workload)
+            if resident is None:
+                self.hostswap_resident_out[workload] = out.float().cpu().clone()
+            else:
+                row["bitwise_vs_hostswap_resident"] = bool(torch.equal(out.float().cpu(), resident))
+            row["bound_s"] = self.bound(workload, streamed)
+            self.add_row(row)
+            return row
+        finally:
+            m.close()
+            del m
+            gc.collect()
+
+    def hostswap_configs(self) -> list[tuple[str, str, int, bool]]:
+        configs = [(f"planned d{d}", "planned", d, False) for d in DEPTHS]
+        configs += [(f"lru d{d}", "lru", d, False) for d in DEPTHS]
+        if self.device.type == "cuda":
+            configs.append(("planned d1 cuda_graph", "planned", 1, True))
+        return configs
+
+    def run_hostswap_all(self, budgets: bool = True) -> None:
+        for workload in self.inputs:
+            # all-resident first: its output is the bitwise reference for every budget
+            budget_name, budget = self.budgets()[-1]
+            self.run_hostswap(workload, budget_name, budget, "hostswap all-resident", "planned", 1)
+            if self.device.type == "cuda":
+                self.run_hostswap(workload, budget_name, budget, "planned d1 cuda_graph", "planned", 1, cuda_graph=True)
+            self.run_hostswap(workload, budget_name, budget, "lru d1", "lru", 1)
+        if not budgets:
+            return
+        for workload in self.inputs:
+            for budget_name, budget in self.budgets()[:-1]:
+                for config, policy, depth, graph in self.hostswap_configs():
+                    if self.time_left() < self.args.reserve_s:
+                        self.result["notes"].append(f"stopped before {workload} {config} {budget_name}: deadline")
+                        self.log(self.result["notes"][-1])
+                        return
+                    self.run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph=graph)
+        # the seed's question: what one allocation costs in steady state, warmed or not
+        floor_name, floor = self.budgets()[0]
+        self.run_hostswap("decode", floor_name, floor, "lru d1 unwarmed", "lru", 1, warm_pool=False)
+
+    # --- accelerate
+    def run_accelerate(self) -> None:
+        try:
+            from accelerate import cpu_offload, dispatch_model, infer_auto_device_map
+            from accelerate.hooks import remove_hook_from_submodules
+        except ImportError:
+            self.result["notes"].append("accelerate not installed: peer not measured")
+            return
+        if self.device.type != "cuda":
+            self.result["notes"].append("accelerate needs CUDA here: peer not measured")
+            return
+        gpu = self.device.index or 0
+        cases = [(name, budget) for name, budget in self.budgets()[:-1]] + [("cpu_offload", None)]
+        for budget_name, budget in cases:
+            for workload, tokens in self.inputs.items():
+                if self.time_left() < self.args.reserve_s:
+                    self.result["notes"].append(f"stopped before accelerate {budget_name} {workload}: deadline")
+                    return
+                model = copy.deepcopy(self.model)
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated(self.device)
+                if budget is None:
+                    model = cpu_offload(model, execution_device=self.device)
+                    config = "accelerate cpu_offload"
+                    device_map = None
+                else:
+                    device_map = infer_auto_device_map(model, max_memory={gpu: budget, "cpu": 2**40}, no_split_module_classes=[DecoderBlock.__name__])
+                    model = dispatch_model(model, device_map=device_map, main_device=gpu)
+                    config = "accelerate dispatch_model"
+                weights_on_gpu = torch.cuda.memory_allocated(self.device) - before
+                x = tokens.to(self.device)
+                runs = max(self.args.runs, 20)
+                with torch.no_grad():
+                    timing, out = time_calls(lambda: model(x), self.device, runs, 2)
+                row = {"workload": workload, "config": config, "policy": None, "budget_name": budget_name if budget else "floor",
+                       "budget_bytes": budget if budget else 0, **timing, "peak_weight_bytes": weights_on_gpu,
+                       "bytes_h2d_per_forward": self.total_bytes - weights_on_gpu,
+                       "gpu_modules": sum(1 for d in (device_map or {}).values() if d == gpu),
+                       "cpu_modules": sum(1 for d in (device_map or {}).values() if d == "cpu"),
+                       **compare(out, self.reference[workload])}
+                row["bound_s"] = self.bound(workload, row["bytes_h2d_per_forward"])
+                self.add_row(row)
+                remove_hook_from_submodules(model)
+                del model, out
+                gc.collect()
+                torch.cuda.empty_cache()
+
+    # --- load time, cold and warm page cache
+    def run_load(self) -> None:
+        for budget_name, budget in (self.budgets()[0], self.budgets()[-1]):
+            for cache in ("cold", "warm"):
+                if self.time_left() < 20:
+                    return
+                if cache == "cold":
+                    drop_page_cache(self.ptd)
+                t = time.perf_counter()
+                m = Module(self.programs["decode"], self.ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, prefault=True)
+                load = time.perf_counter() - t
+                x = self.inputs["decode"].to(self.device)
+                t = time.perf_counter()
+                m(x)
+                sync(self.device)
+                first = time.perf_counter() - t
+                entry = {"budget_name": budget_name, "budget_bytes": budget, "page_cache": cache, "load_s": load, "first_forward_s": first, **host_memory()}
+                m.close()
+                del m
+                gc.collect()
+                self.result["load"].append(entry)
+                self.save()
+                self.log(f"load {budget_name} {cache}: {load:.2f} s, first forward {first * 1e3:.1f} ms, RSS {entry.get('vmrss_bytes', 0) / 2**30:.2f} GiB")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=10)
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--workdir", default="/tmp/hostswap-bench")
+    p.add_argument("--quick", action="store_true", help="a small model (smoke test; numbers mean nothing)")
+    p.add_argument("--deadline-s", type=float, default=540, help="stop starting new configurations after this many seconds")
+    p.add_argument("--reserve-s", type=float, default=30)
+    p.add_argument("--skip", default="", help="comma-separated: accelerate,load,budgets")
+    args = p.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    bench = Bench(args)
+    bench.log(f"writing {bench.path}")
+    bench.measure_bandwidth()
+    bench.build()
+    bench.log(f"weights {bench.total_bytes / 2**30:.2f} GiB, budgets {[(n, round(b / 2**20)) for n, b in bench.budgets()]} MiB")
+    bench.run_plain()
+    bench.run_hostswap_all(budgets="budgets" not in skip)
+    if "accelerate" not in skip:
+        bench.run_accelerate()
+    if "load" not in skip:
+        bench.run_load()
+    bench.result["wall_s"] = time.perf_counter() - bench.t0
+    bench.save()
+    bench.log(f"done: {bench.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
