@@ -250,8 +250,10 @@ class Bench:
     def run_plain(self) -> None:
         self.reference, self.resident_latency, self.hostswap_resident_out = {}, {}, {}
         for workload, tokens in self.inputs.items():
-            module = torch.export.export(self.model, (tokens,)).module().to(self.device)
             x = tokens.to(self.device)
+            # exported on the device: .to() after export would leave lifted constants behind
+            on_device = copy.deepcopy(self.model).to(self.device)
+            module = torch.export.export(on_device, (x,)).module()
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
                 before = torch.cuda.memory_allocated(self.device)
@@ -262,7 +264,7 @@ class Bench:
             self.reference[workload] = out.float().cpu()
             self.resident_latency[workload] = timing["latency_s"]
             self.add_row(row)
-            del module, out
+            del module, on_device, out
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
