@@ -140,7 +140,7 @@ class Bench:
         os.makedirs(args.out, exist_ok=True)
         os.makedirs(args.workdir, exist_ok=True)
         stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
-        self.path = os.path.join(args.out, f"weights_{'quick_' if args.quick else ''}{stamp}.json")
+        self.path = os.path.join(args.out, f"weights_{'quick_' if args.quick else ''}{'_'.join(args.workloads)}_{stamp}.json")
         self.result = {"environment": environment(self.device), "args": vars(args), "rows": [], "load": [], "notes": []}
 
     def log(self, msg: str) -> None:
@@ -175,6 +175,7 @@ class Bench:
             "decode": torch.randint(0, vocab, (1, 1), generator=gen),
             "prefill": torch.randint(0, vocab, (1, a.prefill_tokens), generator=gen),
         }
+        self.inputs = {w: t for w, t in self.inputs.items() if w in a.workloads}
         self.programs = {}
         for i, (workload, tokens) in enumerate(self.inputs.items()):
             t = time.perf_counter()
@@ -190,7 +191,7 @@ class Bench:
                     manager.write_to_file(f)
             self.programs[workload] = pte
             self.log(f"{workload}: exported, passed and lowered in {time.perf_counter() - t:.1f} s -> {pte}")
-        self.schedule = load_weight_schedule(self.programs["decode"])
+        self.schedule = load_weight_schedule(next(iter(self.programs.values())))
         self.total_bytes = self.schedule.total_bytes
         self.result["model"] = {
             "layers": a.layers,
@@ -343,7 +344,8 @@ class Bench:
                     self.run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph=graph)
         # the seed's question: what one allocation costs in steady state, warmed or not
         floor_name, floor = self.budgets()[0]
-        self.run_hostswap("decode", floor_name, floor, "lru d1 unwarmed", "lru", 1, warm_pool=False)
+        if "decode" in self.inputs:
+            self.run_hostswap("decode", floor_name, floor, "lru d1 unwarmed", "lru", 1, warm_pool=False)
 
     # --- accelerate
     def run_accelerate(self) -> None:
@@ -394,6 +396,7 @@ class Bench:
 
     # --- load time, cold and warm page cache
     def run_load(self) -> None:
+        workload = next(iter(self.inputs))
         for budget_name, budget in (self.budgets()[0], self.budgets()[-1]):
             for cache in ("cold", "warm"):
                 if self.time_left() < 20:
@@ -401,14 +404,14 @@ class Bench:
                 if cache == "cold":
                     drop_page_cache(self.ptd)
                 t = time.perf_counter()
-                m = Module(self.programs["decode"], self.ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, prefault=True)
+                m = Module(self.programs[workload], self.ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, prefault=True)
                 load = time.perf_counter() - t
-                x = self.inputs["decode"].to(self.device)
+                x = self.inputs[workload].to(self.device)
                 t = time.perf_counter()
                 m(x)
                 sync(self.device)
                 first = time.perf_counter() - t
-                entry = {"budget_name": budget_name, "budget_bytes": budget, "page_cache": cache, "load_s": load, "first_forward_s": first, **host_memory()}
+                entry = {"workload": workload, "budget_name": budget_name, "budget_bytes": budget, "page_cache": cache, "load_s": load, "first_forward_s": first, **host_memory()}
                 m.close()
                 del m
                 gc.collect()
@@ -429,6 +432,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small model (smoke test; numbers mean nothing)")
     p.add_argument("--deadline-s", type=float, default=540, help="stop starting new configurations after this many seconds")
     p.add_argument("--reserve-s", type=float, default=30)
+    p.add_argument("--workloads", type=lambda v: v.split(","), default=["decode", "prefill"], help="comma-separated subset of decode,prefill")
     p.add_argument("--skip", default="", help="comma-separated: accelerate,load,budgets")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
