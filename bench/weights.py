@@ -158,6 +158,9 @@ class Bench:
         self.result["rows"].append(row)
         self.save()
         lat = row.get("latency_s")
+        if "error" in row:
+            self.log(f"{row['workload']:7s} {row['config']:22s} {row['budget_name']:>6s} FAILED {row['error']}")
+            return
         extra = f" bound {row['bound_s'] * 1e3:.2f} ms ratio {row['latency_s'] / row['bound_s']:.3f}" if row.get("bound_s") else ""
         self.log(f"{row['workload']:7s} {row['config']:22s} {row['budget_name']:>6s} "
                  f"{'' if lat is None else f'{lat * 1e3:9.2f} ms'} H2D/fwd {row.get('bytes_h2d_per_forward', 0) / 2**20:9.1f} MB{extra}")
@@ -341,7 +344,12 @@ class Bench:
                         self.result["notes"].append(f"stopped before {workload} {config} {budget_name}: deadline")
                         self.log(self.result["notes"][-1])
                         return
-                    self.run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph=graph)
+                    try:
+                        self.run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph=graph)
+                    except Exception as e:  # recorded, not hidden: the table shows the failure
+                        self.add_row({"workload": workload, "config": config, "policy": policy, "prefetch_depth": depth, "cuda_graph": graph,
+                                      "budget_name": budget_name, "budget_bytes": budget, "error": f"{type(e).__name__}: {e}"})
+                        gc.collect()
         # the seed's question: what one allocation costs in steady state, warmed or not
         floor_name, floor = self.budgets()[0]
         if "decode" in self.inputs:

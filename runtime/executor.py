@@ -43,6 +43,10 @@ def resolve_operator(name: str, overload: str) -> torch._ops.OpOverload:
         raise ProgramError(f"operator {name}.{overload or 'default'} has no PyTorch kernel: {e}") from None
 
 
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 @dataclasses.dataclass
 class _Ref:
     index: int
@@ -73,7 +77,7 @@ def _tensor_from_arena(t, arenas: dict[int, torch.Tensor]) -> torch.Tensor:
 class MethodExecutor:
     """One method of a program, ready to run: every value and kernel resolved at load."""
 
-    def __init__(self, program, plan, device: torch.device, weights: Callable[[str], torch.Tensor] | None, probe_handler=None, constant_data: bytes | None = None):
+    def __init__(self, program, plan, device: torch.device, weights: Callable[[str], torch.Tensor] | None, probe_handler=None, constant_data: bytes | None = None, elide_copies: bool = True):
         _register_executorch_ops()
         self.plan, self.device, self.name = plan, device, plan.name
         self.probe_handler = probe_handler
@@ -85,6 +89,10 @@ class MethodExecutor:
         self.arena_bytes = sum(plan.non_const_buffer_sizes)
         self.values: list = [None] * len(plan.values)
         self.unplanned: set[int] = set()
+        self.regions: dict[int, tuple[int, int, int]] = {}  # planned value -> (memory id, start, end)
+        self.contiguous: dict[int, bool] = {}
+        self.reads: list[set[int]] = []  # per instruction: value ids it reads
+        self.writes: list[set[int]] = []  # per instruction: value ids it writes (out arguments)
         for i, value in enumerate(plan.values):
             self.values[i] = self._initial_value(i, value, program, weights, constant_data)
         self.operators = [resolve_operator(op.name, op.overload) for op in plan.operators]
@@ -94,6 +102,7 @@ class MethodExecutor:
                 raise ProgramError(f"method '{self.name}' has {len(plan.chains)} chains; only one is supported")
             for i, instruction in enumerate(chain.instructions):
                 self.instructions.append(self._compile(i, instruction))
+        self.elided_copies = self._elide_copies() if elide_copies else 0
 
     # --- values -----------------------------------------------------------------------------
     def _initial_value(self, i, value, program, weights, constant_data):
@@ -122,7 +131,12 @@ class MethodExecutor:
                 raise ProgramError(f"method '{self.name}' reads external weight '{info.fully_qualified_name}' but no .ptd was given")
             return weights(info.fully_qualified_name)
         if t.allocation_info is not None:
-            return _tensor_from_arena(t, self.arenas)
+            tensor = _tensor_from_arena(t, self.arenas)
+            info = t.allocation_info
+            low = info.memory_offset_low + (info.memory_offset_high << 32)
+            self.regions[i] = (info.memory_id, low, low + tensor.numel() * tensor.element_size())
+            self.contiguous[i] = tensor.is_contiguous()
+            return tensor
         if t.data_buffer_idx > 0:
             return self._constant_tensor(t, program, constant_data)
         # unplanned: inputs bound per call, probe outputs bound to the pool, views of them
@@ -148,6 +162,8 @@ class MethodExecutor:
     def _compile(self, index: int, instruction):
         call = instruction.instr_args
         kind = type(call).__name__
+        self.reads.append(set())
+        self.writes.append(set())
         if kind == "KernelCall":
             return self._compile_kernel(index, call)
         if kind == "DelegateCall":
@@ -179,6 +195,13 @@ class MethodExecutor:
             else:
                 positional.append(value_id)
         out_ids = [value_id for arg_schema, value_id in zip(schema.arguments, arg_ids) if arg_schema.alias_info is not None and arg_schema.alias_info.is_write]
+        for value_id in arg_ids:
+            v = self.values[value_id]
+            if value_id in out_ids:
+                self.writes[-1].add(value_id)
+            else:
+                self.reads[-1].update(v.indices if isinstance(v, _ListRef) else [value_id])
+        self.writes[-1].update(ret_ids)
         view_op = None
         if op_meta.name.endswith("_copy") and len(out_ids) == 1 and out_ids[0] in self.unplanned:
             # a *_copy into an unplanned tensor: a view of a probe's output; run it as the view
@@ -207,6 +230,105 @@ class MethodExecutor:
             accepted = {a.name for a in op._schema.arguments}
             keyword = {name: value_id for name, value_id in keyword.items() if name in accepted}
         return ("kernel", op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword)
+
+    # --- copy elision -------------------------------------------------------------------------
+    def _elide_copies(self) -> int:
+        """Run ``*_copy`` view ops (and same-dtype contiguous casts) between planned tensors as views.
+
+        The edge dialect turns every view into a copy into its own planned buffer; eager
+        PyTorch runs them as views. A copy ``Y = f_copy(X)`` may become ``Y = f(X)`` when the
+        buffer that ``X`` lives in (its alias root) is written by no instruction from here to
+        the last read of ``Y`` or of anything aliased to the same root (program outputs count
+        as read at the end), and no view folded into memory planning reads ``Y``'s own bytes.
+        Programs with jumps or moves keep every copy.
+        """
+        if any(ins[0] in ("jump_false", "move") for ins in self.instructions):
+            return 0
+        n = len(self.instructions)
+        last_read: dict[int, int] = {}
+        for pc, reads in enumerate(self.reads):
+            for v in reads:
+                last_read[v] = pc
+        for v in self.plan.outputs:
+            last_read[v] = n
+        write_count: dict[int, int] = {}
+        for writes in self.writes:
+            for v in writes:
+                write_count[v] = write_count.get(v, 0) + 1
+        inputs = set(self.plan.inputs)
+        # A planned value that no instruction writes is a view ExecuTorch folded into memory
+        # planning (it shares the bytes of the tensor it views). A copy whose output bytes are
+        # read that way must keep writing them.
+        folded_views = [self.regions[v] for v in self.regions if write_count.get(v, 0) == 0 and v not in inputs]
+        root: dict[int, int] = {}
+        group_end: dict[int, int] = {}
+        contiguous = dict(self.contiguous)
+
+        def overlaps(a: int, b: int) -> bool:
+            ra, rb = self.regions.get(a), self.regions.get(b)
+            return ra is not None and rb is not None and ra[0] == rb[0] and ra[1] < rb[2] and rb[1] < ra[2]
+
+        elided = 0
+        for pc, ins in enumerate(self.instructions):
+            if ins[0] != "kernel" or ins[5] is not None:
+                continue
+            view = self._view_of_copy(ins)
+            if view is None:
+                continue
+            view_op, keeps_contiguity, needs_contiguous = view
+            x, y = ins[2][0], ins[3].get("out")
+            if y is None or x not in self.regions or y not in self.regions or y in inputs or write_count.get(y, 0) != 1:
+                continue
+            if needs_contiguous and not contiguous.get(x, False):
+                continue
+            mem, lo, hi = self.regions[y]
+            if any(f[0] == mem and f[1] < hi and lo < f[2] for f in folded_views):
+                continue
+            r = root.get(x, x)
+            end = max(group_end.get(r, pc), last_read.get(y, pc))
+            if any(overlaps(r, w) for p in range(pc + 1, min(end, n - 1) + 1) for w in self.writes[p]):
+                continue
+            root[y], group_end[r] = r, end
+            contiguous[y] = keeps_contiguity and contiguous.get(x, False)
+            self.writes[pc] = set()
+            self.regions[y] = self.regions[r]
+            self.instructions[pc] = ("kernel", ins[1], ins[2][:1] + self._view_args(ins), {}, ins[4], view_op, ins[6], {}, {})
+            elided += 1
+        return elided
+
+    # view op, keeps contiguity, needs a contiguous input
+    _VIEW_COPIES = {
+        "aten::view_copy": ("view", True, True),
+        "aten::unsqueeze_copy": ("unsqueeze", True, False),
+        "aten::squeeze_copy": ("squeeze", True, False),
+        "aten::alias_copy": ("alias", True, False),
+        "aten::permute_copy": ("permute", False, False),
+        "aten::transpose_copy": ("transpose", False, False),
+        "aten::t_copy": ("t", False, False),
+        "aten::expand_copy": ("expand", False, False),
+        "aten::slice_copy": ("slice", False, False),
+        "aten::select_copy": ("select", False, False),
+    }
+
+    def _view_of_copy(self, ins):
+        op = ins[1]
+        name = op._schema.name
+        if name in self._VIEW_COPIES:
+            base, keeps, needs = self._VIEW_COPIES[name]
+            overload = op._overloadname
+            functional = "default" if overload == "out" else overload.replace("_out", "")
+            view_op = getattr(getattr(torch.ops.aten, base), functional, None)
+            return None if view_op is None else (view_op, keeps, needs)
+        if name in ("aten::_to_copy", "aten::clone") and ins[8].get("memory_format") in (None, torch.contiguous_format, torch.preserve_format):
+            # a cast to the dtype it already has, of a contiguous tensor, is the tensor itself
+            x, out_ids = ins[2][0], [v for k, v in ins[3].items() if k == "out"]
+            if out_ids and x in self.regions and self.values[x].dtype == self.values[out_ids[0]].dtype:
+                return (_identity, True, True)
+        return None
+
+    def _view_args(self, ins) -> list[int]:
+        """Positional arguments of the view op: the copy's positional arguments after self."""
+        return [] if ins[1]._schema.name in ("aten::_to_copy", "aten::clone") else list(ins[2][1:])
 
     def _get(self, value_id):
         v = self.values[value_id]
@@ -271,7 +393,7 @@ class MethodExecutor:
             if tag == "kernel":
                 _, op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword = ins
                 target = view_op if view_op is not None else op
-                namespace[f"_op{pc}"] = target
+                namespace[f"_op{pc}"] = getattr(target, "_op", target)  # the C++ callable behind an OpOverload
                 args = [ref(i) for i in positional]
                 if view_op is None:
                     args += [f"{name}={ref(i)}" for name, i in keyword.items() if name not in scratch]

@@ -44,6 +44,7 @@ class PoolStats:
     forwards: int = 0
     allocations: int = 0  # lru on CUDA: cudaMallocFromPoolAsync calls
     allocation_seconds: float = 0.0  # host time spent in them
+    pool_trims: int = 0  # lru on CUDA: allocations retried after handing unused chunks back
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -142,6 +143,7 @@ class _CudaMemPool:
         (err,) = cudart.cudaMemPoolSetAttribute(self.pool, cudart.cudaMemPoolAttr.cudaMemPoolAttrReleaseThreshold, threshold)
         self._check(err, "cudaMemPoolSetAttribute(ReleaseThreshold)")
         self.device = device
+        self.max_bytes = max_bytes
 
     def _check(self, err, what: str) -> None:
         if err != self.cudart.cudaError_t.cudaSuccess:
@@ -155,10 +157,25 @@ class _CudaMemPool:
         if stats is not None:
             stats.allocations += 1
             stats.allocation_seconds += time.perf_counter() - t0
+        if err == self.cudart.cudaError_t.cudaErrorMemoryAllocation:
+            # The bytes in use fit the cap (the policy guarantees it), but the driver reserves
+            # memory in chunks and freed blocks of other sizes may not coalesce. Wait for the
+            # stream-ordered frees, hand unused chunks back to the driver and try once more.
+            self.cudart.cudaGetLastError()
+            stream.synchronize()
+            (trim_err,) = self.cudart.cudaMemPoolTrimTo(self.pool, 0)
+            self._check(trim_err, "cudaMemPoolTrimTo")
+            if stats is not None:
+                stats.pool_trims += 1
+            err, ptr = self.cudart.cudaMallocFromPoolAsync(nbytes, self.pool, stream.cuda_stream)
         if err != self.cudart.cudaError_t.cudaSuccess:
             self.cudart.cudaGetLastError()
             _, name = self.cudart.cudaGetErrorName(err)
-            raise PoolCreationError(f"cudaMallocFromPoolAsync({nbytes} bytes) from the capped pool failed: {name.decode()}")
+            raise PoolCreationError(
+                f"cudaMallocFromPoolAsync({nbytes} bytes) from the pool capped at {self.max_bytes} bytes failed: {name.decode()}"
+                " (the lru policy's bytes in use are within the budget; the driver pool is fragmented:"
+                " use policy='planned', which has no fragmentation, or a larger budget)"
+            )
         ptr = int(ptr)
         holder = _CudaArray(ptr, nbytes)
         return ptr, torch.as_tensor(holder, device=self.device)
@@ -235,7 +252,8 @@ class WeightPool:
         self.stats.forwards += 1
 
     def kernel_launched(self, kernel: int) -> None:
-        self.streams.kernel_launched(kernel)
+        if self.policy_name == "lru" or kernel in self._awaited_kernels:
+            self.streams.kernel_launched(kernel)
         if self.policy_name == "lru":
             self.lru.kernel_launched(kernel)
             for w in self._readers[kernel]:
@@ -354,6 +372,8 @@ class WeightPool:
                 self._source_fill[p] = last_fill[(w, layout.reuse_offset[p])]
         self._issued = 0
         self._prefetched_fills: set[int] = set()
+        # Only kernels that a ring fill waits for need an event (none when all is resident).
+        self._awaited_kernels = frozenset(k for k in layout.fill_waits_for.values() if k >= 0)
 
     def _issue_fill(self, q: int) -> None:
         self.streams.copy_waits_for_kernel(self.layout.fill_waits_for[q])
