@@ -274,7 +274,16 @@ class Bench:
                 torch.cuda.empty_cache()
 
     # --- hostswap
-    def run_hostswap(self, workload: str, budget_name: str, budget: int, config: str, policy: str, depth: int, cuda_graph: bool = False, warm_pool: bool = True) -> dict:
+    def run_hostswap(self, workload: str, budget_name: str, budget: int, config: str, policy: str, depth: int, cuda_graph: bool = False, warm_pool: bool = True) -> dict | None:
+        try:
+            return self._run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph, warm_pool)
+        except Exception as e:  # recorded, not hidden: the table shows the failure
+            self.add_row({"workload": workload, "config": config, "policy": policy, "prefetch_depth": depth, "cuda_graph": cuda_graph,
+                          "budget_name": budget_name, "budget_bytes": budget, "error": f"{type(e).__name__}: {e}"})
+            gc.collect()
+            return None
+
+    def _run_hostswap(self, workload, budget_name, budget, config, policy, depth, cuda_graph, warm_pool) -> dict:
         x = self.inputs[workload].to(self.device)
         m = Module(self.programs[workload], self.ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, policy=policy, prefetch_depth=depth, cuda_graph=cuda_graph, warm_pool=warm_pool)
         self.registered_bandwidth(m)
@@ -344,12 +353,7 @@ class Bench:
                         self.result["notes"].append(f"stopped before {workload} {config} {budget_name}: deadline")
                         self.log(self.result["notes"][-1])
                         return
-                    try:
-                        self.run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph=graph)
-                    except Exception as e:  # recorded, not hidden: the table shows the failure
-                        self.add_row({"workload": workload, "config": config, "policy": policy, "prefetch_depth": depth, "cuda_graph": graph,
-                                      "budget_name": budget_name, "budget_bytes": budget, "error": f"{type(e).__name__}: {e}"})
-                        gc.collect()
+                    self.run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph=graph)
         # the seed's question: what one allocation costs in steady state, warmed or not
         floor_name, floor = self.budgets()[0]
         if "decode" in self.inputs:

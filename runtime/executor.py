@@ -18,9 +18,19 @@ from hostswap.schedules.pte_program import SCALAR_EVALUES, evalue_scalar, torch_
 
 PROBE_OPERATOR = "hostswap::probe"
 # ExecuTorch's dim-order ops (emitted for casts and clones) and the ATen out-kernels they wrap.
+def _copy_into(self: torch.Tensor, *, out: torch.Tensor, non_blocking: bool = False, memory_format=None) -> torch.Tensor:
+    """``_to_copy.out`` / ``clone.out`` as one kernel: ATen's out variants allocate a temporary,
+    convert into it and copy that into ``out`` (three launches); ``copy_`` converts straight
+    into ``out``'s planned layout with the same conversion kernel."""
+    return out.copy_(self, non_blocking)
+
+
+_copy_into.accepted = frozenset({"out", "non_blocking", "memory_format"})
+
+# ExecuTorch's dim-order ops (emitted for casts and clones) and the kernels that run them.
 DIM_ORDER_OUT_OPS = {
-    "dim_order_ops::_to_dim_order_copy": lambda: torch.ops.aten._to_copy.out,
-    "dim_order_ops::_clone_dim_order": lambda: torch.ops.aten.clone.out,
+    "dim_order_ops::_to_dim_order_copy": lambda: _copy_into,
+    "dim_order_ops::_clone_dim_order": lambda: _copy_into,
     "dim_order_ops::_empty_dim_order": lambda: torch.ops.aten.empty.out,
 }
 
@@ -227,7 +237,7 @@ class MethodExecutor:
             dim_order = self._get(keyword.pop("dim_order")) if "dim_order" in keyword else None
             constant_keyword["memory_format"] = get_memory_format(list(dim_order) if dim_order is not None else None)
             op = DIM_ORDER_OUT_OPS[op_meta.name]()
-            accepted = {a.name for a in op._schema.arguments}
+            accepted = op.accepted if op is _copy_into else {a.name for a in op._schema.arguments}
             keyword = {name: value_id for name, value_id in keyword.items() if name in accepted}
         return ("kernel", op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword)
 
@@ -312,7 +322,7 @@ class MethodExecutor:
 
     def _view_of_copy(self, ins):
         op = ins[1]
-        name = op._schema.name
+        name = "aten::_to_copy" if op is _copy_into else op._schema.name
         if name in self._VIEW_COPIES:
             base, keeps, needs = self._VIEW_COPIES[name]
             overload = op._overloadname
@@ -328,7 +338,7 @@ class MethodExecutor:
 
     def _view_args(self, ins) -> list[int]:
         """Positional arguments of the view op: the copy's positional arguments after self."""
-        return [] if ins[1]._schema.name in ("aten::_to_copy", "aten::clone") else list(ins[2][1:])
+        return [] if ins[1] is _copy_into else list(ins[2][1:])
 
     def _get(self, value_id):
         v = self.values[value_id]

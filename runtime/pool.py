@@ -287,10 +287,34 @@ class WeightPool:
         for w in sorted(pinned):
             self._load(w, demand=False, count=False)
         if warm and self._cuda_pool is not None:
-            # One allocation per distinct size, freed again: first-forward allocator work moves to load.
-            stream = self.streams.copy_stream
-            for size in sorted({self.sizes[w] for w in range(len(self.sizes)) if w not in pinned}):
-                ptr, _ = self._cuda_pool.alloc(size, stream)
+            self._rehearse_lru()
+
+    def _rehearse_lru(self) -> None:
+        """Replay two forwards' allocations and frees (no copies) through the driver pool at load.
+
+        Warms the pool (first-forward allocator work moves to load) and, since the driver
+        reserves memory in chunks, finds out at load, not mid-forward, when the capped pool
+        cannot serve this schedule's allocation pattern.
+        """
+        stream = self.streams.copy_stream
+        policy = LruPolicy(self.schedule, self.budget_bytes)
+        live: dict[int, int] = {}
+        try:
+            for _ in range(2):
+                policy.begin_forward()
+                for p in range(self.schedule.num_probes):
+                    for action in policy.on_probe(p):
+                        if action.kind == "evict":
+                            self._cuda_pool.free(live.pop(action.weight), stream)
+                        elif action.kind == "load":
+                            live[action.weight] = self._cuda_pool.alloc(self.sizes[action.weight], stream)[0]
+                    kernel = self.schedule.probe_kernel[p]
+                    if p + 1 == self.schedule.num_probes or self.schedule.probe_kernel[p + 1] != kernel:
+                        policy.kernel_launched(kernel)
+        except PoolCreationError as e:
+            raise PoolCreationError(f"the lru pool cannot serve this schedule at weight_offload_budget_mb={self.budget_bytes / 2**20:.2f}: {e}") from None
+        finally:
+            for ptr in live.values():
                 self._cuda_pool.free(ptr, stream)
             torch.cuda.synchronize(self.device)
 
