@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 
-from hostswap.schedules.floor import StreamSequence, aligned, ring_placement, ring_requirement
+from hostswap.schedules.floor import StreamSequence, aligned, lru_requirement, ring_is_safe, ring_placement, ring_requirement
 from hostswap.schedules.weight_schedule import WeightSchedule
 
 
@@ -154,15 +154,33 @@ def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
     ring = ring_requirement(seq, schedule.prefetch_depth)
     # Greedy, largest first: a weight becomes resident if the ring for what is left still
     # fits beside everything resident. Largest first removes the outliers that set the ring.
-    for w in sorted(set(range(len(sizes))) - kept, key=lambda w: -sizes[w]):
-        if kept_bytes + sizes[w] > budget_bytes:
-            continue
-        trial_seq, _ = _stream_sequence(schedule, kept | {w})
-        trial_ring = ring_requirement(trial_seq, schedule.prefetch_depth)
-        if kept_bytes + sizes[w] + trial_ring <= budget_bytes:
-            kept.add(w)
-            kept_bytes += sizes[w]
-            seq, ring = trial_seq, trial_ring
+    # The ring is not monotone in what stays streamed (with a deep prefetch, keeping one weight
+    # can pull larger ones into a window), so a weight refused once is tried again in later
+    # passes, until a pass adds nothing.
+    changed = True
+    while changed:
+        changed = False
+        for w in sorted(set(range(len(sizes))) - kept, key=lambda w: -sizes[w]):
+            if kept_bytes + sizes[w] > budget_bytes:
+                continue
+            trial_seq, _ = _stream_sequence(schedule, kept | {w})
+            available = budget_bytes - kept_bytes - sizes[w]
+            lower = aligned(lru_requirement(trial_seq, schedule.prefetch_depth)[0])
+            if lower > available:
+                continue  # no ring is safe below the lru requirement: a cheap refusal
+            # Safety is not monotone in the ring size (wrap waste), and scanning for the smallest
+            # safe ring per trial is slow: test the two sizes that matter, the least possible and
+            # all the space that would be left.
+            fits = [r for r in (lower, available) if not trial_seq.probe_weight or ring_is_safe(trial_seq, schedule.prefetch_depth, r)]
+            if fits:
+                kept.add(w)
+                kept_bytes += sizes[w]
+                seq, ring = trial_seq, (fits[0] if trial_seq.probe_weight else 0)
+                changed = True
+    # Shrink the ring to the smallest safe size when that one fits too (it usually does).
+    smallest = ring_requirement(seq, schedule.prefetch_depth)
+    if kept_bytes + smallest <= budget_bytes:
+        ring = smallest
     seq, probes = _stream_sequence(schedule, kept)
     offsets = ring_placement(seq, ring) if seq.probe_weight else []
     resident_offsets, cursor = {}, 0

@@ -165,3 +165,23 @@ def test_inspect_cli_bad_file(tmp_path, capsys):
     assert cli_main(["inspect", str(bad)]) == 2
     assert "not an ExecuTorch program" in capsys.readouterr().err
     assert cli_main(["inspect", str(tmp_path / "missing.pte")]) == 2
+
+
+def test_planned_keeps_resident_all_but_what_streaming_needs():
+    """Issue 4's target on the benchmark's model (weights on the meta device: no data)."""
+    import dataclasses
+
+    from hostswap.models import llama_decoder
+    from hostswap.schedules.policies import plan_layout
+
+    model = llama_decoder(3, device="meta")
+    ep = hostswap.apply_weight_offload(torch.export.export(model, (torch.zeros(1, 1, dtype=torch.long, device="meta"),)))
+    schedule = hostswap.get_weight_schedule(ep)
+    total = schedule.total_bytes
+    for depth in (0, 1, 2, 4):
+        s = dataclasses.replace(schedule, prefetch_depth=depth)
+        for budget in (s.floor_bytes, int(0.5 * total), int(0.75 * total), total):
+            budget = max(budget, s.floor_bytes)
+            layout = plan_layout(s, budget)
+            assert layout.resident_bytes + layout.ring_bytes <= budget
+            assert layout.streamed_bytes <= 1.01 * (total - (budget - s.floor_bytes)), (depth, budget)
