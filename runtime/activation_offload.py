@@ -1,0 +1,282 @@
+"""Runtime of the activation pass: the offload synchronizer and the custom ops the pass inserts.
+
+The pass (passes/activation_offload.py) puts three ops into AOTAutograd's graphs; each calls
+the synchronizer it was compiled for:
+
+* ``hostswap::act_offload(x, sync, tensor)`` right after a saved activation is produced: an
+  event on the main stream, then a copy into a pinned host buffer on the offload stream.
+  Returns an empty placeholder that the forward saves instead of ``x``.
+* ``hostswap::act_boundary(x, sync, point)`` where a layer begins its forward or backward
+  pass: releases the layers whose offload finishes there (the main stream waits for their
+  copies, then drops its references) and starts the reloads that start there. Returns a copy
+  of ``x`` that the rest of the layer reads, so compilers keep it in place.
+* ``hostswap::act_reload(placeholder, sync, tensor, size, stride, dtype)`` before the first
+  backward use: waits for that tensor's own reload event (starting the layer's reload first
+  if the schedule has not yet) and returns it.
+
+On a machine without CUDA the copies are host to host and synchronous, so CI runs the same
+graphs. One class per job, as in Transformer Engine's cpu_offload v2: ``_Transfers`` owns
+the stream and events, ``OffloadSynchronizer`` the per-layer state machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+from torch.library import Library
+
+_LIB = Library("hostswap", "FRAGMENT")
+_LIB.define("act_offload(Tensor x, int sync, int tensor) -> Tensor")
+_LIB.define("act_boundary(Tensor x, int sync, int point) -> Tensor")
+_LIB.define("act_reload(Tensor placeholder, int sync, int tensor, SymInt[] size, SymInt[] stride, ScalarType dtype) -> Tensor")
+_LIB.define("not_offload(Tensor x) -> Tensor")
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense (a permutation of a contiguous layout): copies as one block."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+_SYNCHRONIZERS: dict[int, "OffloadSynchronizer"] = {}
+_IDS = itertools.count(1)
+
+
+def _sync(sync_id: int) -> "OffloadSynchronizer":
+    return _SYNCHRONIZERS[sync_id]
+
+
+def _offload(x, sync, tensor):
+    return _sync(sync).push(tensor, x)
+
+
+def _boundary(x, sync, point):
+    _sync(sync).at_point(point)
+    return x.clone()
+
+
+def _reload(placeholder, sync, tensor, size, stride, dtype):
+    return _sync(sync).pop(tensor)
+
+
+def _not_offload(x):
+    return x.clone()
+
+
+_LIB.impl("act_offload", _offload, "CompositeExplicitAutograd")
+_LIB.impl("act_boundary", _boundary, "CompositeExplicitAutograd")
+_LIB.impl("act_reload", _reload, "CompositeExplicitAutograd")
+_LIB.impl("not_offload", _not_offload, "CompositeExplicitAutograd")
+_LIB._register_fake("act_offload", lambda x, sync, tensor: x.new_empty((0,)))
+_LIB._register_fake("act_boundary", lambda x, sync, point: torch.empty_like(x))
+_LIB._register_fake("act_reload", lambda placeholder, sync, tensor, size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device=placeholder.device))
+_LIB._register_fake("not_offload", lambda x: torch.empty_like(x))
+torch.library.register_autograd("hostswap::not_offload", lambda ctx, grad: grad)
+
+
+def mark_not_offload(tensor: torch.Tensor) -> torch.Tensor:
+    """Use the returned tensor in place of ``tensor``: the pass will keep it on the GPU."""
+    return torch.ops.hostswap.not_offload(tensor)
+
+
+@dataclasses.dataclass
+class _TensorState:
+    layer: int
+    gpu: torch.Tensor | None = None  # held from push until release (the copy reads it)
+    host: torch.Tensor | None = None  # pinned, reused across steps
+    offloaded: object = None  # event: copy to host done
+    reloaded: object = None  # event: copy to device done
+    restore: tuple | None = None  # (size, stride) when offloaded as a contiguous copy
+    reload_started: bool = False
+    copied: bool = False  # a copy to host was queued this step
+
+
+class _Transfers:
+    """The offload stream and the events between it and the main stream; synchronous on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def main(self):
+        return torch.cuda.current_stream(self.device)
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor):
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        saved = torch.cuda.Event()
+        saved.record(self.main())
+        self.stream.wait_event(saved)  # the copy starts once the tensor exists
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def to_device(self, src: torch.Tensor, dst: torch.Tensor):
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        allocated = torch.cuda.Event()
+        allocated.record(self.main())  # dst was allocated on the main stream
+        self.stream.wait_event(allocated)
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def main_waits(self, event) -> None:
+        if event is not None:
+            self.main().wait_event(event)
+
+
+class OffloadSynchronizer:
+    """Per-layer state machine of one compiled program's offloaded activations."""
+
+    def __init__(self, schedule, device: torch.device | str | None = None):
+        self.schedule = schedule
+        self.id = next(_IDS)
+        self._device = torch.device(device) if device is not None else None
+        self._transfers: _Transfers | None = None
+        self.tensors: dict[int, _TensorState] = {}
+        self.layer_tensors: dict[int, list[int]] = {}
+        self.on_gpu: set[int] = set()  # offloaded layers whose activations are on the GPU now
+        self.max_offloaded_layers_on_gpu = 0
+        self.bytes_offloaded = 0  # last step
+        self.pinned_allocations = 0  # over the synchronizer's life: constant after the first step
+        self.log: list[tuple[str, int]] = []  # (action, layer) of the last step
+        self._phase: str | None = None
+        _SYNCHRONIZERS[self.id] = self
+
+    def register(self, tensor: int, layer: int) -> None:
+        self.tensors[tensor] = _TensorState(layer)
+        self.layer_tensors.setdefault(layer, []).append(tensor)
+
+    def transfers(self, device: torch.device) -> _Transfers:
+        if self._transfers is None or self._transfers.device != device:
+            self._transfers = _Transfers(device)
+        return self._transfers
+
+    # --- called by the graph -----------------------------------------------------------------
+    def push(self, tensor: int, x: torch.Tensor) -> torch.Tensor:
+        state = self.tensors[tensor]
+        if self._phase != "fwd":  # the first offload of a step
+            self._new_step()
+            self._phase = "fwd"
+        if state.layer not in self.on_gpu:
+            self.on_gpu.add(state.layer)
+            self._count()
+        t = self.transfers(x.device)
+        if not is_dense(x):
+            # a strided copy on the offload stream would launch kernels there; copy on the main stream
+            state.restore = (tuple(x.shape), tuple(x.stride()))
+            x = x.contiguous()
+        else:
+            state.restore = None
+        if state.host is None or state.host.shape != x.shape or state.host.stride() != x.stride() or state.host.dtype != x.dtype:
+            state.host = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu", pin_memory=t.cuda)
+            self.pinned_allocations += 1
+        state.gpu = x
+        state.reload_started = False
+        state.offloaded, state.copied = None, False
+        if not self.schedule.manual:
+            self._copy_to_host(state)
+        self.log.append(("offload", state.layer))
+        return x.new_empty((0,))
+
+    def at_point(self, p: int) -> None:
+        release, reload = self.schedule.actions_at(p)
+        for layer in release:
+            self.release_activation_forward_gpu_memory(layer)
+        for layer in reload:
+            self.start_reload_layer(layer)
+
+    def pop(self, tensor: int) -> torch.Tensor:
+        state = self.tensors[tensor]
+        self._phase = "bwd"
+        if not state.reload_started:
+            self.start_reload_layer(state.layer)  # the schedule did not get there first: reload now
+        t = self._transfers
+        if state.gpu is None:
+            raise RuntimeError(f"hostswap: activation {tensor} of layer {state.layer} was read twice in one backward")
+        t.main_waits(state.reloaded)
+        out = state.gpu
+        if state.restore is not None:
+            size, stride = state.restore
+            out = torch.empty_strided(size, stride, dtype=out.dtype, device=out.device).copy_(out)
+        state.gpu = None  # the graph owns it now: freed after its last backward use
+        if all(self.tensors[i].gpu is None for i in self.layer_tensors[state.layer]):
+            self.on_gpu.discard(state.layer)
+            self.log.append(("reloaded", state.layer))
+        return out
+
+    # --- the manual API (also what the automatic schedule calls) -----------------------------
+    def start_offload_layer(self, layer: int) -> None:
+        """Queue the copies to host of a layer whose tensors were saved (manual mode)."""
+        for i in self.layer_tensors.get(layer, []):
+            state = self.tensors[i]
+            if state.gpu is not None and not state.copied:
+                self._copy_to_host(state)
+
+    def _copy_to_host(self, state: _TensorState) -> None:
+        state.offloaded = self._transfers.to_host(state.gpu, state.host)
+        state.copied = True
+        self.bytes_offloaded += state.gpu.numel() * state.gpu.element_size()
+
+    def release_activation_forward_gpu_memory(self, layer: int) -> None:
+        """Wait for the layer's copies to host, then drop the GPU references."""
+        t = self._transfers
+        released = False
+        for i in self.layer_tensors.get(layer, []):
+            state = self.tensors[i]
+            if state.gpu is None or not state.copied or state.reload_started:
+                continue  # not offloaded (manual mode without start_offload_layer): stays
+            t.main_waits(state.offloaded)
+            state.gpu = None
+            released = True
+        if released:
+            self.on_gpu.discard(layer)
+            self.log.append(("release", layer))
+
+    def start_reload_layer(self, layer: int) -> None:
+        """Allocate on the main stream and queue the copies to device on the offload stream."""
+        t = self._transfers
+        started = False
+        for i in self.layer_tensors.get(layer, []):
+            state = self.tensors[i]
+            if state.reload_started:
+                continue
+            state.reload_started = True
+            if state.gpu is not None:
+                # never released: the GPU copy is still valid (manual mode, or no release point yet)
+                state.reloaded = None
+                continue
+            state.gpu = torch.empty_strided(state.host.shape, state.host.stride(), dtype=state.host.dtype, device=t.device)
+            state.reloaded = t.to_device(state.host, state.gpu)
+            started = True
+        if started:
+            self.on_gpu.add(layer)
+            self._count()
+            self.log.append(("reload", layer))
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+    def _new_step(self) -> None:
+        self.bytes_offloaded = 0
+        self.log = []
+        self.on_gpu = set()
+
+    def _count(self) -> None:
+        self.max_offloaded_layers_on_gpu = max(self.max_offloaded_layers_on_gpu, len(self.on_gpu))
+
+    def close(self) -> None:
+        _SYNCHRONIZERS.pop(self.id, None)

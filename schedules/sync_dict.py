@@ -1,0 +1,182 @@
+"""The layer synchronization dictionary: validation, the default schedule, tables and a timeline.
+
+``{layer i: (offload_fwd, offload_num, reload_fwd, reload_num)}``, layers 0..n-1 in forward
+order (DESIGN.md, from the Transformer Engine seed). Layer i is offloaded iff it is a key. Its
+offload finishes, and its GPU memory is released, when layer ``offload_num`` begins its
+forward (``offload_fwd``) or backward pass; its reload starts when layer ``reload_num`` begins
+its forward (``reload_fwd``) or backward pass.
+
+Points in a step are ordered ``fwd 0 < ... < fwd n-1 < bwd n-1 < ... < bwd 0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+SyncEntry = tuple[bool, int, bool, int]
+
+
+class SyncDictError(ValueError):
+    """A synchronization dictionary (or num_layers) that cannot be executed; names the layer."""
+
+
+class NoOverlapWarning(UserWarning):
+    """num_layers = model_layers - 1: one layer's activations on the GPU, no overlap possible."""
+
+
+def point(fwd: bool, layer: int, model_layers: int) -> int:
+    """Position of 'layer begins its forward (fwd) / backward pass' in a step."""
+    return layer if fwd else 2 * model_layers - 1 - layer
+
+
+def point_name(p: int, model_layers: int) -> str:
+    return f"fwd {p}" if p < model_layers else f"bwd {2 * model_layers - 1 - p}"
+
+
+def default_sync_dict(model_layers: int, num_layers: int) -> dict[int, SyncEntry]:
+    """Offload the first k of n layers; at most n-k layers' activations on the GPU."""
+    n, k = model_layers, num_layers
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise SyncDictError(f"model_layers must be a positive int, got {n!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise SyncDictError(f"num_layers must be an int >= 0, got {k!r}")
+    if k >= n:
+        raise SyncDictError(
+            f"num_layers={k} with model_layers={n}: at least one layer's activations must stay on the GPU "
+            f"(num_layers <= {n - 1}, and <= {n - 2} for overlap)"
+        )
+    if k == n - 1 and k > 0:
+        warnings.warn(
+            f"num_layers={k} = model_layers - 1 leaves one layer's activations on the GPU: compute and "
+            f"transfers cannot overlap; use num_layers <= {n - 2} for overlap",
+            NoOverlapWarning,
+            stacklevel=3,
+        )
+    return {i: (True, n - k + i, False, n - k + i - 1) for i in range(k)}
+
+
+def validate_sync_dict(sync: dict, model_layers: int) -> dict[int, SyncEntry]:
+    n = model_layers
+    if not isinstance(sync, dict):
+        raise SyncDictError(f"synchronization_dict must be a dict {{layer: (offload_fwd, offload_num, reload_fwd, reload_num)}}, got {type(sync).__name__}")
+    out = {}
+    for layer, entry in sorted(sync.items(), key=lambda kv: kv[0] if isinstance(kv[0], int) else -1):
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+            raise SyncDictError(f"synchronization_dict key {layer!r} is not a layer index in 0..{n - 1}")
+        if not isinstance(entry, (tuple, list)) or len(entry) != 4:
+            raise SyncDictError(f"layer {layer}: entry {entry!r} is not (offload_fwd, offload_num, reload_fwd, reload_num)")
+        offload_fwd, offload_num, reload_fwd, reload_num = entry
+        for name, value in (("offload_fwd", offload_fwd), ("reload_fwd", reload_fwd)):
+            if not isinstance(value, bool):
+                raise SyncDictError(f"layer {layer}: {name} must be a bool, got {value!r}")
+        for name, value in (("offload_num", offload_num), ("reload_num", reload_num)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+                raise SyncDictError(f"layer {layer}: {name} must be a layer index in 0..{n - 1}, got {value!r}")
+        finish = point(offload_fwd, offload_num, n)
+        reload = point(reload_fwd, reload_num, n)
+        if finish <= point(True, layer, n):
+            raise SyncDictError(
+                f"layer {layer}: offload would finish at {point_name(finish, n)}, before layer {layer}'s forward ends "
+                f"(its activations are saved during its forward; finish at fwd {layer + 1} or later)"
+            )
+        if reload > point(False, layer, n):
+            raise SyncDictError(
+                f"layer {layer}: reload would start at {point_name(reload, n)}, after layer {layer}'s backward begins "
+                f"(bwd {layer}); reload_num must be >= {layer} in the backward pass"
+            )
+        if reload < finish:
+            raise SyncDictError(
+                f"layer {layer}: reload would start at {point_name(reload, n)}, before its offload finishes at {point_name(finish, n)}"
+            )
+        out[layer] = (offload_fwd, offload_num, reload_fwd, reload_num)
+    return out
+
+
+@dataclasses.dataclass
+class LayerRecord:
+    layer: int
+    saved_bytes: int = 0  # bytes of this layer's saved activations that the pass offloads
+    kept_bytes: int = 0  # bytes it saves that stay on the GPU (parameters excluded)
+    tensors: int = 0  # offloaded tensors (after view and duplicate folding)
+
+
+@dataclasses.dataclass
+class ActivationSchedule:
+    """What the activation pass emitted for one compiled graph: dictionary and per-layer bytes."""
+
+    model_layers: int
+    sync: dict[int, SyncEntry]
+    manual: bool = False
+    layers: dict[int, LayerRecord] = dataclasses.field(default_factory=dict)
+
+    def finish_point(self, layer: int) -> int | None:
+        e = self.sync.get(layer)
+        return None if e is None else point(e[0], e[1], self.model_layers)
+
+    def reload_point(self, layer: int) -> int | None:
+        e = self.sync.get(layer)
+        return None if e is None else point(e[2], e[3], self.model_layers)
+
+    def actions_at(self, p: int) -> tuple[list[int], list[int]]:
+        """(layers released, layers whose reload starts) when the step reaches point p."""
+        if self.manual:
+            return [], []
+        release = [i for i in self.sync if self.finish_point(i) == p]
+        reload = [i for i in self.sync if self.reload_point(i) == p]
+        return release, reload
+
+    def rows(self) -> list[dict]:
+        n = self.model_layers
+        rows = []
+        for i in range(n):
+            rec = self.layers.get(i, LayerRecord(i))
+            offloaded = i in self.sync
+            rows.append({
+                "layer": i,
+                "offloaded": offloaded,
+                "offloaded_bytes": rec.saved_bytes if offloaded else 0,
+                "kept_bytes": rec.kept_bytes + (0 if offloaded else rec.saved_bytes),
+                "tensors": rec.tensors if offloaded else 0,
+                "offload_start": f"fwd {i} (as saved)" if offloaded else "",
+                "offload_finish": ("manual" if self.manual else point_name(self.finish_point(i), n)) if offloaded else "",
+                "reload_start": ("manual" if self.manual else point_name(self.reload_point(i), n)) if offloaded else "",
+            })
+        return rows
+
+    def table(self) -> str:
+        from tabulate import tabulate
+
+        rows = self.rows()
+        body = tabulate([list(r.values()) for r in rows], headers=["layer", "offloaded", "offloaded bytes", "kept bytes", "tensors", "offload start", "offload finish (release)", "reload start"])
+        total = sum(r["offloaded_bytes"] for r in rows)
+        return f"{body}\n\n{sum(1 for r in rows if r['offloaded'])} of {self.model_layers} layers offloaded, {total} bytes per step"
+
+    def to_dict(self) -> dict:
+        return {"model_layers": self.model_layers, "manual": self.manual, "sync": {str(k): list(v) for k, v in self.sync.items()}, "layers": self.rows()}
+
+    def plot(self, path: str) -> None:
+        """A timeline like the seed's scheduling figure: compute per layer, offload and reload spans."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        n = self.model_layers
+        fig, ax = plt.subplots(figsize=(max(6, 0.9 * 2 * n), 0.5 * n + 1.6))
+        for i in range(n):
+            y = n - 1 - i
+            ax.broken_barh([(point(True, i, n), 1), (point(False, i, n), 1)], (y - 0.35, 0.7), facecolors="#9bbbd4", edgecolor="black", linewidth=0.5)
+            if i in self.sync and not self.manual:
+                start, finish, reload = point(True, i, n), self.finish_point(i), self.reload_point(i)
+                ax.broken_barh([(start + 0.05, finish - start - 0.05)], (y + 0.36, 0.18), facecolors="#e07b39")
+                ax.broken_barh([(reload, point(False, i, n) + 1 - reload)], (y - 0.54, 0.18), facecolors="#5aa469")
+        ax.set_yticks(range(n))
+        ax.set_yticklabels([f"layer {n - 1 - y}" for y in range(n)])
+        ax.set_xticks([p + 0.5 for p in range(2 * n)])
+        ax.set_xticklabels([point_name(p, n) for p in range(2 * n)], rotation=45, fontsize=7)
+        ax.set_xlim(0, 2 * n)
+        ax.set_title(f"{len(self.sync)} of {n} layers offloaded: compute (blue), offload until release (orange), reload (green)")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)

@@ -1,0 +1,264 @@
+"""Activation offload pass: same loss and gradients bit for bit, schedule, validation, graph order."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hostswap
+from hostswap.passes.activation_offload import ACT_BOUNDARY, ACT_OFFLOAD, ACT_RELOAD, ActivationOffloadError
+from hostswap.runtime.activation_offload import OffloadSynchronizer
+from hostswap.schedules.sync_dict import ActivationSchedule, NoOverlapWarning, SyncDictError, default_sync_dict, validate_sync_dict
+
+H = 32
+
+
+class MLPBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(H), nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.norm, self.qkv, self.out = nn.LayerNorm(H), nn.Linear(H, 3 * H), nn.Linear(H, H)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, H // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, s, H))
+
+
+class ViewsAndDuplicatesBlock(nn.Module):
+    """Saves views of one base (slices of a projection) and one tensor twice (x * x)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(H, 2 * H)
+
+    def forward(self, x):
+        y = self.proj(x)
+        left, right = y[..., :H], y[..., H:]
+        return x + left * right + left * left
+
+
+class MarkedBlock(MLPBlock):
+    def forward(self, x):
+        h = hostswap.mark_not_offload(self.up(self.norm(x)))
+        return x + self.down(F.gelu(h))
+
+
+class Stack(nn.Module):
+    def __init__(self, block, n=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(block() for _ in range(n))
+        self.head = nn.Linear(H, 8)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _steps(model, backend, x, steps=2):
+    model = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    results = []
+    for _ in range(steps):
+        loss = compiled(x).float().pow(2).sum()
+        loss.backward()
+        results.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+        for p in model.parameters():
+            p.grad = None
+    return results
+
+
+def _assert_bitwise(a, b):
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(a, b):
+        assert torch.equal(loss_a, loss_b)
+        assert all(torch.equal(ga, gb) for ga, gb in zip(grads_a, grads_b))
+
+
+@pytest.mark.parametrize("block,compiler", [(MLPBlock, "eager"), (MLPBlock, "inductor"), (AttentionBlock, "eager"), (AttentionBlock, "inductor"), (ViewsAndDuplicatesBlock, "eager"), (ViewsAndDuplicatesBlock, "inductor")])
+def test_offloaded_gradients_bitwise_equal_no_offload(block, compiler):
+    model = Stack(block)
+    x = torch.randn(2, 16, H, generator=torch.Generator().manual_seed(1))
+    reference = _steps(model, hostswap.activation_offload_backend(model_layers=4, num_layers=0, compiler=compiler, min_tensor_size_to_offload=0), x)
+    backend = hostswap.activation_offload_backend(model_layers=4, num_layers=2, compiler=compiler, min_tensor_size_to_offload=0)
+    _assert_bitwise(reference, _steps(model, backend, x))
+    sync = backend.synchronizer
+    assert sync.bytes_offloaded == sum(r["offloaded_bytes"] for r in backend.schedule.rows()) > 0
+    log = [a for a in sync.log if a[0] != "offload"]
+    assert [a for a in log if a[0] == "release"] == [("release", 0), ("release", 1)]
+    assert [a for a in log if a[0] == "reload"] == [("reload", 1), ("reload", 0)]
+    for layer in (0, 1):  # released before its reload starts, reloaded before consumed
+        assert log.index(("release", layer)) < log.index(("reload", layer)) < log.index(("reloaded", layer))
+    assert sync.max_offloaded_layers_on_gpu <= 2
+    assert sync.pinned_allocations == len(sync.tensors)  # host buffers reused by the second step
+
+
+def test_views_offloaded_once_as_their_base_and_duplicates_once():
+    # min-cut recomputes views itself, so the folding is checked on a forward graph that saves
+    # two slices of one base and the base twice (as the default partitioner can)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hostswap.passes.activation_offload import LayerMap, saved_groups
+
+    def forward(x, w):
+        y = x @ w
+        return torch.relu(y).sum(), y[:, :4], y[:, 4:], y, y
+
+    gm = make_fx(forward, tracing_mode="fake")(torch.randn(4, 8), torch.randn(8, 8))
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta["nn_module_stack"] = {"layer": ("L['self'].layers.0", nn.Module)}
+    groups, kept = saved_groups(gm, 1, LayerMap(gm.graph, None), 0)
+    assert len(groups) == 1 and groups[0].base.target is torch.ops.aten.mm.default
+    assert len(groups[0].saved) == 3  # two slices and the base, the duplicate folded
+    assert groups[0].nbytes == 4 * 8 * 4 and kept == {}
+
+
+def test_attention_saves_rebuilt_views_bitwise():
+    # SDPA saves q/k/v, its output and logsumexp; q/k/v are views of the qkv projection
+    model = Stack(AttentionBlock)
+    x = torch.randn(2, 16, H)
+    backend = hostswap.activation_offload_backend(model_layers=4, num_layers=2, compiler="eager", min_tensor_size_to_offload=0)
+    reference = _steps(model, hostswap.activation_offload_backend(model_layers=4, num_layers=0, compiler="eager"), x, steps=1)
+    _assert_bitwise(reference, _steps(model, backend, x, steps=1))
+
+
+def test_rewritten_graphs_have_the_nodes_in_order():
+    model = Stack(MLPBlock)
+    backend = hostswap.activation_offload_backend(model_layers=4, num_layers=2, compiler="eager", min_tensor_size_to_offload=0)
+    _steps(model, backend, torch.randn(2, 16, H), steps=1)
+    fw = list(backend.forward_graph.graph.nodes)
+    offloads = [n for n in fw if n.target is ACT_OFFLOAD]
+    for n in offloads:  # each offload directly follows the tensor it copies
+        assert fw.index(n) == fw.index(n.args[0]) + 1 or fw[fw.index(n) - 1].target is ACT_OFFLOAD
+    assert [n.args[2] for n in fw if n.target is ACT_BOUNDARY] == [2, 3]  # release 0 at fwd 2, 1 at fwd 3
+    assert {g.layer for g in backend.groups} == {0, 1}
+    bw = list(backend.backward_graph.graph.nodes)
+    # bwd 2 is point 5, bwd 1 point 6: reload of layer 1 starts first
+    assert [n.args[2] for n in bw if n.target is ACT_BOUNDARY] == [5, 6]
+    for n in bw:
+        if n.target is ACT_RELOAD:
+            assert min(bw.index(u) for u in n.users) > bw.index(n)
+    # the forward no longer returns offloaded tensors, only empty placeholders for them
+    outputs = backend.forward_graph.graph.output_node().args[0]
+    assert all(o.target is ACT_OFFLOAD for o in outputs if getattr(o, "target", None) is ACT_OFFLOAD)
+    assert not any(o in [g.base for g in backend.groups] for o in outputs)
+
+
+def test_num_layers_zero_inserts_nothing():
+    backend = hostswap.activation_offload_backend(model_layers=4, num_layers=0, compiler="eager")
+    _steps(Stack(MLPBlock), backend, torch.randn(2, 16, H), steps=1)
+    assert not any(n.target in (ACT_OFFLOAD, ACT_BOUNDARY, ACT_RELOAD) for g in (backend.forward_graph, backend.backward_graph) for n in g.graph.nodes)
+
+
+def test_small_tensors_and_marked_tensors_stay():
+    model = Stack(MarkedBlock)
+    backend = hostswap.activation_offload_backend(model_layers=4, num_layers=2, compiler="eager", min_tensor_size_to_offload=0)
+    reference = _steps(model, hostswap.activation_offload_backend(model_layers=4, num_layers=0, compiler="eager"), torch.ones(2, 16, H))
+    _assert_bitwise(reference, _steps(model, backend, torch.ones(2, 16, H)))
+    marked = [n for n in backend.forward_graph.graph.nodes if n.target is torch.ops.hostswap.not_offload.default]
+    assert marked and not any(m in [g.base for g in backend.groups] for m in marked)
+    assert backend.schedule.rows()[0]["kept_bytes"] > 0
+    big = hostswap.activation_offload_backend(model_layers=4, num_layers=2, compiler="eager", min_tensor_size_to_offload=1 << 30)
+    _steps(Stack(MLPBlock), big, torch.randn(2, 16, H), steps=1)
+    assert big.groups == [] and big.synchronizer.bytes_offloaded == 0
+
+
+def test_manual_mode_follows_the_calls():
+    model = Stack(MLPBlock)
+    x = torch.randn(2, 16, H)
+    reference = _steps(model, hostswap.activation_offload_backend(model_layers=4, num_layers=0, compiler="eager"), x, steps=1)
+    backend = hostswap.activation_offload_backend(model_layers=4, manual=True, compiler="eager", min_tensor_size_to_offload=0)
+    torch._dynamo.reset()
+    m = copy.deepcopy(model)
+    loss = torch.compile(m, backend=backend)(x).float().pow(2).sum()
+    assert backend.synchronizer.bytes_offloaded == 0  # nothing moves until asked
+    backend.start_offload_layer(1)
+    backend.release_activation_forward_gpu_memory(1)
+    backend.start_reload_layer(1)
+    loss.backward()
+    assert [a for a in backend.synchronizer.log if a[0] != "offload"][:2] == [("release", 1), ("reload", 1)]
+    _assert_bitwise(reference, [(loss.detach(), [p.grad for p in m.parameters()])])
+
+
+def test_non_dense_tensor_is_made_contiguous_and_restored():
+    schedule = ActivationSchedule(2, {0: (True, 1, False, 0)})
+    sync = OffloadSynchronizer(schedule)
+    sync.register(0, 0)
+    x = torch.arange(64.0).view(8, 8)[:, ::2]  # gaps: not dense
+    placeholder = sync.push(0, x)
+    assert placeholder.numel() == 0 and sync.tensors[0].host.is_contiguous()
+    sync.release_activation_forward_gpu_memory(0)
+    y = sync.pop(0)
+    assert torch.equal(y, x) and y.stride() == x.stride()
+    sync.close()
+
+
+def test_default_dictionary_and_its_limits():
+    assert default_sync_dict(5, 2) == {0: (True, 3, False, 2), 1: (True, 4, False, 3)}
+    assert default_sync_dict(5, 0) == {}
+    with pytest.raises(SyncDictError, match="num_layers=5 with model_layers=5"):
+        default_sync_dict(5, 5)
+    with pytest.warns(NoOverlapWarning, match="cannot overlap"):
+        default_sync_dict(5, 4)
+    with pytest.raises(SyncDictError, match="num_layers must be an int"):
+        default_sync_dict(5, -1)
+    with pytest.raises(SyncDictError, match="model_layers must be a positive int"):
+        default_sync_dict(0, 0)
+
+
+@pytest.mark.parametrize("sync,message", [
+    ({1: (False, 0, False, 0)}, "layer 1: reload would start at bwd 0, after layer 1's backward begins"),
+    ({1: (True, 1, False, 1)}, "layer 1: offload would finish at fwd 1, before layer 1's forward ends"),
+    ({1: (False, 1, False, 3)}, r"layer 1: reload would start at bwd 3, before its offload finishes at bwd 1"),
+    ({7: (True, 2, False, 1)}, "key 7 is not a layer index in 0..4"),
+    ({0: (True, 2, False)}, "layer 0: entry"),
+    ({0: (1, 2, False, 1)}, "layer 0: offload_fwd must be a bool"),
+    ({0: (True, 9, False, 1)}, "layer 0: offload_num must be a layer index"),
+])
+def test_dictionary_errors_name_the_layer(sync, message):
+    with pytest.raises(SyncDictError, match=message):
+        validate_sync_dict(sync, 5)
+
+
+def test_custom_dictionary_runs_and_is_tabulated(tmp_path):
+    sync = {0: (True, 2, False, 1), 2: (False, 3, False, 2)}
+    model = Stack(MLPBlock)
+    x = torch.randn(2, 16, H)
+    reference = _steps(model, hostswap.activation_offload_backend(model_layers=4, num_layers=0, compiler="eager"), x, steps=1)
+    backend = hostswap.activation_offload_backend(model_layers=4, synchronization_dict=sync, compiler="eager", min_tensor_size_to_offload=0)
+    _assert_bitwise(reference, _steps(model, backend, x, steps=1))
+    table = backend.schedule.table()
+    assert "bwd 3" in table and "2 of 4 layers offloaded" in table
+    backend.schedule.plot(str(tmp_path / "schedule.svg"))
+    assert (tmp_path / "schedule.svg").stat().st_size > 0
+
+
+def test_backend_errors():
+    with pytest.raises(ActivationOffloadError, match="exactly one of"):
+        hostswap.activation_offload_backend(model_layers=4, num_layers=1, synchronization_dict={})
+    with pytest.raises(ActivationOffloadError, match="compiler must be one of"):
+        hostswap.activation_offload_backend(model_layers=4, num_layers=1, compiler="tvm")
+    with pytest.raises(ActivationOffloadError, match="min_tensor_size_to_offload"):
+        hostswap.activation_offload_backend(model_layers=4, num_layers=1, min_tensor_size_to_offload=-1)
+    backend = hostswap.activation_offload_backend(model_layers=6, num_layers=1, compiler="eager")
+    with pytest.raises(Exception, match="model_layers=6, but the compiled model has 4 blocks"):
+        _steps(Stack(MLPBlock), backend, torch.randn(2, 16, H), steps=1)
+    named = hostswap.activation_offload_backend(model_layers=4, num_layers=1, compiler="eager", layers="blocks")
+    with pytest.raises(Exception, match="layers='blocks' names no repeated block list"):
+        _steps(Stack(MLPBlock), named, torch.randn(2, 16, H), steps=1)
