@@ -183,7 +183,7 @@ class ActivationOffloadPass:
         groups, kept = saved_groups(forward, num_fwd_outputs, layer_map, self.min_bytes)
         for layer, nbytes in kept.items():
             self.schedule.layers.setdefault(layer, LayerRecord(layer)).kept_bytes += nbytes
-        groups = [g for g in groups if g.layer in self.schedule.sync]
+        groups = [g for g in groups if g.layer in self.schedule.sync or self.schedule.manual]
         for g in groups:
             rec = self.schedule.layers.setdefault(g.layer, LayerRecord(g.layer))
             rec.saved_bytes += g.nbytes
@@ -224,9 +224,11 @@ class ActivationOffloadPass:
                 layer = layer_map.layer(node)
                 if layer is not None:
                     first_of_layer.setdefault(layer, node)
-        n = self.schedule.model_layers
-        for layer in range(n):
-            if layer in first_of_layer and any(self.schedule.actions_at(layer)):
+        # A boundary at every layer, whether or not something happens there: the graphs of
+        # num_layers=0 and of any dictionary then differ only in the offload and reload nodes,
+        # so compilers fuse the same kernels and A/B runs compare like with like.
+        for layer in range(self.schedule.model_layers):
+            if layer in first_of_layer:
                 _insert_boundary(graph, first_of_layer[layer], sync_id, layer, avoid=set())
 
     def _rewrite_backward(self, backward, groups, layer_map) -> None:
@@ -245,7 +247,7 @@ class ActivationOffloadPass:
             avoid = {placeholders[s.name] for g in groups for s in g.saved if s.name in placeholders}
             for layer in reversed(range(n)):
                 p = 2 * n - 1 - layer
-                if layer in first_of_layer and any(self.schedule.actions_at(p)):
+                if layer in first_of_layer:
                     _insert_boundary(graph, first_of_layer[layer], sync_id, p, avoid)
         order = {node: i for i, node in enumerate(graph.nodes)}
         for g in groups:
@@ -315,8 +317,7 @@ class ActivationOffloadBackend:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
-        if self.schedule.sync:
-            self.groups = ActivationOffloadPass(self.schedule, self.synchronizer, self.layers, self.min_bytes).call(forward, backward, kwargs["num_fwd_outputs"])
+        self.groups = ActivationOffloadPass(self.schedule, self.synchronizer, self.layers, self.min_bytes).call(forward, backward, kwargs["num_fwd_outputs"])
         self.forward_graph, self.backward_graph = forward, backward
         self.compiled_graphs += 1
         return forward, backward

@@ -146,11 +146,12 @@ def test_rewritten_graphs_have_the_nodes_in_order():
     offloads = [n for n in fw if n.target is ACT_OFFLOAD]
     for n in offloads:  # each offload directly follows the tensor it copies
         assert fw.index(n) == fw.index(n.args[0]) + 1 or fw[fw.index(n) - 1].target is ACT_OFFLOAD
-    assert [n.args[2] for n in fw if n.target is ACT_BOUNDARY] == [2, 3]  # release 0 at fwd 2, 1 at fwd 3
+    assert [n.args[2] for n in fw if n.target is ACT_BOUNDARY] == [0, 1, 2, 3]  # one per layer; releases at fwd 2, 3
     assert {g.layer for g in backend.groups} == {0, 1}
     bw = list(backend.backward_graph.graph.nodes)
-    # bwd 2 is point 5, bwd 1 point 6: reload of layer 1 starts first
-    assert [n.args[2] for n in bw if n.target is ACT_BOUNDARY] == [5, 6]
+    # bwd 3 is point 4 ... bwd 0 point 7; the reload of layer 1 starts at bwd 2 (point 5)
+    assert [n.args[2] for n in bw if n.target is ACT_BOUNDARY] == [4, 5, 6, 7]
+    assert backend.schedule.actions_at(5) == ([], [1]) and backend.schedule.actions_at(2) == ([0], [])
     for n in bw:
         if n.target is ACT_RELOAD:
             assert min(bw.index(u) for u in n.users) > bw.index(n)
@@ -160,10 +161,20 @@ def test_rewritten_graphs_have_the_nodes_in_order():
     assert not any(o in [g.base for g in backend.groups] for o in outputs)
 
 
-def test_num_layers_zero_inserts_nothing():
-    backend = hostswap.activation_offload_backend(model_layers=4, num_layers=0, compiler="eager")
-    _steps(Stack(MLPBlock), backend, torch.randn(2, 16, H), steps=1)
-    assert not any(n.target in (ACT_OFFLOAD, ACT_BOUNDARY, ACT_RELOAD) for g in (backend.forward_graph, backend.backward_graph) for n in g.graph.nodes)
+def _compute_targets(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target not in (ACT_OFFLOAD, ACT_RELOAD, torch.ops.aten.as_strided.default)]
+
+
+def test_num_layers_zero_compiles_the_same_graphs_without_offload():
+    x = torch.randn(2, 16, H)
+    zero = hostswap.activation_offload_backend(model_layers=4, num_layers=0, compiler="eager")
+    _steps(Stack(MLPBlock), zero, x, steps=1)
+    assert not any(n.target in (ACT_OFFLOAD, ACT_RELOAD) for g in (zero.forward_graph, zero.backward_graph) for n in g.graph.nodes)
+    assert [n.args[2] for n in zero.forward_graph.graph.nodes if n.target is ACT_BOUNDARY] == [0, 1, 2, 3]
+    two = hostswap.activation_offload_backend(model_layers=4, num_layers=2, compiler="eager", min_tensor_size_to_offload=0)
+    _steps(Stack(MLPBlock), two, x, steps=1)
+    for a, b in ((zero.forward_graph, two.forward_graph), (zero.backward_graph, two.backward_graph)):
+        assert _compute_targets(a) == _compute_targets(b)  # A/B differ only in offload and reload
 
 
 def test_small_tensors_and_marked_tensors_stay():
