@@ -180,6 +180,7 @@ def main(argv=None) -> int:
 
     zero = hostswap_backend(num_layers=0)
     b.run("no offload (hostswap k=0)", "hostswap", backend=zero)
+    b.run("no offload (hostswap k=0), again", "hostswap", backend=hostswap_backend(num_layers=0))
     per_layer = None
     for k in sorted({1, n // 4, n // 2, n - 2}):
         backend = hostswap_backend(num_layers=k)
@@ -201,9 +202,11 @@ def main(argv=None) -> int:
     if row:
         row["theoretical_saving_bytes"] = sum(r["offloaded_bytes"] for r in both.schedule.rows())
     b.run("no offload (eager)", "eager", backend="eager-module")
+    b.run("no offload (eager), again", "eager", backend="eager-module")  # is the reference itself run-to-run bitwise?
     save = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)  # noqa: E731
     b.run(f"save_on_cpu(pin_memory) first {k} (eager)", "eager", backend="eager-module", wrap={i: save for i in range(k)}, theoretical=(per_layer or 0) * k)
     b.run("no offload (inductor default)", "inductor", backend=None)
+    b.run("no offload (inductor default), again", "inductor", backend=None)
     flags = {"enable_activation_offloading": True, "activation_offload_separate_stream": True}
     if all(hasattr(torch._functorch.config, f) for f in flags):
         b.run("PyTorch AOT activation offloading", "inductor", backend=None, flags=flags)

@@ -275,6 +275,23 @@ class ActivationOffloadPass:
             ph.meta["val"] = ph.meta["val"].new_empty((0,))
 
 
+def _compile_forward_keeping_offloaded_buffers(gm, example_inputs, **kwargs):
+    """Inductor on the forward, without in-graph buffer reuse.
+
+    Inductor reuses a buffer's memory for a later kernel once the graph has no further use
+    for it (and may compute in place into it). The offload stream still reads an offloaded
+    activation after its last use in the graph, so the forward must leave freeing to the
+    allocator, which sees the synchronizer's reference. Found on an H100: with reuse on,
+    gradients differed (the copies read overwritten bytes); copies on the CPU are synchronous.
+    """
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    offloads = any(n.target is ACT_OFFLOAD for n in gm.graph.nodes)
+    with config.patch(allow_buffer_reuse=not offloads, inplace_buffers=not offloads):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
 class ActivationOffloadBackend:
     """A ``torch.compile`` backend that offloads activations by the synchronization dictionary.
 
@@ -337,7 +354,7 @@ class ActivationOffloadBackend:
             from torch._inductor.compile_fx import compile_fx_inner
             from torch._inductor.decomposition import select_decomp_table
 
-            fw = inference = compile_fx_inner
+            fw = inference = _compile_forward_keeping_offloaded_buffers
             bw = functools.partial(compile_fx_inner, is_backward=True)
             decompositions = select_decomp_table()
         return aot_autograd(fw_compiler=fw, bw_compiler=bw, inference_compiler=inference, partition_fn=self._partition, decompositions=decompositions)(gm, example_inputs)

@@ -63,7 +63,7 @@ def _boundary(x, sync, point):
 
 
 def _reload(placeholder, sync, tensor, size, stride, dtype):
-    return _sync(sync).pop(tensor)
+    return _sync(sync).pop(tensor, tuple(size), tuple(stride))
 
 
 def _not_offload(x):
@@ -201,7 +201,7 @@ class OffloadSynchronizer:
         for layer in reload:
             self.start_reload_layer(layer)
 
-    def pop(self, tensor: int) -> torch.Tensor:
+    def pop(self, tensor: int, size: tuple | None = None, stride: tuple | None = None) -> torch.Tensor:
         state = self.tensors[tensor]
         self._phase = "bwd"
         if not state.reload_started:
@@ -214,6 +214,10 @@ class OffloadSynchronizer:
         if state.restore is not None:
             size, stride = state.restore
             out = torch.empty_strided(size, stride, dtype=out.dtype, device=out.device).copy_(out)
+        if size is not None and (tuple(out.shape) != size or (out.numel() > 1 and tuple(out.stride()) != stride)):
+            # the compiled backward was specialised for the layout the graph declared; a
+            # compiler may have laid the buffer out otherwise in the forward
+            out = torch.empty_strided(size, stride, dtype=out.dtype, device=out.device).copy_(out.view(size) if tuple(out.shape) != size else out)
         state.gpu = None  # the graph owns it now: freed after its last backward use
         if all(self.tensors[i].gpu is None for i in self.layer_tensors[state.layer]):
             self.on_gpu.discard(state.layer)

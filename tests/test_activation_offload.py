@@ -273,3 +273,17 @@ def test_backend_errors():
     named = hostswap.activation_offload_backend(model_layers=4, num_layers=1, compiler="eager", layers="blocks")
     with pytest.raises(Exception, match="layers='blocks' names no repeated block list"):
         _steps(Stack(MLPBlock), named, torch.randn(2, 16, H), steps=1)
+
+
+def test_reload_returns_the_layout_the_graph_declared():
+    # a compiler may lay a buffer out otherwise than the graph's metadata says (seen with
+    # Inductor on an H100); the compiled backward expects the declared strides
+    schedule = ActivationSchedule(2, {0: (True, 1, False, 0)})
+    sync = OffloadSynchronizer(schedule)
+    sync.register(0, 0)
+    x = torch.arange(24.0).view(2, 3, 4)
+    sync.push(0, x)
+    declared = torch.empty(2, 3, 4).transpose(0, 2).contiguous().transpose(0, 2).stride()
+    y = sync.pop(0, (2, 3, 4), declared)
+    assert y.stride() == declared and torch.equal(y, x)
+    sync.close()

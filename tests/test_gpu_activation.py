@@ -99,8 +99,8 @@ def test_offload_copies_run_on_their_own_stream():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step(x).sum().backward()
         torch.cuda.synchronize()
-    copies = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" in e.name]
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name]
+    copies = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and ("DtoH" in e.name or "HtoD" in e.name)]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name and "Memset" not in e.name]
     copy_streams = {getattr(e, "device_resource_id", None) for e in copies}
     kernel_streams = {getattr(e, "device_resource_id", None) for e in kernels}
     print(f"\n{len(copies)} copies on streams {copy_streams}, kernels on {kernel_streams}")
