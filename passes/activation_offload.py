@@ -153,19 +153,20 @@ def saved_groups(forward: torch.fx.GraphModule, num_fwd_outputs: int, layer_map:
     return list(groups.values()), kept
 
 
-def _insert_boundary(graph: torch.fx.Graph, first: torch.fx.Node, sync_id: int, point: int, avoid: set) -> None:
+def _insert_boundary(graph: torch.fx.Graph, first: torch.fx.Node, sync_id: int, point: int, avoid: set, keep: list | None = None) -> bool:
     """Thread one tensor input of ``first`` through act_boundary, for ``first`` and all after it."""
     inputs = [n for n in first.all_input_nodes if _tensor_val(n) is not None]
     if not inputs:
-        return
+        return False
     x = next((n for n in inputs if n not in avoid and n.op != "placeholder"), next((n for n in inputs if n not in avoid), inputs[0]))
     with graph.inserting_before(first):
-        marker = graph.call_function(ACT_BOUNDARY, (x, sync_id, point))
+        marker = graph.call_function(ACT_BOUNDARY, (x, sync_id, point, list(keep or [])))
     marker.meta["val"] = _tensor_val(x)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for user in list(x.users):
         if user is not marker and order[user] > order[marker]:
             user.replace_input_with(x, marker)
+    return True
 
 
 class ActivationOffloadPass:
@@ -227,9 +228,13 @@ class ActivationOffloadPass:
         # A boundary at every layer, whether or not something happens there: the graphs of
         # num_layers=0 and of any dictionary then differ only in the offload and reload nodes,
         # so compilers fuse the same kernels and A/B runs compare like with like.
+        released_at: dict[int, list[torch.fx.Node]] = {}
+        for g in groups:
+            released_at.setdefault(self.schedule.finish_point(g.layer), []).append(g.base)
         for layer in range(self.schedule.model_layers):
             if layer in first_of_layer:
-                _insert_boundary(graph, first_of_layer[layer], sync_id, layer, avoid=set())
+                _insert_boundary(graph, first_of_layer[layer], sync_id, layer, avoid=set(), keep=released_at.get(layer, []))
+
 
     def _rewrite_backward(self, backward, groups, layer_map) -> None:
         graph = backward.graph
@@ -275,20 +280,34 @@ class ActivationOffloadPass:
             ph.meta["val"] = ph.meta["val"].new_empty((0,))
 
 
+def offloads_kept_alive(graph: torch.fx.Graph) -> list[bool]:
+    """Per offload node: is its tensor an argument of a later boundary (its release)?"""
+    kept = set()
+    for node in graph.nodes:
+        if node.target is ACT_BOUNDARY and len(node.args) > 3:
+            kept.update(node.args[3])
+    return [node.args[0] in kept for node in graph.nodes if node.target is ACT_OFFLOAD]
+
+
 def _compile_forward_keeping_offloaded_buffers(gm, example_inputs, **kwargs):
-    """Inductor on the forward, without in-graph buffer reuse.
+    """Inductor on the forward; in-graph buffer reuse only where it is safe.
 
     Inductor reuses a buffer's memory for a later kernel once the graph has no further use
-    for it (and may compute in place into it). The offload stream still reads an offloaded
-    activation after its last use in the graph, so the forward must leave freeing to the
-    allocator, which sees the synchronizer's reference. Found on an H100: with reuse on,
-    gradients differed (the copies read overwritten bytes); copies on the CPU are synchronous.
+    for it (and may compute in place into it). The offload stream reads an offloaded
+    activation until its release, so every offloaded buffer must be used by the graph until
+    then: the release boundary takes them as ``keep`` arguments. Where some release is not in
+    the forward (manual mode, or a dictionary releasing in backward), reuse is turned off and
+    freeing is left to the allocator, which sees the synchronizer's reference. Found on an
+    H100: with reuse on and no ``keep``, gradients differed (the copies read overwritten
+    bytes); copies on the CPU are synchronous, so CPU tests cannot see it.
     """
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
-    offloads = any(n.target is ACT_OFFLOAD for n in gm.graph.nodes)
-    with config.patch(allow_buffer_reuse=not offloads, inplace_buffers=not offloads):
+    # Releases inside the forward pass their tensors to the boundary op (``keep``): Inductor
+    # then keeps each buffer until the main stream has waited for its copy, and reuse is safe.
+    safe = all(offloads_kept_alive(gm.graph))
+    with config.patch(allow_buffer_reuse=safe, inplace_buffers=safe):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 

@@ -6,10 +6,12 @@ the synchronizer it was compiled for:
 * ``hostswap::act_offload(x, sync, tensor)`` right after a saved activation is produced: an
   event on the main stream, then a copy into a pinned host buffer on the offload stream.
   Returns an empty placeholder that the forward saves instead of ``x``.
-* ``hostswap::act_boundary(x, sync, point)`` where a layer begins its forward or backward
-  pass: releases the layers whose offload finishes there (the main stream waits for their
-  copies, then drops its references) and starts the reloads that start there. Returns a copy
-  of ``x`` that the rest of the layer reads, so compilers keep it in place.
+* ``hostswap::act_boundary(x, sync, point, keep)`` where a layer begins its forward or
+  backward pass: releases the layers whose offload finishes there (the main stream waits for
+  their copies, then drops its references) and starts the reloads that start there. Returns
+  a copy of ``x`` that the rest of the layer reads, so compilers keep it in place. ``keep``
+  lists the tensors released there: a compiler sees them alive until this point, so it cannot
+  hand their memory to another kernel while the offload stream still reads them.
 * ``hostswap::act_reload(placeholder, sync, tensor, size, stride, dtype)`` before the first
   backward use: waits for that tensor's own reload event (starting the layer's reload first
   if the schedule has not yet) and returns it.
@@ -29,7 +31,7 @@ from torch.library import Library
 
 _LIB = Library("hostswap", "FRAGMENT")
 _LIB.define("act_offload(Tensor x, int sync, int tensor) -> Tensor")
-_LIB.define("act_boundary(Tensor x, int sync, int point) -> Tensor")
+_LIB.define("act_boundary(Tensor x, int sync, int point, Tensor[] keep) -> Tensor")
 _LIB.define("act_reload(Tensor placeholder, int sync, int tensor, SymInt[] size, SymInt[] stride, ScalarType dtype) -> Tensor")
 _LIB.define("not_offload(Tensor x) -> Tensor")
 
@@ -57,7 +59,7 @@ def _offload(x, sync, tensor):
     return _sync(sync).push(tensor, x)
 
 
-def _boundary(x, sync, point):
+def _boundary(x, sync, point, keep=()):
     _sync(sync).at_point(point)
     return x.clone()
 
@@ -75,7 +77,7 @@ _LIB.impl("act_boundary", _boundary, "CompositeExplicitAutograd")
 _LIB.impl("act_reload", _reload, "CompositeExplicitAutograd")
 _LIB.impl("not_offload", _not_offload, "CompositeExplicitAutograd")
 _LIB._register_fake("act_offload", lambda x, sync, tensor: x.new_empty((0,)))
-_LIB._register_fake("act_boundary", lambda x, sync, point: torch.empty_like(x))
+_LIB._register_fake("act_boundary", lambda x, sync, point, keep=(): torch.empty_like(x))
 _LIB._register_fake("act_reload", lambda placeholder, sync, tensor, size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device=placeholder.device))
 _LIB._register_fake("not_offload", lambda x: torch.empty_like(x))
 torch.library.register_autograd("hostswap::not_offload", lambda ctx, grad: grad)

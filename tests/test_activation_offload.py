@@ -147,6 +147,13 @@ def test_rewritten_graphs_have_the_nodes_in_order():
     for n in offloads:  # each offload directly follows the tensor it copies
         assert fw.index(n) == fw.index(n.args[0]) + 1 or fw[fw.index(n) - 1].target is ACT_OFFLOAD
     assert [n.args[2] for n in fw if n.target is ACT_BOUNDARY] == [0, 1, 2, 3]  # one per layer; releases at fwd 2, 3
+    # each released tensor is an argument of its release boundary: compilers keep it alive until then
+    keep = {n.args[2]: {k.name for k in n.args[3]} for n in fw if n.target is ACT_BOUNDARY}
+    assert keep[2] == {g.base.name for g in backend.groups if g.layer == 0} and keep[3] == {g.base.name for g in backend.groups if g.layer == 1}
+    assert keep[0] == keep[1] == set()
+    from hostswap.passes.activation_offload import offloads_kept_alive
+
+    assert all(offloads_kept_alive(backend.forward_graph.graph))
     assert {g.layer for g in backend.groups} == {0, 1}
     bw = list(backend.backward_graph.graph.nodes)
     # bwd 3 is point 4 ... bwd 0 point 7; the reload of layer 1 starts at bwd 2 (point 5)
