@@ -22,3 +22,12 @@ def test_demo_command(tmp_path):
         assert needle in result.stdout
     assert "NO" not in result.stdout.split("two forwards per policy")[1]
     assert (tmp_path / "demo.pte").exists() and (tmp_path / "demo.ptd").exists()
+
+
+def test_train_with_activation_offload_example(capsys, tmp_path):
+    from hostswap.examples import train_with_activation_offload
+
+    assert train_with_activation_offload.main(["--device", "cpu", "--compiler", "eager", "--plot", str(tmp_path / "t.svg")]) == 0
+    out = capsys.readouterr().out
+    assert "3 of 6 layers offloaded" in out and "bitwise equal to no offload: True" in out
+    assert (tmp_path / "t.svg").exists()
