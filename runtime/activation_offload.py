@@ -267,6 +267,8 @@ class OffloadSynchronizer:
                 # never released: the GPU copy is still valid (manual mode, or no release point yet)
                 state.reloaded = None
                 continue
+            if state.host is None or not state.copied:
+                continue  # not saved this step (a layer that did not run): nothing to reload
             state.gpu = torch.empty_strided(state.host.shape, state.host.stride(), dtype=state.host.dtype, device=t.device)
             state.reloaded = t.to_device(state.host, state.gpu)
             started = True

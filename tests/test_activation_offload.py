@@ -294,3 +294,13 @@ def test_reload_returns_the_layout_the_graph_declared():
     y = sync.pop(0, (2, 3, 4), declared)
     assert y.stride() == declared and torch.equal(y, x)
     sync.close()
+
+
+def test_manual_calls_on_a_layer_not_saved_this_step_do_nothing():
+    sync = OffloadSynchronizer(ActivationSchedule(3, {0: (True, 1, False, 0)}, manual=True))
+    sync.register(0, 0)
+    sync.start_offload_layer(0)
+    sync.release_activation_forward_gpu_memory(0)
+    sync.start_reload_layer(0)
+    assert sync.log == [] and sync.bytes_offloaded == 0
+    sync.close()
