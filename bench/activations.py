@@ -78,7 +78,9 @@ class Bench:
         os.makedirs(args.out, exist_ok=True)
         self.path = os.path.join(args.out, f"activations_{stamp}.json")
         props = torch.cuda.get_device_properties(0)
-        self.result = {"environment": {"gpu": props.name, "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+        from weights import source_digest
+
+        self.result = {"environment": {"gpu": props.name, "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "source_sha256": source_digest()},
                        "args": vars(args), "rows": self.rows}
 
     def save(self):

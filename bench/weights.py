@@ -107,6 +107,22 @@ def compare(out: torch.Tensor, reference: torch.Tensor) -> dict:
     }
 
 
+def source_digest() -> str:
+    import hashlib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "results", "build"))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()
+
+
 def environment(device: torch.device) -> dict:
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -119,6 +135,9 @@ def environment(device: torch.device) -> dict:
         env["hostswap_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout.strip()
     except OSError:
         pass
+    # A copy of the tree may carry a stale .git (the GPU machine's does): the hash of the
+    # sources identifies the code that ran; `git ls-files -s` hashes locate the commit.
+    env["source_sha256"] = source_digest()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda)
