@@ -26,11 +26,11 @@ import dataclasses
 import functools
 import re
 import warnings
-from collections import Counter
 
 import torch
 import torch.fx
 
+from hostswap.passes.graph_facts import returns_alias
 from hostswap.runtime.activation_offload import OffloadSynchronizer, is_dense
 from hostswap.schedules.sync_dict import ActivationSchedule, LayerRecord, SyncDictError, default_sync_dict, validate_sync_dict
 
@@ -63,20 +63,14 @@ class SavedGroup:
 
 
 def _is_view(node: torch.fx.Node) -> bool:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    returns = target._schema.returns
-    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+    """An aliasing view (not graph_facts.is_view_like, which also counts ``*_copy`` ops: here
+    a copy is a tensor of its own)."""
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and returns_alias(node.target)
 
 
 def _tensor_val(node) -> torch.Tensor | None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None
-
-
-def _nbytes(val: torch.Tensor) -> int:
-    return val.untyped_storage().nbytes() if val.numel() else 0
 
 
 def _stack_paths(node: torch.fx.Node, backward: bool = False) -> list[str]:
@@ -93,20 +87,18 @@ class LayerMap:
     """Which repeated block (layer 0..n-1 in forward order) a graph node belongs to."""
 
     def __init__(self, forward: torch.fx.Graph, layers: str | None):
-        keys = Counter()
         first_seen: dict[tuple[str, int], int] = {}
         for position, node in enumerate(forward.nodes):
             for path in _stack_paths(node):
                 key = _layer_key(path)
                 if key:
-                    keys[key[0]] += 0
                     first_seen.setdefault(key, position)
                     break
         by_prefix: dict[str, set[int]] = {}
         for prefix, index in first_seen:
             by_prefix.setdefault(prefix, set()).add(index)
         if layers is not None:
-            chosen = [p for p in by_prefix if p == layers or p.endswith("." + layers) or p.endswith("]." + layers) or p.endswith("'])." + layers)]
+            chosen = [p for p in by_prefix if p == layers or p.endswith("." + layers)]
             if not chosen:
                 raise ActivationOffloadError(f"layers={layers!r} names no repeated block list of this model (found: {sorted(by_prefix) or 'none'})")
             self.prefix = chosen[0]
@@ -153,11 +145,11 @@ def saved_groups(forward: torch.fx.GraphModule, num_fwd_outputs: int, layer_map:
     return list(groups.values()), kept
 
 
-def _insert_boundary(graph: torch.fx.Graph, first: torch.fx.Node, sync_id: int, point: int, avoid: set, keep: list | None = None) -> bool:
+def _insert_boundary(graph: torch.fx.Graph, first: torch.fx.Node, sync_id: int, point: int, avoid: set, keep: list | None = None) -> None:
     """Thread one tensor input of ``first`` through act_boundary, for ``first`` and all after it."""
     inputs = [n for n in first.all_input_nodes if _tensor_val(n) is not None]
     if not inputs:
-        return False
+        return
     x = next((n for n in inputs if n not in avoid and n.op != "placeholder"), next((n for n in inputs if n not in avoid), inputs[0]))
     with graph.inserting_before(first):
         marker = graph.call_function(ACT_BOUNDARY, (x, sync_id, point, list(keep or [])))
@@ -166,7 +158,6 @@ def _insert_boundary(graph: torch.fx.Graph, first: torch.fx.Node, sync_id: int, 
     for user in list(x.users):
         if user is not marker and order[user] > order[marker]:
             user.replace_input_with(x, marker)
-    return True
 
 
 class ActivationOffloadPass:

@@ -23,6 +23,12 @@ def is_probe(node: torch.fx.Node) -> bool:
     return op is not None and op._schema.name == PROBE_SCHEMA_NAME
 
 
+def returns_alias(op: torch._ops.OpOverload) -> bool:
+    """The op's (first) result aliases an input without writing it: a view."""
+    returns = op._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
 def is_view_like(node: torch.fx.Node) -> bool:
     """Ops that only reinterpret their first input's data: aliasing views and ``*_copy`` views.
 
@@ -37,10 +43,7 @@ def is_view_like(node: torch.fx.Node) -> bool:
     returns = op._schema.returns
     if len(returns) != 1 or str(returns[0].type) != "Tensor":
         return False
-    if torch.Tag.view_copy in op.tags:
-        return True
-    alias = returns[0].alias_info
-    if alias is not None and not alias.is_write:
+    if torch.Tag.view_copy in op.tags or returns_alias(op):
         return True
     return op._schema.name == "aten::_unsafe_view"
 

@@ -59,7 +59,7 @@ def _offload(x, sync, tensor):
     return _sync(sync).push(tensor, x)
 
 
-def _boundary(x, sync, point, keep=()):
+def _boundary(x, sync, point, keep):
     _sync(sync).at_point(point)
     return x.clone()
 
@@ -77,7 +77,7 @@ _LIB.impl("act_boundary", _boundary, "CompositeExplicitAutograd")
 _LIB.impl("act_reload", _reload, "CompositeExplicitAutograd")
 _LIB.impl("not_offload", _not_offload, "CompositeExplicitAutograd")
 _LIB._register_fake("act_offload", lambda x, sync, tensor: x.new_empty((0,)))
-_LIB._register_fake("act_boundary", lambda x, sync, point, keep=(): torch.empty_like(x))
+_LIB._register_fake("act_boundary", lambda x, sync, point, keep: torch.empty_like(x))
 _LIB._register_fake("act_reload", lambda placeholder, sync, tensor, size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device=placeholder.device))
 _LIB._register_fake("not_offload", lambda x: torch.empty_like(x))
 torch.library.register_autograd("hostswap::not_offload", lambda ctx, grad: grad)
@@ -111,26 +111,16 @@ class _Transfers:
     def main(self):
         return torch.cuda.current_stream(self.device)
 
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor):
+    def copy(self, src: torch.Tensor, dst: torch.Tensor):
+        """Copy on the offload stream after the work the main stream has queued so far (the
+        source was produced there, or the destination allocated there); returns the copy's
+        event (None on CPU, where it is synchronous)."""
         if not self.cuda:
             dst.copy_(src)
             return None
-        saved = torch.cuda.Event()
-        saved.record(self.main())
-        self.stream.wait_event(saved)  # the copy starts once the tensor exists
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return done
-
-    def to_device(self, src: torch.Tensor, dst: torch.Tensor):
-        if not self.cuda:
-            dst.copy_(src)
-            return None
-        allocated = torch.cuda.Event()
-        allocated.record(self.main())  # dst was allocated on the main stream
-        self.stream.wait_event(allocated)
+        queued = torch.cuda.Event()
+        queued.record(self.main())
+        self.stream.wait_event(queued)
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
@@ -235,7 +225,7 @@ class OffloadSynchronizer:
                 self._copy_to_host(state)
 
     def _copy_to_host(self, state: _TensorState) -> None:
-        state.offloaded = self._transfers.to_host(state.gpu, state.host)
+        state.offloaded = self._transfers.copy(state.gpu, state.host)
         state.copied = True
         self.bytes_offloaded += state.gpu.numel() * state.gpu.element_size()
 
@@ -270,7 +260,7 @@ class OffloadSynchronizer:
             if state.host is None or not state.copied:
                 continue  # not saved this step (a layer that did not run): nothing to reload
             state.gpu = torch.empty_strided(state.host.shape, state.host.stride(), dtype=state.host.dtype, device=t.device)
-            state.reloaded = t.to_device(state.host, state.gpu)
+            state.reloaded = t.copy(state.host, state.gpu)
             started = True
         if started:
             self.on_gpu.add(layer)

@@ -17,7 +17,8 @@ import torch
 from hostswap.schedules.pte_program import SCALAR_EVALUES, evalue_scalar, torch_dtype
 
 PROBE_OPERATOR = "hostswap::probe"
-# ExecuTorch's dim-order ops (emitted for casts and clones) and the ATen out-kernels they wrap.
+
+
 def _copy_into(self: torch.Tensor, *, out: torch.Tensor, non_blocking: bool = False, memory_format=None) -> torch.Tensor:
     """``_to_copy.out`` / ``clone.out`` as one kernel: ATen's out variants allocate a temporary,
     convert into it and copy that into ``out`` (three launches); ``copy_`` converts straight
@@ -29,9 +30,9 @@ _copy_into.accepted = frozenset({"out", "non_blocking", "memory_format"})
 
 # ExecuTorch's dim-order ops (emitted for casts and clones) and the kernels that run them.
 DIM_ORDER_OUT_OPS = {
-    "dim_order_ops::_to_dim_order_copy": lambda: _copy_into,
-    "dim_order_ops::_clone_dim_order": lambda: _copy_into,
-    "dim_order_ops::_empty_dim_order": lambda: torch.ops.aten.empty.out,
+    "dim_order_ops::_to_dim_order_copy": _copy_into,
+    "dim_order_ops::_clone_dim_order": _copy_into,
+    "dim_order_ops::_empty_dim_order": torch.ops.aten.empty.out,
 }
 
 
@@ -55,6 +56,11 @@ def resolve_operator(name: str, overload: str) -> torch._ops.OpOverload:
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _regions_overlap(a: tuple[int, int, int] | None, b: tuple[int, int, int] | None) -> bool:
+    """Two (memory id, start, end) arena regions share a byte."""
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
 @dataclasses.dataclass
@@ -236,7 +242,7 @@ class MethodExecutor:
 
             dim_order = self._get(keyword.pop("dim_order")) if "dim_order" in keyword else None
             constant_keyword["memory_format"] = get_memory_format(list(dim_order) if dim_order is not None else None)
-            op = DIM_ORDER_OUT_OPS[op_meta.name]()
+            op = DIM_ORDER_OUT_OPS[op_meta.name]
             accepted = op.accepted if op is _copy_into else {a.name for a in op._schema.arguments}
             keyword = {name: value_id for name, value_id in keyword.items() if name in accepted}
         return ("kernel", op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword)
@@ -274,10 +280,6 @@ class MethodExecutor:
         group_end: dict[int, int] = {}
         contiguous = dict(self.contiguous)
 
-        def overlaps(a: int, b: int) -> bool:
-            ra, rb = self.regions.get(a), self.regions.get(b)
-            return ra is not None and rb is not None and ra[0] == rb[0] and ra[1] < rb[2] and rb[1] < ra[2]
-
         elided = 0
         for pc, ins in enumerate(self.instructions):
             if ins[0] != "kernel" or ins[5] is not None:
@@ -291,12 +293,11 @@ class MethodExecutor:
                 continue
             if needs_contiguous and not contiguous.get(x, False):
                 continue
-            mem, lo, hi = self.regions[y]
-            if any(f[0] == mem and f[1] < hi and lo < f[2] for f in folded_views):
+            if any(_regions_overlap(self.regions[y], f) for f in folded_views):
                 continue
             r = root.get(x, x)
             end = max(group_end.get(r, pc), last_read.get(y, pc))
-            if any(overlaps(r, w) for p in range(pc + 1, min(end, n - 1) + 1) for w in self.writes[p]):
+            if any(_regions_overlap(self.regions[r], self.regions.get(w)) for p in range(pc + 1, min(end, n - 1) + 1) for w in self.writes[p]):
                 continue
             root[y], group_end[r] = r, end
             contiguous[y] = keeps_contiguity and contiguous.get(x, False)
@@ -322,18 +323,18 @@ class MethodExecutor:
 
     def _view_of_copy(self, ins):
         op = ins[1]
-        name = "aten::_to_copy" if op is _copy_into else op._schema.name
-        if name in self._VIEW_COPIES:
-            base, keeps, needs = self._VIEW_COPIES[name]
+        if op is _copy_into or op._schema.name in ("aten::_to_copy", "aten::clone"):  # casts and clones
+            # a cast to the dtype it already has, of a contiguous tensor, is the tensor itself
+            x, out = ins[2][0], ins[3].get("out")
+            if ins[8].get("memory_format") in (None, torch.contiguous_format, torch.preserve_format) and out is not None and x in self.regions and self.values[x].dtype == self.values[out].dtype:
+                return (_identity, True, True)
+            return None
+        if op._schema.name in self._VIEW_COPIES:
+            base, keeps, needs = self._VIEW_COPIES[op._schema.name]
             overload = op._overloadname
             functional = "default" if overload == "out" else overload.replace("_out", "")
             view_op = getattr(getattr(torch.ops.aten, base), functional, None)
             return None if view_op is None else (view_op, keeps, needs)
-        if name in ("aten::_to_copy", "aten::clone") and ins[8].get("memory_format") in (None, torch.contiguous_format, torch.preserve_format):
-            # a cast to the dtype it already has, of a contiguous tensor, is the tensor itself
-            x, out_ids = ins[2][0], [v for k, v in ins[3].items() if k == "out"]
-            if out_ids and x in self.regions and self.values[x].dtype == self.values[out_ids[0]].dtype:
-                return (_identity, True, True)
         return None
 
     def _view_args(self, ins) -> list[int]:

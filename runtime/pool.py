@@ -16,7 +16,7 @@ import time
 import torch
 
 from hostswap.schedules.floor import aligned
-from hostswap.schedules.policies import LruPolicy, plan_layout
+from hostswap.schedules.policies import LruPolicy, plan_layout, replay_lru
 from hostswap.schedules.weight_schedule import WeightSchedule
 
 POLICIES = ("lru", "planned")
@@ -297,20 +297,13 @@ class WeightPool:
         cannot serve this schedule's allocation pattern.
         """
         stream = self.streams.copy_stream
-        policy = LruPolicy(self.schedule, self.budget_bytes)
         live: dict[int, int] = {}
         try:
-            for _ in range(2):
-                policy.begin_forward()
-                for p in range(self.schedule.num_probes):
-                    for action in policy.on_probe(p):
-                        if action.kind == "evict":
-                            self._cuda_pool.free(live.pop(action.weight), stream)
-                        elif action.kind == "load":
-                            live[action.weight] = self._cuda_pool.alloc(self.sizes[action.weight], stream)[0]
-                    kernel = self.schedule.probe_kernel[p]
-                    if p + 1 == self.schedule.num_probes or self.schedule.probe_kernel[p + 1] != kernel:
-                        policy.kernel_launched(kernel)
+            for _, action in replay_lru(LruPolicy(self.schedule, self.budget_bytes), self.schedule, forwards=2):
+                if action.kind == "evict":
+                    self._cuda_pool.free(live.pop(action.weight), stream)
+                elif action.kind == "load":
+                    live[action.weight] = self._cuda_pool.alloc(self.sizes[action.weight], stream)[0]
         except PoolCreationError as e:
             raise PoolCreationError(f"the lru pool cannot serve this schedule at weight_offload_budget_mb={self.budget_bytes / 2**20:.2f}: {e}") from None
         finally:

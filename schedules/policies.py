@@ -220,18 +220,22 @@ def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
     )
 
 
-def lru_streamed_bytes(schedule: WeightSchedule, budget_bytes: int, forwards: int = 2) -> int:
-    """Bytes the lru policy copies in a steady-state forward (the last of ``forwards``)."""
-    policy = LruPolicy(schedule, budget_bytes)
-    copied = 0
-    for _ in range(forwards):
-        copied = 0
+def replay_lru(policy: LruPolicy, schedule: WeightSchedule, forwards: int):
+    """Drive ``policy`` through ``forwards`` forwards as the runtime does, without memory.
+
+    Yields ``(forward, action)``; a kernel counts as launched after its last probe.
+    """
+    for forward in range(forwards):
         policy.begin_forward()
         kernel_of = schedule.probe_kernel
         for p in range(schedule.num_probes):
-            for a in policy.on_probe(p):
-                if a.kind == "load":
-                    copied += schedule.weight_bytes[a.weight]
+            for action in policy.on_probe(p):
+                yield forward, action
             if p + 1 == schedule.num_probes or kernel_of[p + 1] != kernel_of[p]:
                 policy.kernel_launched(kernel_of[p])
-    return copied
+
+
+def lru_streamed_bytes(schedule: WeightSchedule, budget_bytes: int, forwards: int = 2) -> int:
+    """Bytes the lru policy copies in a steady-state forward (the last of ``forwards``)."""
+    policy = LruPolicy(schedule, budget_bytes)
+    return sum(schedule.weight_bytes[a.weight] for forward, a in replay_lru(policy, schedule, forwards) if forward == forwards - 1 and a.kind == "load")
