@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+import torch._functorch.config
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,11 +54,11 @@ class Blocks(nn.Module):
         return x
 
 
-def bandwidth(direction: str, nbytes: int = 1 << 30) -> float:
+def bandwidth(direction: str, nbytes: int = 1 << 30, repeats: int = 12) -> float:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     times = []
-    for _ in range(6):
+    for _ in range(repeats):
         torch.cuda.synchronize()
         t = time.perf_counter()
         (dev.copy_(host, non_blocking=True) if direction == "h2d" else host.copy_(dev, non_blocking=True))
@@ -106,12 +107,23 @@ class Bench:
 
         return model, step
 
-    def run(self, name, reference, *, wrap=None, backend=None, theoretical=0, flags=None):
+    def run(self, name, reference, *, wrap=None, backend=None, theoretical=0, flags=None, deterministic=False, trace=False):
+        if self.args.only and not any(o in name for o in self.args.only):
+            return None
         flags = flags or {}
+        trace_rows = None
         try:
             with contextlib.ExitStack() as stack:
                 for key, value in flags.items():
                     stack.enter_context(torch._functorch.config.patch(**{key: value}))
+                if deterministic:
+                    # flash attention's backward is not deterministic; memory-efficient attention's is
+                    # under deterministic algorithms, so this pair can be compared bitwise
+                    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                    stack.enter_context(sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION))
+                    torch.use_deterministic_algorithms(True, warn_only=True)
+                    stack.callback(torch.use_deterministic_algorithms, False)
                 model, step = self.step_fn(wrap, backend)
                 for _ in range(self.args.warmup):
                     step()
@@ -133,6 +145,18 @@ class Bench:
                     times.append(time.perf_counter() - t)
                 peak = torch.cuda.max_memory_allocated() - start
                 grads = [p.grad.detach().clone() for p in model.parameters()]
+                if trace and isinstance(backend, hostswap.passes.activation_offload.ActivationOffloadBackend):
+                    # one more step, traced: memory at every layer boundary and the peak between them
+                    for p in model.parameters():
+                        p.grad = None
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    backend.synchronizer.memory_trace = []
+                    step()
+                    torch.cuda.synchronize()
+                    trace_rows = [(point, alloc - start, high - start) for point, alloc, high in backend.synchronizer.memory_trace]
+                    trace_rows.append(("end of step", torch.cuda.memory_allocated() - start, torch.cuda.max_memory_allocated() - start))
+                    backend.synchronizer.memory_trace = None
         except Exception as e:  # recorded in the table, not hidden
             row = {"config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"{name:34s} FAILED {row['error']}", flush=True)
@@ -150,6 +174,15 @@ class Bench:
         if isinstance(backend, hostswap.passes.activation_offload.ActivationOffloadBackend):
             row["offloaded_bytes"] = backend.synchronizer.bytes_offloaded
             row["max_offloaded_layers_on_gpu"] = backend.synchronizer.max_offloaded_layers_on_gpu
+            row["theoretical_saving_bytes"] = sum(r["offloaded_bytes"] for r in backend.schedule.rows())
+            row["synchronization_dict"] = {str(k): list(v) for k, v in backend.schedule.sync.items()}
+        if trace_rows:
+            # the peak of a segment is reached between the point named and the next one
+            row["memory_trace"] = trace_rows
+            top = max(range(len(trace_rows) - 1), key=lambda i: trace_rows[i + 1][2])
+            row["peak_after_point"] = trace_rows[top][0]
+            print(f"    peak {trace_rows[top + 1][2] / 2**30:.2f} GiB reached after {trace_rows[top][0]}; at points: "
+                  + ", ".join(f"{pt} {a / 2**30:.2f}" for pt, a, _ in trace_rows), flush=True)
         self.rows.append(row)
         self.save()
         print(f"{name:34s} {row['step_s'] * 1e3:8.1f} ms  peak {peak / 2**30:6.2f} GiB  theory saving {theoretical / 2**30:5.2f} GiB  bitwise vs {reference}: {bitwise}", flush=True)
@@ -157,6 +190,21 @@ class Bench:
         gc.collect()
         torch.cuda.empty_cache()
         return row
+
+
+def mark_layers_for_torch_offload(k: int):
+    """A joint-graph pass for PyTorch's activation offloading: mark the nodes of layers 0..k-1."""
+    from hostswap.passes.activation_offload import LayerMap
+
+    def mark(joint: torch.fx.GraphModule, joint_inputs):
+        layer_map = LayerMap(joint.graph, None)
+        for node in joint.graph.nodes:
+            layer = layer_map.layer(node)
+            if layer is not None and layer < k:
+                node.meta["should_offload"] = True
+        return joint
+
+    return mark
 
 
 def main(argv=None) -> int:
@@ -170,6 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--only", type=lambda v: v.split(","), default=[], help="run only configurations whose names contain one of these")
     args = p.parse_args(argv)
     b = Bench(args)
     n = args.layers
@@ -180,40 +229,51 @@ def main(argv=None) -> int:
     def hostswap_backend(**kw):
         return hostswap.activation_offload_backend(model_layers=n, **kw)
 
-    zero = hostswap_backend(num_layers=0)
-    b.run("no offload (hostswap k=0)", "hostswap", backend=zero)
+    b.run("no offload (hostswap k=0)", "hostswap", backend=hostswap_backend(num_layers=0), trace=True)
     b.run("no offload (hostswap k=0), again", "hostswap", backend=hostswap_backend(num_layers=0))
     per_layer = None
     for k in sorted({1, n // 4, n // 2, n - 2}):
         backend = hostswap_backend(num_layers=k)
-        row = b.run(f"hostswap k={k}", "hostswap", backend=backend, theoretical=0)
+        row = b.run(f"hostswap k={k}", "hostswap", backend=backend, trace=k == n // 2)
         if row:
-            row["theoretical_saving_bytes"] = sum(r["offloaded_bytes"] for r in backend.schedule.rows())
             per_layer = row["theoretical_saving_bytes"] / k
             b.result.setdefault("schedules", {})[f"k={k}"] = backend.schedule.to_dict()
             b.save()
+    for k in sorted({1, n // 4, n // 2, n - 2}):
+        b.run(f"hostswap k={k} reload_ahead=1", "hostswap", backend=hostswap_backend(num_layers=k, reload_ahead=1), trace=k == n // 2)
     custom = {i: (True, i + 2, False, i + 1) for i in range(n // 2)}
-    backend = hostswap_backend(synchronization_dict=custom)
-    row = b.run(f"hostswap custom dict (first {n // 2}, window 2)", "hostswap", backend=backend)
-    if row:
-        row["theoretical_saving_bytes"] = sum(r["offloaded_bytes"] for r in backend.schedule.rows())
-        row["synchronization_dict"] = {str(k): list(v) for k, v in custom.items()}
+    b.run(f"hostswap custom dict (first {n // 2}, window 2)", "hostswap", backend=hostswap_backend(synchronization_dict=custom))
     k = n // 2
-    both = hostswap_backend(num_layers=k)
-    row = b.run(f"hostswap k={k} + checkpoint others", "hostswap+ckpt", backend=both, wrap={i: "checkpoint" for i in range(k, n)})
-    if row:
-        row["theoretical_saving_bytes"] = sum(r["offloaded_bytes"] for r in both.schedule.rows())
+    b.run(f"hostswap k={k} + checkpoint others", "hostswap+ckpt", backend=hostswap_backend(num_layers=k), wrap={i: "checkpoint" for i in range(k, n)})
+    # bitwise: flash attention's backward is nondeterministic even without offload, so compare
+    # under deterministic memory-efficient attention
+    b.run("no offload (hostswap k=0), deterministic attention", "deterministic", backend=hostswap_backend(num_layers=0), deterministic=True)
+    b.run(f"hostswap k={k}, deterministic attention", "deterministic", backend=hostswap_backend(num_layers=k), deterministic=True)
+    b.run(f"hostswap k={k} reload_ahead=1, deterministic attention", "deterministic", backend=hostswap_backend(num_layers=k, reload_ahead=1), deterministic=True)
     b.run("no offload (eager)", "eager", backend="eager-module")
     b.run("no offload (eager), again", "eager", backend="eager-module")  # is the reference itself run-to-run bitwise?
     save = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)  # noqa: E731
     b.run(f"save_on_cpu(pin_memory) first {k} (eager)", "eager", backend="eager-module", wrap={i: save for i in range(k)}, theoretical=(per_layer or 0) * k)
     b.run("no offload (inductor default)", "inductor", backend=None)
     b.run("no offload (inductor default), again", "inductor", backend=None)
-    flags = {"enable_activation_offloading": True, "activation_offload_separate_stream": True}
-    if all(hasattr(torch._functorch.config, f) for f in flags):
-        b.run("PyTorch AOT activation offloading", "inductor", backend=None, flags=flags)
-    else:
-        b.rows.append({"config": "PyTorch AOT activation offloading", "error": f"torch {torch.__version__} has no torch._functorch.config.{'/'.join(flags)}"})
+    # PyTorch's own pass offloads the forward nodes a joint-graph pass marks should_offload;
+    # mark those of the same first k layers (it then keeps only saved, contiguous, non-view ones)
+    base_flags = {"enable_activation_offloading": True, "joint_custom_pass": mark_layers_for_torch_offload(k)}
+    variants = {"sync": {}, "separate stream": {"activation_offload_separate_stream": True},
+                "separate stream + sink wait + prefetch": {"activation_offload_separate_stream": True, "activation_offload_sink_wait": True, "activation_reload_prefetch": True}}
+    for label, extra in variants.items():
+        flags = {**base_flags, **extra}
+        name = f"PyTorch AOT activation offloading first {k} ({label})"
+        missing = [f for f in flags if not hasattr(torch._functorch.config, f)]
+        if missing:
+            if not b.args.only or any(o in name for o in b.args.only):
+                b.rows.append({"config": name, "error": f"torch {torch.__version__} has no torch._functorch.config.{'/'.join(missing)}"})
+            continue
+        b.run(name, "inductor", backend=None, flags=flags, theoretical=(per_layer or 0) * k)
+    # measured again at the end: the transfer-bound uses the mean, and the spread is reported
+    b.result["pinned_h2d_bytes_per_s_end"] = bandwidth("h2d")
+    b.result["pinned_d2h_bytes_per_s_end"] = bandwidth("d2h")
+    print(f"at the end: pinned H2D {b.result['pinned_h2d_bytes_per_s_end'] / 1e9:.1f} GB/s, D2H {b.result['pinned_d2h_bytes_per_s_end'] / 1e9:.1f} GB/s", flush=True)
     b.save()
     print(f"wrote {b.path}")
     return 0

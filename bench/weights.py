@@ -294,6 +294,8 @@ class Bench:
 
     # --- hostswap
     def run_hostswap(self, workload: str, budget_name: str, budget: int, config: str, policy: str, depth: int, cuda_graph: bool = False, warm_pool: bool = True) -> dict | None:
+        if self.args.only and not any(o in config for o in self.args.only):
+            return None
         try:
             return self._run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph, warm_pool)
         except Exception as e:  # recorded, not hidden: the table shows the failure
@@ -329,6 +331,8 @@ class Bench:
                 "activation_arena_bytes": after["activation_arena_bytes"],
                 "load_s": m.load_seconds,
                 "allocations_per_forward": (after["allocations"] - before["allocations"]) / runs,
+                "fragmentation_evictions_per_forward": (after["fragmentation_evictions"] - before["fragmentation_evictions"]) / runs,
+                "pool_trims_per_forward": (after["pool_trims"] - before["pool_trims"]) / runs,
                 "allocation_s_per_call": ((after["allocation_seconds"] - before["allocation_seconds"]) / (after["allocations"] - before["allocations"])) if after["allocations"] > before["allocations"] else None,
                 **compare(out, self.reference[workload]),
             }
@@ -464,6 +468,7 @@ def main(argv=None) -> int:
     p.add_argument("--deadline-s", type=float, default=540, help="stop starting new configurations after this many seconds")
     p.add_argument("--reserve-s", type=float, default=30)
     p.add_argument("--workloads", type=lambda v: v.split(","), default=["decode", "prefill"], help="comma-separated subset of decode,prefill")
+    p.add_argument("--only", type=lambda v: v.split(","), default=[], help="run only hostswap configurations whose names contain one of these")
     p.add_argument("--skip", default="", help="comma-separated: accelerate,load,budgets")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))

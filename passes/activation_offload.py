@@ -309,13 +309,15 @@ class ActivationOffloadBackend:
     """
 
     def __init__(self, model_layers: int, num_layers: int | None = None, *, synchronization_dict: dict | None = None, manual: bool = False,
-                 min_tensor_size_to_offload: int = 1 << 20, layers: str | None = None, compiler: str = "inductor"):
+                 min_tensor_size_to_offload: int = 1 << 20, layers: str | None = None, compiler: str = "inductor", reload_ahead: int | None = None):
         if compiler not in INNER_COMPILERS:
             raise ActivationOffloadError(f"compiler must be one of {INNER_COMPILERS}, got {compiler!r}")
         if isinstance(min_tensor_size_to_offload, bool) or not isinstance(min_tensor_size_to_offload, int) or min_tensor_size_to_offload < 0:
             raise ActivationOffloadError(f"min_tensor_size_to_offload must be an int >= 0 (bytes), got {min_tensor_size_to_offload!r}")
         if sum(x is not None and x is not False for x in (num_layers, synchronization_dict, manual or None)) != 1:
             raise ActivationOffloadError("give exactly one of num_layers=, synchronization_dict= or manual=True")
+        if reload_ahead is not None and num_layers is None:
+            raise ActivationOffloadError("reload_ahead= applies to the default schedule: give it with num_layers=")
         if manual:
             default_sync_dict(model_layers, 0)  # validates model_layers
             sync = {i: (True, min(i + 1, model_layers - 1), False, i) for i in range(model_layers)}
@@ -323,7 +325,7 @@ class ActivationOffloadBackend:
             default_sync_dict(model_layers, 0)
             sync = validate_sync_dict(synchronization_dict, model_layers)
         else:
-            sync = default_sync_dict(model_layers, num_layers)
+            sync = default_sync_dict(model_layers, num_layers, reload_ahead)
         self.schedule = ActivationSchedule(model_layers, sync, manual=manual)
         self.synchronizer = OffloadSynchronizer(self.schedule)
         self.layers, self.min_bytes, self.compiler = layers, min_tensor_size_to_offload, compiler

@@ -29,6 +29,8 @@ import itertools
 import torch
 from torch.library import Library
 
+from hostswap.schedules.sync_dict import point_name
+
 _LIB = Library("hostswap", "FRAGMENT")
 _LIB.define("act_offload(Tensor x, int sync, int tensor) -> Tensor")
 _LIB.define("act_boundary(Tensor x, int sync, int point, Tensor[] keep) -> Tensor")
@@ -147,6 +149,10 @@ class OffloadSynchronizer:
         self.bytes_offloaded = 0  # last step
         self.pinned_allocations = 0  # over the synchronizer's life: constant after the first step
         self.log: list[tuple[str, int]] = []  # (action, layer) of the last step
+        # Set to a list to record, at every point of a step on CUDA, (point, bytes allocated
+        # there, peak since the previous point): where in the step the peak falls. Resets
+        # the allocator's peak counter at each point, so leave it off when measuring a peak.
+        self.memory_trace: list[tuple[str, int, int]] | None = None
         self._phase: str | None = None
         _SYNCHRONIZERS[self.id] = self
 
@@ -187,6 +193,10 @@ class OffloadSynchronizer:
         return x.new_empty((0,))
 
     def at_point(self, p: int) -> None:
+        if self.memory_trace is not None and self._transfers is not None and self._transfers.cuda:
+            device = self._transfers.device
+            self.memory_trace.append((point_name(p, self.schedule.model_layers), torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
+            torch.cuda.reset_peak_memory_stats(device)
         release, reload = self.schedule.actions_at(p)
         for layer in release:
             self.release_activation_forward_gpu_memory(layer)

@@ -44,7 +44,8 @@ class PoolStats:
     forwards: int = 0
     allocations: int = 0  # lru on CUDA: cudaMallocFromPoolAsync calls
     allocation_seconds: float = 0.0  # host time spent in them
-    pool_trims: int = 0  # lru on CUDA: allocations retried after handing unused chunks back
+    pool_trims: int = 0  # lru: allocations retried after handing wholly free chunks back
+    fragmentation_evictions: int = 0  # lru: victims beyond the byte count, for a refused allocation
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -151,34 +152,27 @@ class _CudaMemPool:
             _, name = self.cudart.cudaGetErrorName(err)
             raise PoolCreationError(f"{what} failed: {name.decode()}")
 
-    def alloc(self, nbytes: int, stream: torch.cuda.Stream, stats: PoolStats | None = None) -> tuple[int, torch.Tensor]:
+    def try_alloc(self, nbytes: int, stream: torch.cuda.Stream, stats: PoolStats | None = None) -> tuple[int, torch.Tensor] | None:
+        """An allocation of ``nbytes`` ordered on ``stream``; None when the capped pool refuses."""
         t0 = time.perf_counter()
         err, ptr = self.cudart.cudaMallocFromPoolAsync(nbytes, self.pool, stream.cuda_stream)
         if stats is not None:
             stats.allocations += 1
             stats.allocation_seconds += time.perf_counter() - t0
         if err == self.cudart.cudaError_t.cudaErrorMemoryAllocation:
-            # The bytes in use fit the cap (the policy guarantees it), but the driver reserves
-            # memory in chunks and freed blocks of other sizes may not coalesce. Wait for the
-            # stream-ordered frees, hand unused chunks back to the driver and try once more.
             self.cudart.cudaGetLastError()
-            stream.synchronize()
-            (trim_err,) = self.cudart.cudaMemPoolTrimTo(self.pool, 0)
-            self._check(trim_err, "cudaMemPoolTrimTo")
-            if stats is not None:
-                stats.pool_trims += 1
-            err, ptr = self.cudart.cudaMallocFromPoolAsync(nbytes, self.pool, stream.cuda_stream)
-        if err != self.cudart.cudaError_t.cudaSuccess:
-            self.cudart.cudaGetLastError()
-            _, name = self.cudart.cudaGetErrorName(err)
-            raise PoolCreationError(
-                f"cudaMallocFromPoolAsync({nbytes} bytes) from the pool capped at {self.max_bytes} bytes failed: {name.decode()}"
-                " (the lru policy's bytes in use are within the budget; the driver pool is fragmented:"
-                " use policy='planned', which has no fragmentation, or a larger budget)"
-            )
+            return None
+        self._check(err, f"cudaMallocFromPoolAsync({nbytes} bytes)")
         ptr = int(ptr)
-        holder = _CudaArray(ptr, nbytes)
-        return ptr, torch.as_tensor(holder, device=self.device)
+        return ptr, torch.as_tensor(_CudaArray(ptr, nbytes), device=self.device)
+
+    def trim(self, stream: torch.cuda.Stream) -> None:
+        """Hand wholly free chunks back to the driver, so that a block larger than any free
+        block inside the reserved chunks can be mapped within the cap. Waits for ``stream``
+        first: a chunk is released only once the frees ordered on it have happened."""
+        stream.synchronize()
+        (err,) = self.cudart.cudaMemPoolTrimTo(self.pool, 0)
+        self._check(err, "cudaMemPoolTrimTo")
 
     def free(self, ptr: int, stream: torch.cuda.Stream) -> None:
         (err,) = self.cudart.cudaFreeAsync(ptr, stream.cuda_stream)
@@ -192,6 +186,25 @@ class _CudaMemPool:
 class _CudaArray:
     def __init__(self, ptr: int, nbytes: int):
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
+
+
+class _HostAllocator:
+    """The lru allocator off CUDA: one tensor per weight; the byte cap is the policy's."""
+
+    def __init__(self, device: torch.device, max_bytes: int):
+        self.device = device
+
+    def try_alloc(self, nbytes: int, stream, stats: PoolStats | None = None) -> tuple[None, torch.Tensor]:
+        return None, torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def trim(self, stream) -> None:
+        pass
+
+    def free(self, handle, stream) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class WeightPool:
@@ -271,52 +284,89 @@ class WeightPool:
     def _init_lru(self, warm: bool) -> None:
         self.lru = LruPolicy(self.schedule, self.budget_bytes)
         self._tensor: dict[int, torch.Tensor] = {}
-        self._ptr: dict[int, int] = {}
+        self._handle: dict[int, object] = {}
         self._ready: dict[int, object] = {}
         self._last_reader: dict[int, int] = {}
         self._prefetched: set[int] = set()
-        self._cuda_pool = None
         if self.device.type == "cuda":
             try:
-                self._cuda_pool = _CudaMemPool(self.device, self.budget_bytes)
+                self.allocator = _CudaMemPool(self.device, self.budget_bytes)
             except PoolCreationError:
                 raise
             except Exception as e:  # bindings missing or too old
                 raise PoolCreationError(f"cannot create the capped CUDA memory pool: {e}") from e
-        pinned = self.lru.pinned
-        for w in sorted(pinned):
-            self._load(w, demand=False, count=False)
-        if warm and self._cuda_pool is not None:
+        else:
+            self.allocator = _HostAllocator(self.device, self.budget_bytes)
+        if warm and self.device.type == "cuda":
             self._rehearse_lru()
+        for w in sorted(self.lru.pinned):
+            self._load(w, demand=False, count=False)
+
+    def _allocate(self, w: int, probe: int, policy: LruPolicy, evict, is_loaded, stats: PoolStats | None) -> tuple[object, torch.Tensor]:
+        """Allocate weight ``w``'s bytes, evicting further victims while the allocator refuses.
+
+        The policy keeps the bytes in use within the budget, but a real allocator fragments:
+        the driver pool maps memory in chunks, and freed blocks of other sizes need not leave
+        one large enough. So evict until the allocation succeeds (policy.evict_for_allocator
+        says which weights may go), and hand wholly free chunks back to the driver when that
+        can make room for a new chunk.
+        """
+        size = self.sizes[w]
+        stream = self.streams.copy_stream if self.streams.cuda else None
+        freed_since_trim, trimmed = 0, False
+        while True:
+            got = self.allocator.try_alloc(size, stream, stats)
+            if got is not None:
+                return got
+            if not trimmed or freed_since_trim >= size:
+                self.allocator.trim(stream)
+                if stats is not None:
+                    stats.pool_trims += 1
+                freed_since_trim, trimmed = 0, True
+                continue
+            action = policy.evict_for_allocator(probe, w, is_loaded)
+            if action is None:
+                raise PoolCreationError(
+                    f"the capped pool refused {size} bytes for '{self.schedule.fqns[w]}' at probe {probe} with only the"
+                    f" current kernel's weights left to evict ({policy.used} of {self.budget_bytes} budget bytes in use):"
+                    " the pool is fragmented; use policy='planned', whose fixed layout cannot fragment, or a larger budget"
+                )
+            freed_since_trim += evict(action.weight)
+            if stats is not None:
+                stats.fragmentation_evictions += 1
 
     def _rehearse_lru(self) -> None:
         """Replay two forwards' allocations and frees (no copies) through the driver pool at load.
 
-        Warms the pool (first-forward allocator work moves to load) and, since the driver
-        reserves memory in chunks, finds out at load, not mid-forward, when the capped pool
-        cannot serve this schedule's allocation pattern.
+        Warms the pool (first-forward allocator work moves to load) and finds out at load, not
+        mid-forward, whether the capped pool can serve this schedule at this budget at all.
         """
         stream = self.streams.copy_stream
-        live: dict[int, int] = {}
+        live: dict[int, object] = {}
+        policy = LruPolicy(self.schedule, self.budget_bytes)
+
+        def evict(w: int) -> int:
+            self.allocator.free(live.pop(w), stream)
+            return self.sizes[w]
+
         try:
-            for _, action in replay_lru(LruPolicy(self.schedule, self.budget_bytes), self.schedule, forwards=2):
+            for w in sorted(policy.pinned):
+                live[w] = self._allocate(w, 0, policy, evict, live.__contains__, None)[0]
+            for _, action in replay_lru(policy, self.schedule, forwards=2):
                 if action.kind == "evict":
-                    self._cuda_pool.free(live.pop(action.weight), stream)
+                    evict(action.weight)
                 elif action.kind == "load":
-                    live[action.weight] = self._cuda_pool.alloc(self.sizes[action.weight], stream)[0]
+                    live[action.weight] = self._allocate(action.weight, action.probe, policy, evict, live.__contains__, None)[0]
         except PoolCreationError as e:
             raise PoolCreationError(f"the lru pool cannot serve this schedule at weight_offload_budget_mb={self.budget_bytes / 2**20:.2f}: {e}") from None
         finally:
-            for ptr in live.values():
-                self._cuda_pool.free(ptr, stream)
+            for handle in live.values():
+                self.allocator.free(handle, stream)
             torch.cuda.synchronize(self.device)
 
-    def _load(self, w: int, demand: bool, count: bool = True) -> None:
-        if self._cuda_pool is not None:
-            ptr, raw = self._cuda_pool.alloc(self.sizes[w], self.streams.copy_stream, self.stats if count else None)
-            self._ptr[w] = ptr
-        else:
-            raw = torch.empty(self.sizes[w], dtype=torch.uint8, device=self.device)
+    def _load(self, w: int, demand: bool, count: bool = True, probe: int = 0) -> None:
+        handle, raw = self._allocate(w, probe, self.lru, self._evict, self._handle.__contains__, self.stats if count else None)
+        self._handle[w] = handle
         tensor = self._typed(raw, w)
         self._ready[w] = self.streams.copy(tensor, self.host[w])
         self._tensor[w] = tensor
@@ -329,18 +379,18 @@ class WeightPool:
                 self.stats.prefetches_issued += 1
                 self._prefetched.add(w)
 
-    def _evict(self, w: int) -> None:
+    def _evict(self, w: int) -> int:
         if w in self._prefetched:
             self.stats.prefetches_wasted += 1
             self._prefetched.discard(w)
         self.stats.evictions += 1
         # Reuse of the bytes waits for the last kernel that read them (stream-ordered free).
         self.streams.copy_waits_for_kernel(self._last_reader.get(w, -1))
-        if self._cuda_pool is not None:
-            self._cuda_pool.free(self._ptr.pop(w), self.streams.copy_stream)
+        self.allocator.free(self._handle.pop(w), self.streams.copy_stream if self.streams.cuda else None)
         del self._tensor[w]
         self._ready.pop(w, None)
         self._account(-self.sizes[w])
+        return self.sizes[w]
 
     def _acquire_lru(self, probe_id: int) -> torch.Tensor:
         w = self.schedule.probe_weight[probe_id]
@@ -348,7 +398,7 @@ class WeightPool:
             if action.kind == "evict":
                 self._evict(action.weight)
             elif action.kind == "load":
-                self._load(action.weight, demand=action.demand)
+                self._load(action.weight, demand=action.demand, probe=probe_id)
             elif action.kind == "hit":
                 self.stats.hits += 1
                 if action.weight in self._prefetched:
@@ -426,9 +476,10 @@ class WeightPool:
         return self._ring_tensor[probe_id]
 
     def close(self) -> None:
-        if self.policy_name == "lru" and self._cuda_pool is not None:
-            for w in list(self._ptr):
-                self._cuda_pool.free(self._ptr.pop(w), self.streams.copy_stream)
+        if self.policy_name == "lru" and self.allocator is not None:
+            stream = self.streams.copy_stream if self.streams.cuda else None
+            for w in list(self._handle):
+                self.allocator.free(self._handle.pop(w), stream)
             self._tensor.clear()
-            self._cuda_pool.close()
-            self._cuda_pool = None
+            self.allocator.close()
+            self.allocator = None

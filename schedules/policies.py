@@ -56,6 +56,7 @@ class LruPolicy:
         self.resident: OrderedDict[int, None] = OrderedDict()
         self.used = 0
         self.protect_until: dict[int, int] = {}
+        self.demanded_at: dict[int, int] = {}  # weight -> kernel whose probe last handed it out
         self.prefetched_unused: set[int] = set()
         self.launched = 0
         self.peak_used = 0
@@ -63,6 +64,7 @@ class LruPolicy:
     def begin_forward(self) -> None:
         self.launched = 0
         self.protect_until.clear()
+        self.demanded_at.clear()
 
     def kernel_launched(self, kernel: int) -> None:
         self.launched = kernel + 1
@@ -80,9 +82,35 @@ class LruPolicy:
             self.used -= self.sizes[victim]
             actions.append(Action("evict", victim, probe))
 
+    def evict_for_allocator(self, probe: int, allocating: int, is_loaded) -> Action | None:
+        """One more victim when the allocator refuses a size that the byte count admits.
+
+        A real allocator fragments: the bytes in use fit the budget, but no free block is
+        large enough. Frees are ordered after the last kernel that read the bytes, so any
+        weight may go except those the current kernel has already been handed (its launch
+        will read them) and the one being allocated. In order of cost: unprotected weights
+        (LRU first); weights only launched kernels read (the allocation then waits for those
+        kernels); prefetched weights not yet handed out (furthest use first; they are copied
+        again when asked for). ``is_loaded`` excludes weights whose load this probe has
+        decided but not yet carried out. None when nothing is left.
+        """
+        kernel = self.schedule.probe_kernel[probe]
+        movable = [w for w in self.resident if w != allocating and is_loaded(w) and self.demanded_at.get(w) != kernel]
+        unprotected = [w for w in movable if not self._protected(w)]
+        behind = [w for w in movable if self._protected(w) and self.protect_until.get(w, -1) <= kernel]
+        ahead = sorted((w for w in movable if self.protect_until.get(w, -1) > kernel), key=lambda w: -self.protect_until[w])
+        victim = next(iter(unprotected or behind or ahead), None)
+        if victim is None:
+            return None
+        del self.resident[victim]
+        self.used -= self.sizes[victim]
+        return Action("evict", victim, probe)
+
     def _ensure(self, w: int, probe: int, demand: bool, actions: list[Action]) -> None:
         kernel = self.schedule.probe_kernel[probe]
         self.protect_until[w] = max(self.protect_until.get(w, -1), kernel + 1)
+        if demand:
+            self.demanded_at[w] = kernel
         if w in self.resident:
             self.resident.move_to_end(w)
             if demand:

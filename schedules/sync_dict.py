@@ -34,9 +34,17 @@ def point_name(p: int, model_layers: int) -> str:
     return f"fwd {p}" if p < model_layers else f"bwd {2 * model_layers - 1 - p}"
 
 
-def default_sync_dict(model_layers: int, num_layers: int) -> dict[int, SyncEntry]:
-    """Offload the first k of n layers; at most n-k layers' activations on the GPU."""
+def default_sync_dict(model_layers: int, num_layers: int, reload_ahead: int | None = None) -> dict[int, SyncEntry]:
+    """Offload the first k of n layers; at most n-k layers' activations on the GPU.
+
+    The default reloads layer i when layer n-k+i-1 begins its backward pass, as early as the
+    n-k bound allows. The weight gradients made in the meantime then add to the peak.
+    ``reload_ahead=r`` reloads layer i instead when layer i+r begins its backward pass, so
+    that the peak stays near the forward's (measured in bench/activations.py).
+    """
     n, k = model_layers, num_layers
+    if reload_ahead is not None and (isinstance(reload_ahead, bool) or not isinstance(reload_ahead, int) or reload_ahead < 1):
+        raise SyncDictError(f"reload_ahead must be an int >= 1 (layers), got {reload_ahead!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise SyncDictError(f"model_layers must be a positive int, got {n!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
@@ -53,7 +61,9 @@ def default_sync_dict(model_layers: int, num_layers: int) -> dict[int, SyncEntry
             NoOverlapWarning,
             stacklevel=3,
         )
-    return {i: (True, n - k + i, False, n - k + i - 1) for i in range(k)}
+    if reload_ahead is None:
+        return {i: (True, n - k + i, False, n - k + i - 1) for i in range(k)}
+    return {i: (True, n - k + i, False, min(i + reload_ahead, n - 1)) for i in range(k)}
 
 
 def validate_sync_dict(sync: dict, model_layers: int) -> dict[int, SyncEntry]:

@@ -238,6 +238,24 @@ def test_default_dictionary_and_its_limits():
         default_sync_dict(5, -1)
     with pytest.raises(SyncDictError, match="model_layers must be a positive int"):
         default_sync_dict(0, 0)
+    # reload_ahead: the reload of layer i starts at layer i+r's backward (capped at the last layer)
+    assert default_sync_dict(5, 2, reload_ahead=1) == {0: (True, 3, False, 1), 1: (True, 4, False, 2)}
+    assert default_sync_dict(5, 2, reload_ahead=9) == {0: (True, 3, False, 4), 1: (True, 4, False, 4)}
+    for bad in (0, True, 1.5):
+        with pytest.raises(SyncDictError, match="reload_ahead must be an int >= 1"):
+            default_sync_dict(5, 2, reload_ahead=bad)
+
+
+def test_reload_ahead_reloads_late_and_stays_bitwise():
+    model = Stack(MLPBlock)
+    x = torch.randn(2, 16, H, generator=torch.Generator().manual_seed(1))
+    reference = _steps(model, hostswap.activation_offload_backend(model_layers=4, num_layers=0, min_tensor_size_to_offload=0), x)
+    backend = hostswap.activation_offload_backend(model_layers=4, num_layers=2, reload_ahead=1, min_tensor_size_to_offload=0)
+    _assert_bitwise(reference, _steps(model, backend, x))
+    log = [a for a in backend.synchronizer.log if a[0] != "offload"]
+    # layer 1 is reloaded only after layer 3's backward (the last non-offloaded one) is done with
+    assert [a for a in log if a[0] == "reload"] == [("reload", 1), ("reload", 0)]
+    assert backend.schedule.rows()[1]["reload_start"] == "bwd 2" and backend.schedule.rows()[0]["reload_start"] == "bwd 1"
 
 
 @pytest.mark.parametrize("sync,message", [
@@ -274,6 +292,10 @@ def test_backend_errors():
         hostswap.activation_offload_backend(model_layers=4, num_layers=1, compiler="tvm")
     with pytest.raises(ActivationOffloadError, match="min_tensor_size_to_offload"):
         hostswap.activation_offload_backend(model_layers=4, num_layers=1, min_tensor_size_to_offload=-1)
+    with pytest.raises(ActivationOffloadError, match="reload_ahead= applies to the default schedule"):
+        hostswap.activation_offload_backend(model_layers=4, synchronization_dict={}, reload_ahead=1)
+    with pytest.raises(SyncDictError, match="reload_ahead must be an int >= 1"):
+        hostswap.activation_offload_backend(model_layers=4, num_layers=1, reload_ahead=0)
     backend = hostswap.activation_offload_backend(model_layers=6, num_layers=1, compiler="eager")
     with pytest.raises(Exception, match="model_layers=6, but the compiled model has 4 blocks"):
         _steps(Stack(MLPBlock), backend, torch.randn(2, 16, H), steps=1)

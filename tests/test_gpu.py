@@ -37,8 +37,8 @@ def test_cuda_outputs_match_and_cap_holds(lowered, policy):
         st = m.stats
         assert st["peak_weight_bytes"] <= budget
         if policy == "lru":
-            cudart = m.pool._cuda_pool.cudart
-            err, high = cudart.cudaMemPoolGetAttribute(m.pool._cuda_pool.pool, cudart.cudaMemPoolAttr.cudaMemPoolAttrReservedMemHigh)
+            cudart = m.pool.allocator.cudart
+            err, high = cudart.cudaMemPoolGetAttribute(m.pool.allocator.pool, cudart.cudaMemPoolAttr.cudaMemPoolAttrReservedMemHigh)
             print(f"{policy} budget={budget} pool reserved high={int(high)} stats={st}")
         else:
             print(f"{policy} budget={budget} stats={st}")
