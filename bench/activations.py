@@ -176,7 +176,7 @@ class Bench:
             row["max_offloaded_layers_on_gpu"] = backend.synchronizer.max_offloaded_layers_on_gpu
             row["theoretical_saving_bytes"] = sum(r["offloaded_bytes"] for r in backend.schedule.rows())
             row["synchronization_dict"] = {str(k): list(v) for k, v in backend.schedule.sync.items()}
-        if trace_rows:
+        if trace_rows and len(trace_rows) > 1:
             # the peak of a segment is reached between the point named and the next one
             row["memory_trace"] = trace_rows
             top = max(range(len(trace_rows) - 1), key=lambda i: trace_rows[i + 1][2])

@@ -193,8 +193,8 @@ class OffloadSynchronizer:
         return x.new_empty((0,))
 
     def at_point(self, p: int) -> None:
-        if self.memory_trace is not None and self._transfers is not None and self._transfers.cuda:
-            device = self._transfers.device
+        if self.memory_trace is not None and torch.cuda.is_available():
+            device = self._transfers.device if self._transfers is not None else torch.device("cuda", torch.cuda.current_device())
             self.memory_trace.append((point_name(p, self.schedule.model_layers), torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
             torch.cuda.reset_peak_memory_stats(device)
         release, reload = self.schedule.actions_at(p)
