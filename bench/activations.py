@@ -141,7 +141,7 @@ class Bench:
                     times.append(time.perf_counter() - t)
                 peak = torch.cuda.max_memory_allocated() - start
                 grads = [p.grad.detach().clone() for p in model.parameters()]
-                if trace and isinstance(backend, hostswap.passes.activation_offload.ActivationOffloadBackend):
+                if (trace or self.args.trace_all) and isinstance(backend, hostswap.passes.activation_offload.ActivationOffloadBackend):
                     # one more step, traced: memory at every layer boundary and the peak between them
                     for p in model.parameters():
                         p.grad = None
@@ -215,6 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--trace-all", action="store_true", help="one traced step after every hostswap configuration")
     p.add_argument("--only", type=lambda v: v.split(","), default=[], help="run only configurations whose names contain one of these")
     args = p.parse_args(argv)
     b = Bench(args)

@@ -166,11 +166,12 @@ class _CudaMemPool:
         ptr = int(ptr)
         return ptr, torch.as_tensor(_CudaArray(ptr, nbytes), device=self.device)
 
-    def trim(self, stream: torch.cuda.Stream) -> None:
+    def trim(self, stream: torch.cuda.Stream, wait: bool) -> None:
         """Hand wholly free chunks back to the driver, so that a block larger than any free
-        block inside the reserved chunks can be mapped within the cap. Waits for ``stream``
-        first: a chunk is released only once the frees ordered on it have happened."""
-        stream.synchronize()
+        block inside the reserved chunks can be mapped within the cap. A chunk is released
+        only once the frees ordered on it have happened: ``wait`` waits for ``stream`` first."""
+        if wait:
+            stream.synchronize()
         (err,) = self.cudart.cudaMemPoolTrimTo(self.pool, 0)
         self._check(err, "cudaMemPoolTrimTo")
 
@@ -197,7 +198,7 @@ class _HostAllocator:
     def try_alloc(self, nbytes: int, stream, stats: PoolStats | None = None) -> tuple[None, torch.Tensor]:
         return None, torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def trim(self, stream) -> None:
+    def trim(self, stream, wait: bool) -> None:
         pass
 
     def free(self, handle, stream) -> None:
@@ -313,27 +314,34 @@ class WeightPool:
         """
         size = self.sizes[w]
         stream = self.streams.copy_stream if self.streams.cuda else None
-        freed_since_trim, trimmed = 0, False
+        # Evict first: a free is stream-ordered and costs nothing now. Trim only once the frees
+        # add up to the size (or nothing is left to evict), since the driver then refuses for
+        # want of a chunk, not of bytes: first without waiting (hands back what is already
+        # free), then after waiting for the copy stream's frees, which stalls the host.
+        freed, trims = 0, 0
         while True:
             got = self.allocator.try_alloc(size, stream, stats)
             if got is not None:
                 return got
-            if not trimmed or freed_since_trim >= size:
-                self.allocator.trim(stream)
+            action = None
+            if freed < size or trims >= 2:
+                action = policy.evict_for_allocator(probe, w, is_loaded)
+            if action is not None:
+                freed += evict(action.weight)
+                trims = 0
                 if stats is not None:
-                    stats.pool_trims += 1
-                freed_since_trim, trimmed = 0, True
+                    stats.fragmentation_evictions += 1
                 continue
-            action = policy.evict_for_allocator(probe, w, is_loaded)
-            if action is None:
+            if trims >= 2:
                 raise PoolCreationError(
                     f"the capped pool refused {size} bytes for '{self.schedule.fqns[w]}' at probe {probe} with only the"
                     f" current kernel's weights left to evict ({policy.used} of {self.budget_bytes} budget bytes in use):"
                     " the pool is fragmented; use policy='planned', whose fixed layout cannot fragment, or a larger budget"
                 )
-            freed_since_trim += evict(action.weight)
+            self.allocator.trim(stream, wait=trims == 1)
+            trims += 1
             if stats is not None:
-                stats.fragmentation_evictions += 1
+                stats.pool_trims += 1
 
     def _rehearse_lru(self) -> None:
         """Replay two forwards' allocations and frees (no copies) through the driver pool at load.

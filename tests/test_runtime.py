@@ -385,7 +385,7 @@ class FirstFitArena:
                 merged.append((o, n))
         self.free_blocks = merged
 
-    def trim(self, stream):
+    def trim(self, stream, wait):
         pass
 
     def close(self):
