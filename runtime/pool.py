@@ -266,7 +266,11 @@ class WeightPool:
         self.stats.forwards += 1
 
     def kernel_launched(self, kernel: int) -> None:
-        if self.policy_name == "lru" or kernel in self._awaited_kernels:
+        if self.policy_name == "lru":
+            if not self.lru.may_evict:
+                return
+            self.streams.kernel_launched(kernel)
+        elif kernel in self._awaited_kernels:
             self.streams.kernel_launched(kernel)
         if self.policy_name == "lru":
             self.lru.kernel_launched(kernel)
@@ -302,6 +306,13 @@ class WeightPool:
             self._rehearse_lru()
         for w in sorted(self.lru.pinned):
             self._load(w, demand=False, count=False)
+        if self.lru.pinned:
+            # pinned weights never move: wait for their copies once here, not at every probe
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            for w in self.lru.pinned:
+                self._ready.pop(w, None)
+                self._prefetched.discard(w)
 
     def _allocate(self, w: int, probe: int, policy: LruPolicy, evict, is_loaded, stats: PoolStats | None) -> tuple[object, torch.Tensor]:
         """Allocate weight ``w``'s bytes, evicting further victims while the allocator refuses.
@@ -402,6 +413,9 @@ class WeightPool:
 
     def _acquire_lru(self, probe_id: int) -> torch.Tensor:
         w = self.schedule.probe_weight[probe_id]
+        if not self.lru.may_evict:  # the budget holds every weight, all loaded at load time
+            self.stats.hits += 1
+            return self._tensor[w]
         for action in self.lru.on_probe(probe_id):
             if action.kind == "evict":
                 self._evict(action.weight)

@@ -50,8 +50,14 @@ class LruPolicy:
         check_budget(schedule, budget_bytes)
         self.schedule = schedule
         ids = {f: i for i, f in enumerate(schedule.fqns)}
-        self.pinned = {ids[f] for f in schedule.pin}
         self.sizes = [aligned(b) for b in schedule.weight_bytes]
+        if sum(self.sizes) <= budget_bytes:
+            # everything fits: load all once, as the runtime does pinned weights; nothing is
+            # ever evicted, so no per-probe bookkeeping and no per-kernel events are needed
+            self.pinned = set(range(len(self.sizes)))
+        else:
+            self.pinned = {ids[f] for f in schedule.pin}
+        self.may_evict = len(self.pinned) < len(self.sizes)
         self.capacity = budget_bytes - sum(self.sizes[w] for w in self.pinned)
         self.resident: OrderedDict[int, None] = OrderedDict()
         self.used = 0
