@@ -243,7 +243,10 @@ def main(argv=None) -> int:
     b.run(f"hostswap custom dict (first {n // 2}, window 2)", "hostswap", backend=hostswap_backend(synchronization_dict=custom))
     k = n // 2
     b.run(f"hostswap k={k} + checkpoint others", "hostswap+ckpt", backend=hostswap_backend(num_layers=k), wrap={i: "checkpoint" for i in range(k, n)})
-    b.run(f"hostswap k={k} reload_ahead=2", "hostswap", backend=hostswap_backend(num_layers=k, reload_ahead=2), trace=True)
+    # one layer later than the default (n-k-1): room for the weight gradients made meanwhile
+    for k2 in sorted({1, n // 4, n // 2, n - 2}):
+        if n - k2 - 2 >= 1:
+            b.run(f"hostswap k={k2} reload_ahead={n - k2 - 2}", "hostswap", backend=hostswap_backend(num_layers=k2, reload_ahead=n - k2 - 2), trace=True)
     # bitwise: flash and memory-efficient attention backward are not run-to-run deterministic
     # even without offload, so the bitwise pair runs the math attention (matmuls and softmax)
     b.run("no offload (hostswap k=0), math attention", "math", backend=hostswap_backend(num_layers=0), deterministic=True)
