@@ -15,12 +15,11 @@ from hostswap.passes.weight_offload import (
     WeightOffloadError,
     WeightOffloadOptions,
     get_weight_schedule,
-    weight_placeholders,
-    weight_tensor,
+    schedule_with_options,
 )
 from hostswap.schedules import serialization
 from hostswap.schedules.pte_program import plan_by_name
-from hostswap.schedules.weight_schedule import ScheduleError, WeightSchedule, schedule_from_graph
+from hostswap.schedules.weight_schedule import ScheduleError
 
 METHOD = "forward"
 
@@ -62,21 +61,6 @@ def _make_memory_planning_pass():
     return ProbeAwareMemoryPlanningPass()
 
 
-def _lowered_schedule(edge_ep: ExportedProgram, options: WeightOffloadOptions) -> WeightSchedule:
-    by_placeholder = weight_placeholders(edge_ep)
-    weight_bytes = {}
-    for fqn in by_placeholder.values():
-        t = weight_tensor(edge_ep, fqn)
-        weight_bytes[fqn] = t.numel() * t.element_size()
-    return schedule_from_graph(
-        edge_ep.graph_module.graph,
-        fqn_of_placeholder=by_placeholder,
-        weight_bytes=weight_bytes,
-        prefetch_depth=options.prefetch_depth,
-        pin=options.pin,
-    )
-
-
 def emitted_probe_sequence(program, method: str = METHOD) -> list[tuple[int, str]]:
     """(probe_id, FQN) of every probe instruction of ``method``, in instruction order."""
     plan = plan_by_name(program, method)
@@ -106,7 +90,7 @@ def to_executorch(ep: ExportedProgram, *, progress=None):
     say = progress or (lambda _msg: None)
     say("lowering to the edge dialect")
     edge = to_edge_transform_and_lower(ep, compile_config=EdgeCompileConfig(_check_ir_validity=False))
-    schedule = _lowered_schedule(edge.exported_program(METHOD), options)
+    schedule = schedule_with_options(edge.exported_program(METHOD), options)
     # ExecutorchProgramManager emits EdgeProgramManager._config_methods as constant methods;
     # the schedule is only known after lowering, so it is set here rather than at creation.
     edge._config_methods = {**(edge._config_methods or {}), **serialization.encode(schedule, METHOD)}

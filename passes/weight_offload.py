@@ -199,7 +199,12 @@ def apply_weight_offload(ep: ExportedProgram, *, prefetch_depth: int = 1, pin: S
 
 def schedule_from_exported_program(ep: ExportedProgram) -> WeightSchedule:
     """The weight schedule of a probed program (aten or edge dialect)."""
-    options: WeightOffloadOptions = ep.graph_module.meta[OPTIONS_META_KEY]
+    return schedule_with_options(ep, ep.graph_module.meta[OPTIONS_META_KEY])
+
+
+def schedule_with_options(ep: ExportedProgram, options: WeightOffloadOptions) -> WeightSchedule:
+    """The weight schedule of ``ep``'s probes, with the pass options given (lowering passes
+    them explicitly: lowered graph modules do not keep the pass's metadata)."""
     by_placeholder = weight_placeholders(ep)
     weight_bytes = {}
     for fqn in by_placeholder.values():
