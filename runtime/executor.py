@@ -74,14 +74,15 @@ class _ListRef:
     optional: bool = False
 
 
-def _tensor_from_arena(t, arenas: dict[int, torch.Tensor]) -> torch.Tensor:
+def _tensor_from_arena(t, arenas: dict[int, torch.Tensor], at: tuple[int, int] | None = None) -> torch.Tensor:
+    """Program tensor ``t`` in its planned place, or at ``at`` = (memory id, offset)."""
     info = t.allocation_info
-    offset = info.memory_offset_low + (info.memory_offset_high << 32)
+    memory_id, offset = at if at is not None else (info.memory_id, info.memory_offset_low + (info.memory_offset_high << 32))
     dtype = torch_dtype(t.scalar_type)
     numel = 1
     for s in t.sizes:
         numel *= s
-    raw = arenas[info.memory_id][offset : offset + numel * dtype.itemsize]
+    raw = arenas[memory_id][offset : offset + numel * dtype.itemsize]
     tensor = raw.view(dtype).view(list(t.sizes))
     if list(t.dim_order) != list(range(len(t.sizes))):
         # stored in dim order; expose logical sizes with the matching strides
@@ -93,7 +94,7 @@ def _tensor_from_arena(t, arenas: dict[int, torch.Tensor]) -> torch.Tensor:
 class MethodExecutor:
     """One method of a program, ready to run: every value and kernel resolved at load."""
 
-    def __init__(self, program, plan, device: torch.device, weights: Callable[[str], torch.Tensor] | None, probe_handler=None, constant_data: bytes | None = None, elide_copies: bool = True):
+    def __init__(self, program, plan, device: torch.device, weights: Callable[[str], torch.Tensor] | None, probe_handler=None, constant_data: bytes | None = None, elide_copies: bool = True, replan: bool = True):
         _register_executorch_ops()
         self.plan, self.device, self.name = plan, device, plan.name
         self.probe_handler = probe_handler
@@ -107,6 +108,7 @@ class MethodExecutor:
         self.unplanned: set[int] = set()
         self.regions: dict[int, tuple[int, int, int]] = {}  # planned value -> (memory id, start, end)
         self.contiguous: dict[int, bool] = {}
+        self._meta: dict[int, object] = {}  # planned value -> its program tensor (sizes, dtype, dim order)
         self.reads: list[set[int]] = []  # per instruction: value ids it reads
         self.writes: list[set[int]] = []  # per instruction: value ids it writes (out arguments)
         for i, value in enumerate(plan.values):
@@ -118,7 +120,10 @@ class MethodExecutor:
                 raise ProgramError(f"method '{self.name}' has {len(plan.chains)} chains; only one is supported")
             for i, instruction in enumerate(chain.instructions):
                 self.instructions.append(self._compile(i, instruction))
-        self.elided_copies = self._elide_copies() if elide_copies else 0
+        self.elided_copies = 0
+        if elide_copies:
+            replanned = self._replan_with_views() if replan else None
+            self.elided_copies = self._elide_copies() if replanned is None else replanned
 
     # --- values -----------------------------------------------------------------------------
     def _initial_value(self, i, value, program, weights, constant_data):
@@ -147,6 +152,7 @@ class MethodExecutor:
                 raise ProgramError(f"method '{self.name}' reads external weight '{info.fully_qualified_name}' but no .ptd was given")
             return weights(info.fully_qualified_name)
         if t.allocation_info is not None:
+            self._meta[i] = t
             tensor = _tensor_from_arena(t, self.arenas)
             info = t.allocation_info
             low = info.memory_offset_low + (info.memory_offset_high << 32)
@@ -248,6 +254,125 @@ class MethodExecutor:
         return ("kernel", op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword)
 
     # --- copy elision -------------------------------------------------------------------------
+    def _replan_with_views(self) -> int | None:
+        """Run view-like copies as views, and plan the activation memory so that they may.
+
+        ExecuTorch plans memory for its copy-everything edge dialect: a copy's source buffer
+        is reused as soon as the copy has read it, so few copies can later run as views
+        (``_elide_copies``). Here the copies are turned into views first, every view extends
+        the life of the buffer it reads, and the buffers are placed again (largest first,
+        lowest offset free over its lifetime) in one arena. Returns the number of copies run
+        as views, or None to keep ExecuTorch's plan (jumps or moves, or a planned value whose
+        aliasing is not understood).
+        """
+        if any(ins[0] in ("jump_false", "move") for ins in self.instructions):
+            return None
+        n = len(self.instructions)
+        inputs, outputs = set(self.plan.inputs), set(self.plan.outputs)
+        write_pcs: dict[int, list[int]] = {}
+        read_pcs: dict[int, list[int]] = {}
+        for pc in range(n):
+            for v in self.writes[pc]:
+                write_pcs.setdefault(v, []).append(pc)
+            for v in self.reads[pc]:
+                read_pcs.setdefault(v, []).append(pc)
+        planned = [v for v in self.regions if v in self._meta]
+        # Values no instruction writes are views ExecuTorch folded into planning: find the
+        # written value whose bytes they read (the last one written into them before).
+        folded_base: dict[int, int] = {}
+        for v in planned:
+            if write_pcs.get(v) or v in inputs:
+                continue
+            mem, lo, hi = self.regions[v]
+            first = min(read_pcs.get(v, [n]))
+            candidates = [(max(p for p in write_pcs[u] if p < first), u) for u in planned
+                          if u != v and write_pcs.get(u) and any(p < first for p in write_pcs[u])
+                          and self.regions[u][0] == mem and self.regions[u][1] <= lo and hi <= self.regions[u][2]]
+            if not candidates:
+                if hi > lo:
+                    return None
+                continue
+            folded_base[v] = max(candidates)[1]
+        folded_of = {b for b in folded_base.values()}
+        # Decide the views. root: the buffer a view reads; contiguous: whether the view is.
+        root: dict[int, int] = {}
+        contiguous = dict(self.contiguous)
+        views: dict[int, int] = {}  # pc -> viewed value
+        for pc, ins in enumerate(self.instructions):
+            if ins[0] != "kernel" or ins[5] is not None:
+                continue
+            view = self._view_of_copy(ins)
+            if view is None:
+                continue
+            view_op, keeps_contiguity, needs_contiguous = view
+            x, y = ins[2][0], ins[3].get("out")
+            if y is None or x not in self._meta or y not in self._meta or y in inputs or write_pcs.get(y) != [pc] or y in folded_of or x in folded_base:
+                continue
+            if needs_contiguous and not contiguous.get(x, False):
+                continue
+            r = root.get(x, x)
+            if any(p > pc for p in write_pcs.get(r, [])):
+                continue  # the buffer is written again later: a view would see the new bytes
+            root[y] = r
+            contiguous[y] = keeps_contiguity and contiguous.get(x, False)
+            views[pc] = y
+        # Lifetimes of the buffers that remain: first write (inputs: the start) to the last read
+        # of the buffer, of the views ExecuTorch folded into it and of the views made here.
+        owner = {v: root.get(v, v) for v in planned}
+        owner.update({v: owner[b] for v, b in folded_base.items()})
+        life: dict[int, list[int]] = {}
+        for v in planned:
+            o = owner[v]
+            if o in folded_base or o in root:
+                continue
+            span = life.setdefault(o, [n, -1])
+            pcs = write_pcs.get(v, []) + read_pcs.get(v, [])
+            if v in inputs:
+                pcs = pcs + [0]
+            if v in outputs:
+                pcs = pcs + [n]
+            if pcs:
+                span[0], span[1] = min(span[0], min(pcs)), max(span[1], max(pcs))
+        sizes = {o: self.regions[o][2] - self.regions[o][1] for o in life}
+        placed: list[tuple[int, int, int, int]] = []  # offset, end, first, last
+        offset_of: dict[int, int] = {}
+        align = 256
+        for o in sorted(life, key=lambda o: (-sizes[o], o)):
+            first, last = life[o]
+            if sizes[o] == 0:
+                offset_of[o] = 0
+                continue
+            busy = sorted((a, b) for a, b, f, l in placed if not (l < first or last < f))
+            offset = 0
+            for a, b in busy:
+                if offset + sizes[o] <= a:
+                    break
+                offset = max(offset, -(-b // align) * align)
+            offset_of[o] = offset
+            placed.append((offset, offset + sizes[o], first, last))
+        total = max((b for _, b, _, _ in placed), default=0)
+        arena = torch.empty(total, dtype=torch.uint8, device=self.device)
+        self.arenas = {0: arena}
+        self.arena_bytes = total
+        for v in planned:
+            o = owner[v]
+            if v in root:
+                self.values[v] = None  # bound by its view instruction on every run
+                continue
+            base = folded_base.get(v, v) if o not in root else None
+            if base is None:
+                return None
+            start = offset_of[o] + (self.regions[v][1] - self.regions[base][1] if v in folded_base else 0)
+            self.values[v] = _tensor_from_arena(self._meta[v], self.arenas, at=(0, start))
+        for v in planned:
+            self.regions[v] = (0, offset_of.get(owner[v], 0), offset_of.get(owner[v], 0) + self.regions[v][2] - self.regions[v][1])
+        for pc, y in views.items():
+            ins = self.instructions[pc]
+            view_op = self._view_of_copy(ins)[0]
+            self.writes[pc] = set()
+            self.instructions[pc] = ("kernel", ins[1], ins[2][:1] + self._view_args(ins), {}, ins[4], view_op, ins[6], {}, {})
+        return len(views)
+
     def _elide_copies(self) -> int:
         """Run ``*_copy`` view ops (and same-dtype contiguous casts) between planned tensors as views.
 
