@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 
+import torch
 import torch.fx
 from torch.export import ExportedProgram
 
@@ -18,6 +19,10 @@ from hostswap.passes.weight_offload import (
     schedule_with_options,
 )
 from hostswap.schedules import serialization
+
+# Ops the edge dialect would decompose that have an ATen out variant: kept, they run as the
+# one kernel eager PyTorch launches.
+PRESERVED_OPS = (torch.ops.aten.silu.default,)
 from hostswap.schedules.pte_program import plan_by_name
 from hostswap.schedules.weight_schedule import ScheduleError
 
@@ -89,7 +94,8 @@ def to_executorch(ep: ExportedProgram, *, progress=None):
     options: WeightOffloadOptions = ep.graph_module.meta[OPTIONS_META_KEY]
     say = progress or (lambda _msg: None)
     say("lowering to the edge dialect")
-    edge = to_edge_transform_and_lower(ep, compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    # silu stays one kernel, as in eager PyTorch (the edge dialect would run sigmoid and mul)
+    edge = to_edge_transform_and_lower(ep, compile_config=EdgeCompileConfig(_check_ir_validity=False, preserve_ops=list(PRESERVED_OPS)))
     schedule = schedule_with_options(edge.exported_program(METHOD), options)
     # ExecutorchProgramManager emits EdgeProgramManager._config_methods as constant methods;
     # the schedule is only known after lowering, so it is set here rather than at creation.
