@@ -293,7 +293,7 @@ class MethodExecutor:
                     return None
                 continue
             folded_base[v] = max(candidates)[1]
-        folded_of = {b for b in folded_base.values()}
+        folded_of = set(folded_base.values())
         # Decide the views. root: the buffer a view reads; contiguous: whether the view is.
         root: dict[int, int] = {}
         contiguous = dict(self.contiguous)
