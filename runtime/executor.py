@@ -359,10 +359,8 @@ class MethodExecutor:
             if v in root:
                 self.values[v] = None  # bound by its view instruction on every run
                 continue
-            base = folded_base.get(v, v) if o not in root else None
-            if base is None:
-                return None
-            start = offset_of[o] + (self.regions[v][1] - self.regions[base][1] if v in folded_base else 0)
+            # a folded view sits where it sat in its base (its base is never a view made here)
+            start = offset_of[o] + (self.regions[v][1] - self.regions[folded_base[v]][1] if v in folded_base else 0)
             self.values[v] = _tensor_from_arena(self._meta[v], self.arenas, at=(0, start))
         for v in planned:
             self.regions[v] = (0, offset_of.get(owner[v], 0), offset_of.get(owner[v], 0) + self.regions[v][2] - self.regions[v][1])
