@@ -297,16 +297,9 @@ class MethodExecutor:
         # Decide the views. root: the buffer a view reads; contiguous: whether the view is.
         root: dict[int, int] = {}
         contiguous = dict(self.contiguous)
-        views: dict[int, int] = {}  # pc -> viewed value
-        for pc, ins in enumerate(self.instructions):
-            if ins[0] != "kernel" or ins[5] is not None:
-                continue
-            view = self._view_of_copy(ins)
-            if view is None:
-                continue
-            view_op, keeps_contiguity, needs_contiguous = view
-            x, y = ins[2][0], ins[3].get("out")
-            if y is None or x not in self._meta or y not in self._meta or y in inputs or write_pcs.get(y) != [pc] or y in folded_of or x in folded_base:
+        views: dict[int, object] = {}  # pc -> the view op its copy runs as
+        for pc, x, y, view_op, keeps_contiguity, needs_contiguous in self._copies_viewable():
+            if x not in self._meta or y not in self._meta or y in inputs or write_pcs.get(y) != [pc] or y in folded_of or x in folded_base:
                 continue
             if needs_contiguous and not contiguous.get(x, False):
                 continue
@@ -315,7 +308,7 @@ class MethodExecutor:
                 continue  # the buffer is written again later: a view would see the new bytes
             root[y] = r
             contiguous[y] = keeps_contiguity and contiguous.get(x, False)
-            views[pc] = y
+            views[pc] = view_op
         # Lifetimes of the buffers that remain: first write (inputs: the start) to the last read
         # of the buffer, of the views ExecuTorch folded into it and of the views made here.
         owner = {v: root.get(v, v) for v in planned}
@@ -354,21 +347,20 @@ class MethodExecutor:
         arena = torch.empty(total, dtype=torch.uint8, device=self.device)
         self.arenas = {0: arena}
         self.arena_bytes = total
+        new_regions = {}
         for v in planned:
-            o = owner[v]
             if v in root:
                 self.values[v] = None  # bound by its view instruction on every run
                 continue
             # a folded view sits where it sat in its base (its base is never a view made here)
-            start = offset_of[o] + (self.regions[v][1] - self.regions[folded_base[v]][1] if v in folded_base else 0)
+            start = offset_of[owner[v]] + (self.regions[v][1] - self.regions[folded_base[v]][1] if v in folded_base else 0)
             self.values[v] = _tensor_from_arena(self._meta[v], self.arenas, at=(0, start))
-        for v in planned:
-            self.regions[v] = (0, offset_of.get(owner[v], 0), offset_of.get(owner[v], 0) + self.regions[v][2] - self.regions[v][1])
-        for pc, y in views.items():
-            ins = self.instructions[pc]
-            view_op = self._view_of_copy(ins)[0]
-            self.writes[pc] = set()
-            self.instructions[pc] = ("kernel", ins[1], ins[2][:1] + self._view_args(ins), {}, ins[4], view_op, ins[6], {}, {})
+            new_regions[v] = (0, start, start + self.regions[v][2] - self.regions[v][1])
+        for v in root:
+            new_regions[v] = new_regions[root[v]]
+        self.regions = new_regions
+        for pc, view_op in views.items():
+            self._run_as_view(pc, view_op)
         return len(views)
 
     def _elide_copies(self) -> int:
@@ -404,15 +396,8 @@ class MethodExecutor:
         contiguous = dict(self.contiguous)
 
         elided = 0
-        for pc, ins in enumerate(self.instructions):
-            if ins[0] != "kernel" or ins[5] is not None:
-                continue
-            view = self._view_of_copy(ins)
-            if view is None:
-                continue
-            view_op, keeps_contiguity, needs_contiguous = view
-            x, y = ins[2][0], ins[3].get("out")
-            if y is None or x not in self.regions or y not in self.regions or y in inputs or write_count.get(y, 0) != 1:
+        for pc, x, y, view_op, keeps_contiguity, needs_contiguous in self._copies_viewable():
+            if x not in self.regions or y not in self.regions or y in inputs or write_count.get(y, 0) != 1:
                 continue
             if needs_contiguous and not contiguous.get(x, False):
                 continue
@@ -424,9 +409,8 @@ class MethodExecutor:
                 continue
             root[y], group_end[r] = r, end
             contiguous[y] = keeps_contiguity and contiguous.get(x, False)
-            self.writes[pc] = set()
             self.regions[y] = self.regions[r]
-            self.instructions[pc] = ("kernel", ins[1], ins[2][:1] + self._view_args(ins), {}, ins[4], view_op, ins[6], {}, {})
+            self._run_as_view(pc, view_op)
             elided += 1
         return elided
 
@@ -459,6 +443,23 @@ class MethodExecutor:
             view_op = getattr(getattr(torch.ops.aten, base), functional, None)
             return None if view_op is None else (view_op, keeps, needs)
         return None
+
+    def _copies_viewable(self):
+        """(pc, source, output, view op, keeps contiguity, needs a contiguous source) of every
+        copy kernel that could run as a view; the callers decide which may."""
+        for pc, ins in enumerate(self.instructions):
+            if ins[0] != "kernel" or ins[5] is not None:
+                continue
+            view = self._view_of_copy(ins)
+            y = ins[3].get("out")
+            if view is not None and y is not None:
+                yield (pc, ins[2][0], y, *view)
+
+    def _run_as_view(self, pc: int, view_op) -> None:
+        """Rewrite copy kernel ``pc`` to bind its output to ``view_op`` of its source."""
+        ins = self.instructions[pc]
+        self.writes[pc] = set()
+        self.instructions[pc] = ("kernel", ins[1], ins[2][:1] + self._view_args(ins), {}, ins[4], view_op, ins[6], {}, {})
 
     def _view_args(self, ins) -> list[int]:
         """Positional arguments of the view op: the copy's positional arguments after self."""
