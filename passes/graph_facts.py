@@ -51,3 +51,11 @@ def is_view_like(node: torch.fx.Node) -> bool:
 def first_tensor_input(node: torch.fx.Node) -> torch.fx.Node | None:
     arg = node.args[0] if node.args else None
     return arg if isinstance(arg, torch.fx.Node) else None
+
+
+def view_chain_root(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node a chain of view-like ops starts from (``node`` itself if it is no view);
+    None if the chain loses its tensor input."""
+    while node is not None and is_view_like(node):
+        node = first_tensor_input(node)
+    return node

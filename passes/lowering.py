@@ -10,7 +10,7 @@ import torch
 import torch.fx
 from torch.export import ExportedProgram
 
-from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like
+from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, view_chain_root
 from hostswap.passes.weight_offload import (
     OPTIONS_META_KEY,
     WeightOffloadError,
@@ -19,27 +19,19 @@ from hostswap.passes.weight_offload import (
     schedule_with_options,
 )
 from hostswap.schedules import serialization
-
-# Ops the edge dialect would decompose that have an ATen out variant: kept, they run as the
-# one kernel eager PyTorch launches.
-PRESERVED_OPS = (torch.ops.aten.silu.default,)
 from hostswap.schedules.pte_program import plan_by_name
 from hostswap.schedules.weight_schedule import ScheduleError
 
 METHOD = "forward"
+# Ops the edge dialect would decompose that have an ATen out variant: kept, they run as the
+# one kernel eager PyTorch launches.
+PRESERVED_OPS = (torch.ops.aten.silu.default,)
 
 
 def _probe_derived(node: torch.fx.Node) -> bool:
     """True if ``node`` is a probe's output or a view chain of one (out-variant graph)."""
-    while True:
-        if is_probe(node):
-            return True
-        if not is_view_like(node):
-            return False
-        parent = first_tensor_input(node)
-        if parent is None:
-            return False
-        node = parent
+    root = view_chain_root(node)
+    return root is not None and is_probe(root)
 
 
 def _make_memory_planning_pass():

@@ -12,7 +12,7 @@ from torch.export.graph_signature import InputKind
 
 from hostswap.passes import probe_op
 from hostswap.passes.fused_attention import KeepFusedAttentionPass
-from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, underlying_op
+from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, underlying_op, view_chain_root
 from hostswap.schedules.weight_schedule import WeightSchedule, schedule_from_graph
 
 SCHEDULE_META_KEY = "hostswap_weight_schedule"
@@ -74,15 +74,8 @@ class WeightOffloadPass:
 
     def _weight_root(self, node: torch.fx.Node) -> torch.fx.Node | None:
         """The weight placeholder that ``node`` is (a view chain of), else None."""
-        while True:
-            if node.op == "placeholder":
-                return node if node.name in self.weight_fqn_by_placeholder else None
-            if not is_view_like(node):
-                return None
-            parent = first_tensor_input(node)
-            if parent is None:
-                return None
-            node = parent
+        root = view_chain_root(node)
+        return root if root is not None and root.op == "placeholder" and root.name in self.weight_fqn_by_placeholder else None
 
     @staticmethod
     def _view_chain(node: torch.fx.Node, root: torch.fx.Node) -> list[torch.fx.Node]:
@@ -145,10 +138,8 @@ def _written_in_place(ep: ExportedProgram, by_placeholder: dict[str, str]) -> se
         for arg_schema, arg in zip(op._schema.arguments, node.args):
             alias = arg_schema.alias_info
             if alias is not None and alias.is_write and isinstance(arg, torch.fx.Node):
-                root = arg
-                while root.op != "placeholder" and is_view_like(root) and first_tensor_input(root) is not None:
-                    root = first_tensor_input(root)
-                if root.op == "placeholder" and root.name in by_placeholder:
+                root = view_chain_root(arg)
+                if root is not None and root.op == "placeholder" and root.name in by_placeholder:
                     written.add(by_placeholder[root.name])
     return written
 
