@@ -59,6 +59,7 @@ class _Streams:
         self.device = device
         self.measure_stalls = measure_stalls and self.cuda
         self._stall_pairs: list[tuple] = []
+        self.copy_stream = None  # CPU: copies are synchronous
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.kernel_events = [torch.cuda.Event() for _ in range(num_kernels)]
@@ -312,7 +313,6 @@ class WeightPool:
                 torch.cuda.synchronize(self.device)
             for w in self.lru.pinned:
                 self._ready.pop(w, None)
-                self._prefetched.discard(w)
 
     def _allocate(self, w: int, probe: int, policy: LruPolicy, evict, is_loaded, stats: PoolStats | None) -> tuple[object, torch.Tensor]:
         """Allocate weight ``w``'s bytes, evicting further victims while the allocator refuses.
@@ -324,7 +324,7 @@ class WeightPool:
         can make room for a new chunk.
         """
         size = self.sizes[w]
-        stream = self.streams.copy_stream if self.streams.cuda else None
+        stream = self.streams.copy_stream
         # Evict first: a free is stream-ordered and costs nothing now. Trim only once the frees
         # add up to the size (or nothing is left to evict), since the driver then refuses for
         # want of a chunk, not of bytes: first without waiting (hands back what is already
@@ -405,7 +405,7 @@ class WeightPool:
         self.stats.evictions += 1
         # Reuse of the bytes waits for the last kernel that read them (stream-ordered free).
         self.streams.copy_waits_for_kernel(self._last_reader.get(w, -1))
-        self.allocator.free(self._handle.pop(w), self.streams.copy_stream if self.streams.cuda else None)
+        self.allocator.free(self._handle.pop(w), self.streams.copy_stream)
         del self._tensor[w]
         self._ready.pop(w, None)
         self._account(-self.sizes[w])
@@ -499,7 +499,7 @@ class WeightPool:
 
     def close(self) -> None:
         if self.policy_name == "lru" and self.allocator is not None:
-            stream = self.streams.copy_stream if self.streams.cuda else None
+            stream = self.streams.copy_stream
             for w in list(self._handle):
                 self.allocator.free(self._handle.pop(w), stream)
             self._tensor.clear()
