@@ -16,7 +16,7 @@ import time
 import torch
 
 from hostswap.schedules.floor import aligned
-from hostswap.schedules.policies import LruPolicy, plan_layout, replay_lru
+from hostswap.schedules.policies import LruPolicy, issue_horizon, plan_layout, replay_lru
 from hostswap.schedules.weight_schedule import WeightSchedule
 
 POLICIES = ("lru", "planned")
@@ -222,6 +222,7 @@ class WeightPool:
         self.stats = PoolStats()
         self.streams = _Streams(device, schedule.num_kernels)
         self._next_probe = 0
+        self._launched = -1  # last kernel launched in this forward
         self._live_bytes = 0
         self._readers: list[list[int]] = [[] for _ in range(schedule.num_kernels)]
         for p, w in enumerate(schedule.probe_weight):
@@ -257,6 +258,7 @@ class WeightPool:
         else:
             self._issued = 0
             self._prefetched_fills = set()
+        self._launched = -1
 
     def end_forward(self) -> None:
         if self._next_probe != self.schedule.num_probes:
@@ -267,6 +269,7 @@ class WeightPool:
         self.stats.forwards += 1
 
     def kernel_launched(self, kernel: int) -> None:
+        self._launched = kernel
         if self.policy_name == "lru":
             if not self.lru.may_evict:
                 return
@@ -463,9 +466,18 @@ class WeightPool:
         self._prefetched_fills: set[int] = set()
         # Only kernels that a ring fill waits for need an event (none when all is resident).
         self._awaited_kernels = frozenset(k for k in layout.fill_waits_for.values() if k >= 0)
+        self._issue_through = issue_horizon(self.schedule, layout)
 
     def _issue_fill(self, q: int) -> None:
-        self.streams.copy_waits_for_kernel(self.layout.fill_waits_for[q])
+        waits_for = self.layout.fill_waits_for[q]
+        if waits_for > self._launched:
+            # The event of a kernel not launched in this forward still holds the previous
+            # forward's record: waiting on it would let the copy overwrite live bytes.
+            raise ScheduleDivergenceError(
+                f"ring fill for probe {q} ('{self.schedule.fqns[self.schedule.probe_weight[q]]}') must wait for kernel {waits_for}, "
+                f"but only kernels up to {self._launched} have been launched in this forward"
+            )
+        self.streams.copy_waits_for_kernel(waits_for)
         w = self.schedule.probe_weight[q]
         self._ring_ready[q] = self.streams.copy(self._ring_tensor[q], self.host[w])
         self.stats.bytes_h2d += self.schedule.weight_bytes[w]
@@ -473,7 +485,7 @@ class WeightPool:
     def _acquire_planned(self, probe_id: int) -> torch.Tensor:
         layout = self.layout
         w = self.schedule.probe_weight[probe_id]
-        last = min(probe_id + self.schedule.prefetch_depth, self.schedule.num_probes - 1)
+        last = self._issue_through[probe_id]
         while self._issued <= last:
             q = self._issued
             if q in layout.fill_offset:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 
-from hostswap.schedules.floor import StreamSequence, aligned, lru_requirement, ring_is_safe, ring_placement, ring_requirement
+from hostswap.schedules.floor import StreamSequence, aligned, lru_requirement, probe_ends, ring_is_safe, ring_placement, ring_requirement
 from hostswap.schedules.weight_schedule import WeightSchedule
 
 
@@ -252,6 +252,30 @@ def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
         reuse_offset=reuse_offset,
         streamed_bytes=streamed,
     )
+
+
+def issue_horizon(schedule: WeightSchedule, layout: PlannedLayout) -> list[int]:
+    """For each probe, the last probe whose ring fill may be issued once it is acquired.
+
+    Prefetch depth counts streamed probes, as the ring's safety windows do (floor.windows):
+    while kernel j's probes are acquired, fills run through the d-th streamed probe after
+    kernel j. Counting all probes instead would let a run of resident weights starve the
+    copy stream. Every such fill overwrites only bytes that kernels up to j-2 read.
+    """
+    streamed = [p for p in range(schedule.num_probes) if p in layout.fill_offset or p in layout.reuse_offset]
+    ends = probe_ends(
+        StreamSequence(
+            probe_weight=tuple(schedule.probe_weight[p] for p in streamed),
+            probe_kernel=tuple(schedule.probe_kernel[p] for p in streamed),
+            num_kernels=schedule.num_kernels,
+            sizes=(),
+        )
+    )
+    horizon = []
+    for p in range(schedule.num_probes):
+        limit = min(ends[schedule.probe_kernel[p]] + schedule.prefetch_depth, len(streamed))
+        horizon.append(max(p, streamed[limit - 1]) if limit else p)
+    return horizon
 
 
 def replay_lru(policy: LruPolicy, schedule: WeightSchedule, forwards: int):

@@ -79,6 +79,62 @@ def test_planned_streams_only_what_is_not_resident(lowered_by_name):
         m.close()
 
 
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
+def test_planned_prefetch_counts_streamed_probes(lowered, depth):
+    from hostswap.schedules.policies import issue_horizon, plan_layout
+
+    s = dataclasses.replace(lowered.schedule, prefetch_depth=depth)
+    for name, budget in budgets(s).items():
+        layout = plan_layout(s, budget)
+        horizon = issue_horizon(s, layout)
+        streamed = [p for p in range(s.num_probes) if s.probe_weight[p] not in layout.resident]
+        issued_through = -1
+        for p in range(s.num_probes):
+            j = s.probe_kernel[p]
+            assert horizon[p] >= max(p, issued_through)
+            # exactly `depth` streamed probes beyond kernel j, however many resident ones lie between
+            ahead = [q for q in streamed if s.probe_kernel[q] > j]
+            assert [q for q in ahead if q <= horizon[p]] == ahead[:depth], (name, p)
+            # what becomes issuable now overwrites only ring bytes that kernels up to j-2 read
+            for q in range(issued_through + 1, horizon[p] + 1):
+                if q in layout.fill_offset:
+                    assert layout.fill_waits_for[q] <= j - 2 or layout.fill_waits_for[q] == -1, (name, p, q)
+            issued_through = horizon[p]
+
+
+def test_planned_prefetch_runs_ahead_over_resident_weights(lowered_by_name):
+    # Between two streamed weights lie resident ones; depth 1 must still copy the next
+    # streamed weight before its own probe, so every fill after the first is a prefetch.
+    demo = lowered_by_name("demo_transformer")
+    s = demo.schedule
+    half = budgets(s)["half"]
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=half / MB, device="cpu", policy="planned", prefetch_depth=1)
+    layout = m.pool.layout
+    assert len(layout.resident) > 0 and len(layout.fill_offset) > 2
+    gaps = [b - a for a, b in zip(sorted(layout.fill_offset), sorted(layout.fill_offset)[1:])]
+    assert max(gaps) > 1  # resident probes separate streamed ones
+    assert torch.equal(m(*demo.args), demo.lowered_expected)
+    # only a fill at probe 0 can be issued at its own probe: every other one is in the
+    # horizon of the probe before it
+    misses = 1 if 0 in layout.fill_offset else 0
+    assert m.stats["misses"] == misses
+    assert m.stats["prefetches_issued"] == len(layout.fill_offset) - misses == m.stats["prefetches_used"]
+    m.close()
+
+
+def test_error_ring_fill_ahead_of_the_kernel_it_must_wait_for(lowered_by_name, monkeypatch):
+    # A horizon past what the ring's windows allow would make a fill wait on an event that
+    # still holds the previous forward's record; the pool refuses instead of racing.
+    import hostswap.runtime.pool as pool_module
+
+    demo = lowered_by_name("demo_transformer")
+    monkeypatch.setattr(pool_module, "issue_horizon", lambda schedule, layout: [schedule.num_probes - 1] * schedule.num_probes)
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=demo.schedule.floor_bytes / MB, device="cpu", policy="planned")
+    with pytest.raises(ScheduleDivergenceError, match=r"ring fill for probe \d+ \('[\w.]+'\) must wait for kernel \d+, but only kernels up to -1 have been launched"):
+        m(*demo.args)
+    m.close()
+
+
 def test_constant_methods_readable_and_several_methods(lowered_by_name):
     demo = lowered_by_name("demo_transformer")
     m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=100, device="cpu")
