@@ -176,21 +176,37 @@ def _stream_sequence(schedule: WeightSchedule, kept: set[int]) -> tuple[StreamSe
     return seq, probes
 
 
-def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
-    """Keep as many weight bytes resident as the budget allows beyond what streaming needs."""
-    check_budget(schedule, budget_bytes)
-    ids = {f: i for i, f in enumerate(schedule.fqns)}
-    sizes = [aligned(b) for b in schedule.weight_bytes]
-    pinned = {ids[f] for f in schedule.pin}
-    kept = set(pinned)
+def _spread_streamed(schedule: WeightSchedule, sizes: list[int], kept: set[int], pinned: set[int]) -> set[int]:
+    """``kept`` with, in every class of equal-sized weights, the same number streamed, but those
+    evenly spaced in first-access order (centred Bresenham: s of n are the members where
+    round(i*s/n) steps). Resident bytes are unchanged."""
+    first_access: dict[int, int] = {}
+    for p, w in enumerate(schedule.probe_weight):
+        first_access.setdefault(w, p)
+    classes: dict[int, list[int]] = {}
+    for w in sorted(first_access, key=first_access.get):
+        if w not in pinned:
+            classes.setdefault(sizes[w], []).append(w)
+    spread = set(kept) | set(w for w in range(len(sizes)) if w not in first_access)
+    for members in classes.values():
+        n, s = len(members), sum(1 for w in members if w not in kept)
+        for i, w in enumerate(members):
+            if (2 * (i + 1) * s + n) // (2 * n) == (2 * i * s + n) // (2 * n):
+                spread.add(w)
+            else:
+                spread.discard(w)
+    return spread
+
+
+def _keep_greedily(schedule: WeightSchedule, sizes: list[int], kept: set[int], budget_bytes: int, seq: StreamSequence, ring: int) -> tuple[StreamSequence, int]:
+    """Add weights to ``kept`` (in place) while the ring for what is left still fits beside them.
+
+    Largest first: that removes the outliers that set the ring. The ring is not monotone in what
+    stays streamed (with a deep prefetch, keeping one weight can pull larger ones into a window),
+    so a weight refused once is tried again in later passes, until a pass adds nothing.
+    Returns the stream sequence and a safe ring size for the final ``kept``.
+    """
     kept_bytes = sum(sizes[w] for w in kept)
-    seq, _ = _stream_sequence(schedule, kept)
-    ring = ring_requirement(seq, schedule.prefetch_depth)
-    # Greedy, largest first: a weight becomes resident if the ring for what is left still
-    # fits beside everything resident. Largest first removes the outliers that set the ring.
-    # The ring is not monotone in what stays streamed (with a deep prefetch, keeping one weight
-    # can pull larger ones into a window), so a weight refused once is tried again in later
-    # passes, until a pass adds nothing.
     changed = True
     while changed:
         changed = False
@@ -203,14 +219,42 @@ def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
             if lower > available:
                 continue  # no ring is safe below the lru requirement: a cheap refusal
             # Safety is not monotone in the ring size (wrap waste), and scanning for the smallest
-            # safe ring per trial is slow: test the two sizes that matter, the least possible and
-            # all the space that would be left.
-            fits = [r for r in (lower, available) if not trial_seq.probe_weight or ring_is_safe(trial_seq, schedule.prefetch_depth, r)]
+            # safe ring per trial is slow: test the sizes that matter, the least possible, the
+            # least that is always safe (lru requirement plus the largest streamed weight: no
+            # wrap waste can then make a window overlap) and all the space that would be left.
+            largest = max((trial_seq.sizes[v] for v in set(trial_seq.probe_weight)), default=0)
+            candidates = sorted({lower, min(lower + largest, available), available})
+            fits = [r for r in candidates if not trial_seq.probe_weight or ring_is_safe(trial_seq, schedule.prefetch_depth, r)]
             if fits:
                 kept.add(w)
                 kept_bytes += sizes[w]
                 seq, ring = trial_seq, (fits[0] if trial_seq.probe_weight else 0)
                 changed = True
+    return seq, ring
+
+
+def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
+    """Keep as many weight bytes resident as the budget allows beyond what streaming needs."""
+    check_budget(schedule, budget_bytes)
+    ids = {f: i for i, f in enumerate(schedule.fqns)}
+    sizes = [aligned(b) for b in schedule.weight_bytes]
+    pinned = {ids[f] for f in schedule.pin}
+    kept = set(pinned)
+    seq, _ = _stream_sequence(schedule, kept)
+    ring = ring_requirement(seq, schedule.prefetch_depth)
+    seq, ring = _keep_greedily(schedule, sizes, kept, budget_bytes, seq, ring)
+    # Same bytes resident, but the streamed ones spread over the forward, so that every stretch
+    # of compute has copies to hide (a stretch of resident layers followed by a stretch of
+    # streamed ones runs compute, then copies, one after the other). A spread set usually
+    # needs a smaller ring; the room that frees is filled greedily again.
+    spread = _spread_streamed(schedule, sizes, kept, pinned)
+    if spread != kept:
+        spread_seq, _ = _stream_sequence(schedule, spread)
+        spread_ring = ring_requirement(spread_seq, schedule.prefetch_depth)
+        if sum(sizes[w] for w in spread) + spread_ring <= budget_bytes:
+            kept = spread
+            seq, ring = _keep_greedily(schedule, sizes, kept, budget_bytes, spread_seq, spread_ring)
+    kept_bytes = sum(sizes[w] for w in kept)
     # Shrink the ring to the smallest safe size when that one fits too (it usually does).
     smallest = ring_requirement(seq, schedule.prefetch_depth)
     if kept_bytes + smallest <= budget_bytes:

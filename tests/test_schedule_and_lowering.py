@@ -185,3 +185,42 @@ def test_planned_keeps_resident_all_but_what_streaming_needs():
             layout = plan_layout(s, budget)
             assert layout.resident_bytes + layout.ring_bytes <= budget
             assert layout.streamed_bytes <= 1.01 * (total - (budget - s.floor_bytes)), (depth, budget)
+
+
+def _meta_llama_schedule(layers):
+    from hostswap.models import llama_decoder
+
+    model = llama_decoder(layers, device="meta")
+    ep = hostswap.apply_weight_offload(torch.export.export(model, (torch.zeros(1, 1, dtype=torch.long, device="meta"),)))
+    return hostswap.get_weight_schedule(ep)
+
+
+def test_spread_streamed_keeps_bytes_and_spaces_each_size_class_evenly():
+    from hostswap.schedules.policies import _spread_streamed
+
+    s = _meta_llama_schedule(4)
+    sizes = [aligned(b) for b in s.weight_bytes]
+    order = sorted(range(len(sizes)), key=s.probe_weight.index)
+    # the worst case for overlap: everything of the first half resident, the second half streamed
+    kept = set(order[: len(order) // 2])
+    spread = _spread_streamed(s, sizes, kept, set())
+    assert sum(sizes[w] for w in spread) == sum(sizes[w] for w in kept)
+    for size in set(sizes):
+        members = [w for w in order if sizes[w] == size]
+        streamed = [i for i, w in enumerate(members) if w not in spread]
+        assert len(streamed) == sum(1 for w in members if w not in kept)
+        if len(streamed) > 1:
+            gaps = [b - a for a, b in zip(streamed, streamed[1:])]
+            assert max(gaps) - min(gaps) <= 1, (size, streamed)
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_planned_streams_in_every_layer_not_in_a_block(depth):
+    """Below the total, every decoder layer streams something: no stretch of resident layers
+    leaves the copy stream idle while a later stretch is copy-bound (issue 4's d4 at 75 %)."""
+    s = dataclasses.replace(_meta_llama_schedule(9), prefetch_depth=depth)
+    for fraction in (0.5, 0.75):
+        layout = plan_layout(s, int(fraction * s.total_bytes))
+        streamed_layers = {s.fqns[w].split(".")[1] for w in range(len(s.fqns)) if w not in layout.resident and s.fqns[w].startswith("layers.")}
+        assert streamed_layers == {str(i) for i in range(9)}, (fraction, sorted(streamed_layers))
+        assert layout.streamed_bytes <= 1.01 * (s.total_bytes - (int(fraction * s.total_bytes) - s.floor_bytes))
