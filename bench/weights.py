@@ -293,20 +293,20 @@ class Bench:
                 torch.cuda.empty_cache()
 
     # --- hostswap
-    def run_hostswap(self, workload: str, budget_name: str, budget: int, config: str, policy: str, depth: int, cuda_graph: bool = False, warm_pool: bool = True, ring_slack_mb: float = 0) -> dict | None:
+    def run_hostswap(self, workload: str, budget_name: str, budget: int, config: str, policy: str, depth: int, cuda_graph: bool = False, warm_pool: bool = True) -> dict | None:
         if self.args.only and not any(o in config for o in self.args.only):
             return None
         try:
-            return self._run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph, warm_pool, ring_slack_mb)
+            return self._run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph, warm_pool)
         except Exception as e:  # recorded, not hidden: the table shows the failure
             self.add_row({"workload": workload, "config": config, "policy": policy, "prefetch_depth": depth, "cuda_graph": cuda_graph,
                           "budget_name": budget_name, "budget_bytes": budget, "error": f"{type(e).__name__}: {e}"})
             gc.collect()
             return None
 
-    def _run_hostswap(self, workload, budget_name, budget, config, policy, depth, cuda_graph, warm_pool, ring_slack_mb) -> dict:
+    def _run_hostswap(self, workload, budget_name, budget, config, policy, depth, cuda_graph, warm_pool) -> dict:
         x = self.inputs[workload].to(self.device)
-        m = Module(self.programs[workload], self.ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, policy=policy, prefetch_depth=depth, cuda_graph=cuda_graph, warm_pool=warm_pool, ring_slack_mb=ring_slack_mb)
+        m = Module(self.programs[workload], self.ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, policy=policy, prefetch_depth=depth, cuda_graph=cuda_graph, warm_pool=warm_pool)
         self.registered_bandwidth(m)
         try:
             for _ in range(self.args.warmup):
@@ -321,7 +321,7 @@ class Bench:
             else:
                 streamed = (after["bytes_h2d"] - before["bytes_h2d"]) // runs
             row = {
-                "workload": workload, "config": config, "policy": policy, "prefetch_depth": depth, "cuda_graph": cuda_graph, "warm_pool": warm_pool, "ring_slack_mb": ring_slack_mb,
+                "workload": workload, "config": config, "policy": policy, "prefetch_depth": depth, "cuda_graph": cuda_graph, "warm_pool": warm_pool,
                 "budget_name": budget_name, "budget_bytes": budget, "floor_bytes": m.schedule.floor_bytes,
                 **timing,
                 "bytes_h2d_per_forward": streamed,
@@ -352,12 +352,11 @@ class Bench:
             del m
             gc.collect()
 
-    def hostswap_configs(self) -> list[tuple[str, str, int, bool, float]]:
-        configs = [(f"planned d{d}", "planned", d, False, 0) for d in DEPTHS]
-        configs += [(f"planned d1 slack{v:g}", "planned", 1, False, v) for v in self.args.ring_slack_mb]
-        configs += [(f"lru d{d}", "lru", d, False, 0) for d in DEPTHS]
+    def hostswap_configs(self) -> list[tuple[str, str, int, bool]]:
+        configs = [(f"planned d{d}", "planned", d, False) for d in DEPTHS]
+        configs += [(f"lru d{d}", "lru", d, False) for d in DEPTHS]
         if self.device.type == "cuda":
-            configs.append(("planned d1 cuda_graph", "planned", 1, True, 0))
+            configs.append(("planned d1 cuda_graph", "planned", 1, True))
         return configs
 
     def run_hostswap_all(self, budgets: bool = True) -> None:
@@ -372,12 +371,12 @@ class Bench:
             return
         for workload in self.inputs:
             for budget_name, budget in self.budgets()[:-1]:
-                for config, policy, depth, graph, slack in self.hostswap_configs():
+                for config, policy, depth, graph in self.hostswap_configs():
                     if self.time_left() < self.args.reserve_s:
                         self.result["notes"].append(f"stopped before {workload} {config} {budget_name}: deadline")
                         self.log(self.result["notes"][-1])
                         return
-                    self.run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph=graph, ring_slack_mb=slack)
+                    self.run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph=graph)
         # the seed's question: what one allocation costs in steady state, warmed or not
         floor_name, floor = self.budgets()[0]
         if "decode" in self.inputs:
@@ -470,7 +469,6 @@ def main(argv=None) -> int:
     p.add_argument("--reserve-s", type=float, default=30)
     p.add_argument("--workloads", type=lambda v: v.split(","), default=["decode", "prefill"], help="comma-separated subset of decode,prefill")
     p.add_argument("--only", type=lambda v: v.split(","), default=[], help="run only hostswap configurations whose names contain one of these")
-    p.add_argument("--ring-slack-mb", type=lambda v: [float(x) for x in v.split(",")], default=[], help="comma-separated MB: add 'planned d1 slackN' configurations (Module ring_slack_mb)")
     p.add_argument("--skip", default="", help="comma-separated: accelerate,load,budgets")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))

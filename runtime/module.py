@@ -52,12 +52,9 @@ class Module:
     input shapes) captures the whole forward, copies included, at the first call.
     ``prefetch_depth`` overrides the depth recorded by the pass; the floor is recomputed
     for it (a deeper prefetch needs more headroom), so the budget check stays exact.
-    ``ring_slack_mb`` (planned) keeps that many MB fewer weights resident and widens the ring
-    with them, so copies can run further ahead of compute: it streams more bytes, and pays
-    off only where copy and compute time are close (see the README's benchmark).
     """
 
-    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, ring_slack_mb: float = 0):
+    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None):
         t0 = time.perf_counter()
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -71,10 +68,6 @@ class Module:
             self.schedule = dataclasses.replace(self.schedule, prefetch_depth=prefetch_depth)
         self.budget_bytes = round(weight_offload_budget_mb * 2**20)
         check_budget(self.schedule, self.budget_bytes)
-        if isinstance(ring_slack_mb, bool) or not isinstance(ring_slack_mb, (int, float)) or not ring_slack_mb >= 0:
-            raise ValueError(f"ring_slack_mb must be a non-negative number of MB, got {ring_slack_mb!r}")
-        if ring_slack_mb and policy != "planned":
-            raise ValueError(f"ring_slack_mb applies to policy='planned' (its ring), not policy={policy!r}")
         if data_path is None:
             data_path = os.path.splitext(self.pte_path)[0] + ".ptd"
         self.ptd = PtdFile(data_path)
@@ -87,7 +80,7 @@ class Module:
             if self.device.type == "cuda":
                 self.ptd.register_with_cuda()
             host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
-            self.pool = WeightPool(self.schedule, host, self.budget_bytes, self.device, policy=policy, warm=warm_pool, ring_slack_bytes=round(ring_slack_mb * 2**20))
+            self.pool = WeightPool(self.schedule, host, self.budget_bytes, self.device, policy=policy, warm=warm_pool)
             self._executors: dict[str, MethodExecutor] = {}
             plan = plan_by_name(self.program, self.method_name)
             self._executors[self.method_name] = MethodExecutor(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)

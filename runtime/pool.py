@@ -212,7 +212,7 @@ class _HostAllocator:
 class WeightPool:
     """Serves probes in the recorded order from at most ``budget_bytes`` of device memory."""
 
-    def __init__(self, schedule: WeightSchedule, host_weights: dict[str, torch.Tensor], budget_bytes: int, device: torch.device, policy: str = "planned", warm: bool = True, ring_slack_bytes: int = 0):
+    def __init__(self, schedule: WeightSchedule, host_weights: dict[str, torch.Tensor], budget_bytes: int, device: torch.device, policy: str = "planned", warm: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.schedule, self.policy_name, self.device = schedule, policy, device
@@ -230,7 +230,7 @@ class WeightPool:
         if policy == "lru":
             self._init_lru(warm)
         else:
-            self._init_planned(ring_slack_bytes)
+            self._init_planned()
 
     # --- bookkeeping shared by both policies -------------------------------------------
     def _typed(self, raw: torch.Tensor, w: int) -> torch.Tensor:
@@ -433,8 +433,8 @@ class WeightPool:
         return self._tensor[w]
 
     # --- planned -----------------------------------------------------------------------------
-    def _init_planned(self, ring_slack_bytes: int) -> None:
-        self.layout = layout = plan_layout(self.schedule, self.budget_bytes, ring_slack_bytes)
+    def _init_planned(self) -> None:
+        self.layout = layout = plan_layout(self.schedule, self.budget_bytes)
         try:
             self.arena = torch.empty(layout.arena_bytes, dtype=torch.uint8, device=self.device)
         except (RuntimeError, torch.OutOfMemoryError) as e:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 
-from hostswap.schedules.floor import ALIGNMENT, StreamSequence, aligned, lru_requirement, probe_ends, ring_is_safe, ring_placement, ring_requirement, ring_step
+from hostswap.schedules.floor import StreamSequence, aligned, lru_requirement, probe_ends, ring_is_safe, ring_placement, ring_requirement
 from hostswap.schedules.weight_schedule import WeightSchedule
 
 
@@ -233,23 +233,16 @@ def _keep_greedily(schedule: WeightSchedule, sizes: list[int], kept: set[int], b
     return seq, ring
 
 
-def plan_layout(schedule: WeightSchedule, budget_bytes: int, ring_slack_bytes: int = 0) -> PlannedLayout:
-    """Keep as many weight bytes resident as the budget allows beyond what streaming needs.
-
-    ``ring_slack_bytes`` keeps that many bytes fewer resident and gives them to the ring, so that
-    copies can run further ahead of the kernels (the ring is then the largest safe size that fits).
-    """
+def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
+    """Keep as many weight bytes resident as the budget allows beyond what streaming needs."""
     check_budget(schedule, budget_bytes)
-    if isinstance(ring_slack_bytes, bool) or not isinstance(ring_slack_bytes, int) or ring_slack_bytes < 0:
-        raise ValueError(f"ring_slack_bytes must be a non-negative int, got {ring_slack_bytes!r}")
-    keep_budget = max(budget_bytes - ring_slack_bytes, 0)
     ids = {f: i for i, f in enumerate(schedule.fqns)}
     sizes = [aligned(b) for b in schedule.weight_bytes]
     pinned = {ids[f] for f in schedule.pin}
     kept = set(pinned)
     seq, _ = _stream_sequence(schedule, kept)
     ring = ring_requirement(seq, schedule.prefetch_depth)
-    seq, ring = _keep_greedily(schedule, sizes, kept, keep_budget, seq, ring)
+    seq, ring = _keep_greedily(schedule, sizes, kept, budget_bytes, seq, ring)
     # Same bytes resident, but the streamed ones spread over the forward, so that every stretch
     # of compute has copies to hide (a stretch of resident layers followed by a stretch of
     # streamed ones runs compute, then copies, one after the other). A spread set usually
@@ -258,21 +251,14 @@ def plan_layout(schedule: WeightSchedule, budget_bytes: int, ring_slack_bytes: i
     if spread != kept:
         spread_seq, _ = _stream_sequence(schedule, spread)
         spread_ring = ring_requirement(spread_seq, schedule.prefetch_depth)
-        if sum(sizes[w] for w in spread) + spread_ring <= keep_budget:
+        if sum(sizes[w] for w in spread) + spread_ring <= budget_bytes:
             kept = spread
-            seq, ring = _keep_greedily(schedule, sizes, kept, keep_budget, spread_seq, spread_ring)
+            seq, ring = _keep_greedily(schedule, sizes, kept, budget_bytes, spread_seq, spread_ring)
     kept_bytes = sum(sizes[w] for w in kept)
-    # Shrink the ring to the smallest safe size when that one fits too (it usually does); with
-    # slack, grow it instead to the largest safe size in what the budget leaves.
+    # Shrink the ring to the smallest safe size when that one fits too (it usually does).
     smallest = ring_requirement(seq, schedule.prefetch_depth)
     if kept_bytes + smallest <= budget_bytes:
         ring = smallest
-        if ring_slack_bytes and seq.probe_weight:
-            step = ring_step(seq)
-            size = (budget_bytes - kept_bytes) // ALIGNMENT * ALIGNMENT
-            while size > smallest and not ring_is_safe(seq, schedule.prefetch_depth, size):
-                size -= step
-            ring = max(size, smallest)
     seq, probes = _stream_sequence(schedule, kept)
     offsets = ring_placement(seq, ring) if seq.probe_weight else []
     resident_offsets, cursor = {}, 0

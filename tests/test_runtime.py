@@ -493,25 +493,3 @@ def test_lru_names_the_weight_when_fragmentation_leaves_nothing_to_evict(lowered
     # the same budget serves the planned policy, whose layout is fixed at load
     p = Module(conv.pte, conv.ptd, weight_offload_budget_mb=conv.schedule.floor_bytes / MB, device="cpu", policy="planned")
     assert torch.equal(p(*conv.args), conv.lowered_expected)
-
-
-def test_ring_slack_widens_the_ring_and_changes_no_bit(lowered_by_name):
-    demo = lowered_by_name("demo_transformer")
-    s = demo.schedule
-    half = budgets(s)["half"]
-    plain = Module(demo.pte, demo.ptd, weight_offload_budget_mb=half / MB, device="cpu", policy="planned")
-    slack = Module(demo.pte, demo.ptd, weight_offload_budget_mb=half / MB, device="cpu", policy="planned", ring_slack_mb=1)
-    a, b = plain.pool.layout, slack.pool.layout
-    assert b.ring_bytes >= a.ring_bytes + MB - max(s.weight_bytes) and b.ring_bytes > a.ring_bytes
-    assert b.resident_bytes <= a.resident_bytes - MB + max(aligned(x) for x in s.weight_bytes)
-    assert b.arena_bytes <= half
-    assert torch.equal(slack(*demo.args), demo.lowered_expected) and torch.equal(plain(*demo.args), demo.lowered_expected)
-    plain.close()
-    slack.close()
-
-
-@pytest.mark.parametrize("bad, policy, match", [(-1, "planned", "non-negative"), ("1", "planned", "non-negative"), (True, "planned", "non-negative"), (2, "lru", "applies to policy='planned'")])
-def test_error_bad_ring_slack(lowered_by_name, bad, policy, match):
-    demo = lowered_by_name("nonuniform")
-    with pytest.raises(ValueError, match=match):
-        Module(demo.pte, demo.ptd, weight_offload_budget_mb=10, device="cpu", policy=policy, ring_slack_mb=bad)
