@@ -216,6 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--trace-all", action="store_true", help="one traced step after every hostswap configuration")
+    p.add_argument("--sync-dict", action="append", default=[], help='JSON {layer: [offload_fwd, offload_num, reload_fwd, reload_num]}; repeatable; adds a traced hostswap row')
     p.add_argument("--only", type=lambda v: v.split(","), default=[], help="run only configurations whose names contain one of these")
     args = p.parse_args(argv)
     b = Bench(args)
@@ -241,6 +242,9 @@ def main(argv=None) -> int:
         b.run(f"hostswap k={k} reload_ahead=1", "hostswap", backend=hostswap_backend(num_layers=k, reload_ahead=1), trace=k == n // 2)
     custom = {i: (True, i + 2, False, i + 1) for i in range(n // 2)}
     b.run(f"hostswap custom dict (first {n // 2}, window 2)", "hostswap", backend=hostswap_backend(synchronization_dict=custom))
+    for text in args.sync_dict:  # dictionaries given on the command line, traced
+        given = {int(layer): tuple(entry) for layer, entry in json.loads(text).items()}
+        b.run(f"hostswap custom dict {json.dumps({str(k_): list(v) for k_, v in given.items()}, separators=(',', ':'))}", "hostswap", backend=hostswap_backend(synchronization_dict=given), trace=True)
     k = n // 2
     b.run(f"hostswap k={k} + checkpoint others", "hostswap+ckpt", backend=hostswap_backend(num_layers=k), wrap={i: "checkpoint" for i in range(k, n)})
     # one layer later than the default (n-k-1): room for the weight gradients made meanwhile
