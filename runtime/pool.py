@@ -328,34 +328,41 @@ class WeightPool:
         """
         size = self.sizes[w]
         stream = self.streams.copy_stream
-        # Evict first: a free is stream-ordered and costs nothing now. Trim only once the frees
-        # add up to the size (or nothing is left to evict), since the driver then refuses for
-        # want of a chunk, not of bytes: first without waiting (hands back what is already
-        # free), then after waiting for the copy stream's frees, which stalls the host.
-        freed, trims = 0, 0
+        # Evict first: a free is stream-ordered and costs nothing now. Once the frees add up to
+        # the size, the driver refuses for want of a chunk, not of bytes: hand wholly free chunks
+        # back without waiting after each further eviction (below the total budget lru copies
+        # nearly every weight every forward, so an extra victim costs almost no bytes), and
+        # wait for the copy stream's frees, which stalls the host and drains the copy queue,
+        # only when nothing is left to evict.
+        freed, trimmed, waited = 0, False, False
         while True:
             got = self.allocator.try_alloc(size, stream, stats)
             if got is not None:
                 return got
-            action = None
-            if freed < size or trims >= 2:
-                action = policy.evict_for_allocator(probe, w, is_loaded)
+            if freed >= size and not trimmed:
+                self.allocator.trim(stream, wait=False)
+                trimmed = True
+                if stats is not None:
+                    stats.pool_trims += 1
+                continue
+            action = policy.evict_for_allocator(probe, w, is_loaded)
             if action is not None:
                 freed += evict(action.weight)
-                trims = 0
+                trimmed = False
                 if stats is not None:
                     stats.fragmentation_evictions += 1
                 continue
-            if trims >= 2:
-                raise PoolCreationError(
-                    f"the capped pool refused {size} bytes for '{self.schedule.fqns[w]}' at probe {probe} with only the"
-                    f" current kernel's weights left to evict ({policy.used} of {self.budget_bytes} budget bytes in use):"
-                    " the pool is fragmented; use policy='planned', whose fixed layout cannot fragment, or a larger budget"
-                )
-            self.allocator.trim(stream, wait=trims == 1)
-            trims += 1
-            if stats is not None:
-                stats.pool_trims += 1
+            if not waited:
+                self.allocator.trim(stream, wait=True)
+                waited = True
+                if stats is not None:
+                    stats.pool_trims += 1
+                continue
+            raise PoolCreationError(
+                f"the capped pool refused {size} bytes for '{self.schedule.fqns[w]}' at probe {probe} with only the"
+                f" current kernel's weights left to evict ({policy.used} of {self.budget_bytes} budget bytes in use):"
+                " the pool is fragmented; use policy='planned', whose fixed layout cannot fragment, or a larger budget"
+            )
 
     def _rehearse_lru(self) -> None:
         """Replay two forwards' allocations and frees (no copies) through the driver pool at load.
