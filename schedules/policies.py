@@ -306,15 +306,8 @@ def issue_horizon(schedule: WeightSchedule, layout: PlannedLayout) -> list[int]:
     kernel j. Counting all probes instead would let a run of resident weights starve the
     copy stream. Every such fill overwrites only bytes that kernels up to j-2 read.
     """
-    streamed = [p for p in range(schedule.num_probes) if p in layout.fill_offset or p in layout.reuse_offset]
-    ends = probe_ends(
-        StreamSequence(
-            probe_weight=tuple(schedule.probe_weight[p] for p in streamed),
-            probe_kernel=tuple(schedule.probe_kernel[p] for p in streamed),
-            num_kernels=schedule.num_kernels,
-            sizes=(),
-        )
-    )
+    seq, streamed = _stream_sequence(schedule, set(layout.resident))
+    ends = probe_ends(seq)
     horizon = []
     for p in range(schedule.num_probes):
         limit = min(ends[schedule.probe_kernel[p]] + schedule.prefetch_depth, len(streamed))
