@@ -7,7 +7,10 @@ has no copy left to hide behind). latency ~ head + copy busy + tail when the cop
 idles, which is the floor for a forward that starts and ends synchronized.
 
     python bench/profile_stream.py                                  # planned d1/d4 at 50/75 %, prefill
-    python bench/profile_stream.py --tokens 1 --configs lru:1:0.5   # policy:depth:fraction[:graph]
+    python bench/profile_stream.py --tokens 1 --configs lru:1:0.5   # policy:depth:fraction[:graph|:noahead]
+
+``noahead`` turns off the planned pool's next-forward fills (issued at the end of a forward
+for the next one) to compare with the behaviour before them in the same process.
 """
 
 from __future__ import annotations
@@ -43,12 +46,12 @@ def busy_us(events) -> float:
     return total
 
 
-def timeline(m: Module, x: torch.Tensor, bandwidth: float, label: str) -> None:
+def timeline(m: Module, x: torch.Tensor, bandwidth: float, label: str, runs: int = 15) -> float:
     for _ in range(3):
         m(x)
     torch.cuda.synchronize()
     times = []
-    for _ in range(15):
+    for _ in range(runs):
         t = time.perf_counter()
         m(x)
         torch.cuda.synchronize()
@@ -74,13 +77,16 @@ def timeline(m: Module, x: torch.Tensor, bandwidth: float, label: str) -> None:
             f" last H2D ends {(t1 - last) / 1e3:.2f} ms before the end; H2D idle inside its span {((last - first) - copy_busy) / 1e3:.2f} ms"
         )
     print(line, flush=True)
+    return median_ms
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=9)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--configs", default="planned:1:0.5,planned:1:0.75,planned:4:0.5,planned:4:0.75,planned:1:0.75:graph",
-                   help="comma-separated policy:depth:fraction of the weight bytes[:graph]")
+                   help="comma-separated policy:depth:fraction of the weight bytes[:graph|:noahead]")
+    p.add_argument("--repeat", type=int, default=1, help="rounds over the configurations, interleaved")
+    p.add_argument("--runs", type=int, default=15, help="timed forwards per configuration and round")
     args = p.parse_args(argv)
     model = llama_decoder(args.layers, max_seq=max(2048, args.tokens))
     tokens = torch.randint(0, 32000, (1, args.tokens), generator=torch.Generator().manual_seed(1))
@@ -104,12 +110,22 @@ def main(argv=None) -> int:
     total = m.schedule.total_bytes
     timeline(m, x, bw, "all-resident")
     m.close()
-    for config in args.configs.split(","):
+    medians: dict[str, list[float]] = {}
+    for config in [c for _ in range(args.repeat) for c in args.configs.split(",")]:
         policy, depth, fraction, *rest = config.split(":")
-        graph = rest == ["graph"]
+        graph, noahead = "graph" in rest, "noahead" in rest
         m = Module(pte, ptd, weight_offload_budget_mb=int(float(fraction) * total) / 2**20, device="cuda", policy=policy, prefetch_depth=int(depth), cuda_graph=graph)
-        timeline(m, x, bw, f"{policy} d{depth} {float(fraction):.0%}{' cuda_graph' if graph else ''}")
+        ahead = getattr(m.pool, "_next_forward_fills", {})
+        if noahead:
+            m.pool._next_forward_fills = {}
+        label = f"{policy} d{depth} {float(fraction):.0%}{' cuda_graph' if graph else ''}{' noahead' if noahead else ''}"
+        if ahead and not noahead and not graph:
+            label += f" (ahead: {len(ahead)} fills, {sum(m.schedule.weight_bytes[m.schedule.probe_weight[q]] for q in ahead) / 2**20:.0f} MiB)"
+        medians.setdefault(label, []).append(timeline(m, x, bw, label, args.runs))
         m.close()
+    if args.repeat > 1:  # configurations interleaved, so that drift hits all alike
+        for label, values in medians.items():
+            print(f"{label}: medians of {len(values)} rounds {', '.join(f'{v:.2f}' for v in values)} ms; median {statistics.median(values):.2f} ms")
     return 0
 
 
