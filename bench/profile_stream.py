@@ -7,10 +7,8 @@ has no copy left to hide behind). latency ~ head + copy busy + tail when the cop
 idles, which is the floor for a forward that starts and ends synchronized.
 
     python bench/profile_stream.py                                  # planned d1/d4 at 50/75 %, prefill
-    python bench/profile_stream.py --tokens 1 --configs lru:1:0.5   # policy:depth:fraction[:graph|:noahead]
-
-``noahead`` turns off the planned pool's next-forward fills (issued at the end of a forward
-for the next one) to compare with the behaviour before them in the same process.
+    python bench/profile_stream.py --tokens 1 --configs lru:1:0.5   # policy:depth:fraction[:graph]
+    python bench/profile_stream.py --repeat 3 --runs 30 --configs ...  # interleaved rounds: an A/B
 """
 
 from __future__ import annotations
@@ -84,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=9)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--configs", default="planned:1:0.5,planned:1:0.75,planned:4:0.5,planned:4:0.75,planned:1:0.75:graph",
-                   help="comma-separated policy:depth:fraction of the weight bytes[:graph|:noahead]")
+                   help="comma-separated policy:depth:fraction of the weight bytes[:graph]")
     p.add_argument("--repeat", type=int, default=1, help="rounds over the configurations, interleaved")
     p.add_argument("--runs", type=int, default=15, help="timed forwards per configuration and round")
     args = p.parse_args(argv)
@@ -113,14 +111,9 @@ def main(argv=None) -> int:
     medians: dict[str, list[float]] = {}
     for config in [c for _ in range(args.repeat) for c in args.configs.split(",")]:
         policy, depth, fraction, *rest = config.split(":")
-        graph, noahead = "graph" in rest, "noahead" in rest
+        graph = rest == ["graph"]
         m = Module(pte, ptd, weight_offload_budget_mb=int(float(fraction) * total) / 2**20, device="cuda", policy=policy, prefetch_depth=int(depth), cuda_graph=graph)
-        ahead = getattr(m.pool, "_next_forward_fills", {})
-        if noahead:
-            m.pool._next_forward_fills = {}
-        label = f"{policy} d{depth} {float(fraction):.0%}{' cuda_graph' if graph else ''}{' noahead' if noahead else ''}"
-        if ahead and not noahead and not graph:
-            label += f" (ahead: {len(ahead)} fills, {sum(m.schedule.weight_bytes[m.schedule.probe_weight[q]] for q in ahead) / 2**20:.0f} MiB)"
+        label = f"{policy} d{depth} {float(fraction):.0%}{' cuda_graph' if graph else ''}"
         medians.setdefault(label, []).append(timeline(m, x, bw, label, args.runs))
         m.close()
     if args.repeat > 1:  # configurations interleaved, so that drift hits all alike

@@ -136,10 +136,7 @@ class Module:
     def _run_forward(self, executor: MethodExecutor) -> None:
         self.pool.begin_forward()
         executor.run(self._on_kernel, hooked=self._hooked)
-        # The next forward's first fills may go now, under this forward's last kernels, unless a
-        # graph is captured (a replay must find the ring as its capture left it). No output can
-        # be a view of the weight arena: the pass refuses programs that return a weight.
-        self.pool.end_forward(prefetch_next=not self.cuda_graph)
+        self.pool.end_forward()
 
     def run_method(self, name: str = "forward", inputs=()):
         if not self._lock.acquire(blocking=False):

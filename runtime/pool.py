@@ -16,7 +16,7 @@ import time
 import torch
 
 from hostswap.schedules.floor import aligned
-from hostswap.schedules.policies import LruPolicy, issue_horizon, next_forward_fills, plan_layout, replay_lru
+from hostswap.schedules.policies import LruPolicy, issue_horizon, plan_layout, replay_lru
 from hostswap.schedules.weight_schedule import WeightSchedule
 
 POLICIES = ("lru", "planned")
@@ -258,27 +258,15 @@ class WeightPool:
         else:
             self._issued = 0
             self._prefetched_fills = set()
-            # fills the previous forward issued for this one (none after a failed forward)
-            self._ahead, self._pending_ahead = self._pending_ahead, frozenset()
-            for q in self._ahead:
-                self.stats.bytes_h2d += self.schedule.weight_bytes[self.schedule.probe_weight[q]]
         self._launched = -1
 
-    def end_forward(self, prefetch_next: bool = True) -> None:
-        """Close a forward. ``prefetch_next`` (planned): issue the next forward's first fills now,
-        so that they copy under this forward's last kernels (schedules.policies.next_forward_fills).
-        The caller turns it off when the next forward must find the ring as this one left it
-        (CUDA graphs: a replay repeats its capture)."""
+    def end_forward(self) -> None:
         if self._next_probe != self.schedule.num_probes:
             raise ScheduleDivergenceError(
                 f"forward ended after {self._next_probe} probes; the recorded schedule has {self.schedule.num_probes}"
             )
         self.streams.end_forward()
         self.stats.forwards += 1
-        if self.policy_name == "planned" and prefetch_next and self._next_forward_fills:
-            for q, kernel in self._next_forward_fills.items():
-                self._issue_fill(q, waits_for=kernel, count=False)
-            self._pending_ahead = frozenset(self._next_forward_fills)
 
     def kernel_launched(self, kernel: int) -> None:
         self._launched = kernel
@@ -483,16 +471,12 @@ class WeightPool:
                 self._source_fill[p] = last_fill[(w, layout.reuse_offset[p])]
         self._issued = 0
         self._prefetched_fills: set[int] = set()
-        self._issue_through = issue_horizon(self.schedule, layout)
-        self._next_forward_fills = next_forward_fills(self.schedule, layout, self._issue_through)
-        self._ahead: frozenset[int] = frozenset()  # fills of this forward issued by the previous one
-        self._pending_ahead: frozenset[int] = frozenset()
         # Only kernels that a ring fill waits for need an event (none when all is resident).
-        self._awaited_kernels = frozenset(k for k in [*layout.fill_waits_for.values(), *self._next_forward_fills.values()] if k >= 0)
+        self._awaited_kernels = frozenset(k for k in layout.fill_waits_for.values() if k >= 0)
+        self._issue_through = issue_horizon(self.schedule, layout)
 
-    def _issue_fill(self, q: int, waits_for: int | None = None, count: bool = True) -> None:
-        if waits_for is None:
-            waits_for = self.layout.fill_waits_for[q]
+    def _issue_fill(self, q: int) -> None:
+        waits_for = self.layout.fill_waits_for[q]
         if waits_for > self._launched:
             # The event of a kernel not launched in this forward still holds the previous
             # forward's record: waiting on it would let the copy overwrite live bytes.
@@ -503,8 +487,7 @@ class WeightPool:
         self.streams.copy_waits_for_kernel(waits_for)
         w = self.schedule.probe_weight[q]
         self._ring_ready[q] = self.streams.copy(self._ring_tensor[q], self.host[w])
-        if count:
-            self.stats.bytes_h2d += self.schedule.weight_bytes[w]
+        self.stats.bytes_h2d += self.schedule.weight_bytes[w]
 
     def _acquire_planned(self, probe_id: int) -> torch.Tensor:
         layout = self.layout
@@ -512,10 +495,7 @@ class WeightPool:
         last = self._issue_through[probe_id]
         while self._issued <= last:
             q = self._issued
-            if q in self._ahead:
-                self.stats.prefetches_issued += 1  # by the previous forward's end
-                self._prefetched_fills.add(q)
-            elif q in layout.fill_offset:
+            if q in layout.fill_offset:
                 self._issue_fill(q)
                 if q == probe_id:
                     self.stats.misses += 1

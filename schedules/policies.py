@@ -315,34 +315,6 @@ def issue_horizon(schedule: WeightSchedule, layout: PlannedLayout) -> list[int]:
     return horizon
 
 
-def next_forward_fills(schedule: WeightSchedule, layout: PlannedLayout, horizon: list[int]) -> dict[int, int]:
-    """Fills that the end of one forward issues for the next, each with the kernel it waits for.
-
-    A forward's first probe issues the fills through ``horizon[0]``; until they land, its first
-    streamed kernels wait, and after a forward's last copy its last kernels run with the copy
-    engine idle. Issued at the end of the previous forward instead, such a fill runs under
-    those last kernels. None of them overwrites bytes that the next forward reads before it
-    (issue_horizon: a fill issued at kernel j overwrites only what kernels up to j-2 read, and
-    here j is 0); each waits for the last kernel of the ending forward that reads ring bytes
-    it overwrites. With prefetch depth 0 nothing is issued ahead.
-    Returns probe id -> kernel (of the ending forward) to wait for.
-    """
-    if schedule.prefetch_depth == 0 or not layout.fill_offset or not horizon:
-        return {}
-    sizes = [aligned(b) for b in schedule.weight_bytes]
-    reads = [
-        (off, off + sizes[schedule.probe_weight[p]], schedule.probe_kernel[p])
-        for p, off in {**layout.fill_offset, **layout.reuse_offset}.items()
-    ]
-    fills = {}
-    for q in range(horizon[0] + 1):
-        if q in layout.fill_offset:
-            start = layout.fill_offset[q]
-            end = start + sizes[schedule.probe_weight[q]]
-            fills[q] = max(kernel for lo, hi, kernel in reads if lo < end and start < hi)
-    return fills
-
-
 def replay_lru(policy: LruPolicy, schedule: WeightSchedule, forwards: int):
     """Drive ``policy`` through ``forwards`` forwards as the runtime does, without memory.
 

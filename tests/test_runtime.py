@@ -135,66 +135,6 @@ def test_error_ring_fill_ahead_of_the_kernel_it_must_wait_for(lowered_by_name, m
     m.close()
 
 
-@pytest.mark.parametrize("depth", [1, 2, 4])
-def test_next_forward_fills_are_copied_at_the_end_of_the_previous_forward(lowered, depth):
-    # The first fills of a forward are issued when the previous one ends: they overwrite ring
-    # bytes only after that forward's last reader of them, and nothing the next forward reads
-    # before them. On CPU copies are immediate, so a wrong choice shows as a wrong output.
-    from hostswap.schedules.policies import issue_horizon, next_forward_fills, plan_layout
-
-    s = dataclasses.replace(lowered.schedule, prefetch_depth=depth)
-    for name in ("floor", "half"):
-        budget = budgets(s)[name]
-        layout = plan_layout(s, budget)
-        horizon = issue_horizon(s, layout)
-        ahead = next_forward_fills(s, layout, horizon)
-        reads = [(off, off + aligned(s.weight_bytes[s.probe_weight[p]]), s.probe_kernel[p]) for p, off in {**layout.fill_offset, **layout.reuse_offset}.items()]
-        for q, kernel in ahead.items():
-            assert q <= horizon[0] and layout.fill_waits_for[q] == -1, (name, q)
-            start, end = layout.fill_offset[q], layout.fill_offset[q] + aligned(s.weight_bytes[s.probe_weight[q]])
-            assert kernel == max(k for lo, hi, k in reads if lo < end and start < hi), (name, q)
-        if layout.fill_offset:
-            assert min(layout.fill_offset) in ahead  # the first fill always qualifies
-        m = Module(lowered.pte, lowered.ptd, weight_offload_budget_mb=budget / MB, device="cpu", policy="planned", prefetch_depth=depth)
-        try:
-            assert m.pool._next_forward_fills == ahead
-            for _ in range(3):
-                assert torch.equal(m(*lowered.args), lowered.lowered_expected), name
-            st = m.stats
-            # bytes count in the forward that reads them; only the first forward copies at a probe
-            assert st["bytes_h2d"] == 3 * layout.streamed_bytes, name
-            assert st["misses"] == (1 if 0 in layout.fill_offset else 0), name
-            assert st["prefetches_issued"] == st["prefetches_used"] == 3 * len(layout.fill_offset) - st["misses"], name
-        finally:
-            m.close()
-
-
-def test_after_a_failed_forward_the_next_issues_its_own_first_fills(lowered_by_name, monkeypatch):
-    demo = lowered_by_name("demo_transformer")
-    s = demo.schedule
-    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cpu", policy="planned")
-    assert m.pool._next_forward_fills
-    assert torch.equal(m(*demo.args), demo.lowered_expected)  # leaves fills for the next forward
-    original = m.pool.kernel_launched
-
-    def fail_midway(kernel):
-        if kernel == s.num_kernels // 2:
-            raise RuntimeError("kernel failed")
-        original(kernel)
-
-    monkeypatch.setattr(m.pool, "kernel_launched", fail_midway)
-    with pytest.raises(RuntimeError, match="kernel failed"):
-        m(*demo.args)
-    monkeypatch.setattr(m.pool, "kernel_launched", original)
-    # the failed forward overwrote part of the ring and left nothing for this one: it must
-    # copy its first fills itself (probe 0 counts as a miss again) and still be exact
-    misses = m.stats["misses"]
-    assert torch.equal(m(*demo.args), demo.lowered_expected)
-    assert m.stats["misses"] == misses + (1 if 0 in m.pool.layout.fill_offset else 0)
-    assert torch.equal(m(*demo.args), demo.lowered_expected)
-    m.close()
-
-
 def test_constant_methods_readable_and_several_methods(lowered_by_name):
     demo = lowered_by_name("demo_transformer")
     m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=100, device="cpu")
