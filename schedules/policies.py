@@ -176,10 +176,18 @@ def _stream_sequence(schedule: WeightSchedule, kept: set[int]) -> tuple[StreamSe
     return seq, probes
 
 
-def _spread_streamed(schedule: WeightSchedule, sizes: list[int], kept: set[int], pinned: set[int]) -> set[int]:
+def _spread_streamed(schedule: WeightSchedule, sizes: list[int], kept: set[int], pinned: set[int], align: str = "end") -> set[int]:
     """``kept`` with, in every class of equal-sized weights, the same number streamed, but those
-    evenly spaced in first-access order (centred Bresenham: s of n are the members where
-    round(i*s/n) steps). Resident bytes are unchanged."""
+    evenly spaced in first-access order. Resident bytes are unchanged.
+
+    ``align="end"`` (Bresenham, s of n are the members where floor(i*s/n) steps): the last
+    member of a class is always streamed and the first is resident unless all are streamed.
+    After the last copy of a forward ends, only the kernels behind it are left to run, with the
+    copy engine idle: ending on a late streamed weight keeps that tail short. ``"centred"``
+    (round instead of floor) was the rule before; kept for comparisons (bench/profile_stream.py).
+    """
+    if align not in ("end", "centred"):
+        raise ValueError(f"align must be 'end' or 'centred', got {align!r}")
     first_access: dict[int, int] = {}
     for p, w in enumerate(schedule.probe_weight):
         first_access.setdefault(w, p)
@@ -191,7 +199,8 @@ def _spread_streamed(schedule: WeightSchedule, sizes: list[int], kept: set[int],
     for members in classes.values():
         n, s = len(members), sum(1 for w in members if w not in kept)
         for i, w in enumerate(members):
-            if (2 * (i + 1) * s + n) // (2 * n) == (2 * i * s + n) // (2 * n):
+            half = n if align == "centred" else 0
+            if (2 * (i + 1) * s + half) // (2 * n) == (2 * i * s + half) // (2 * n):
                 spread.add(w)
             else:
                 spread.discard(w)

@@ -203,24 +203,39 @@ def test_spread_streamed_keeps_bytes_and_spaces_each_size_class_evenly():
     order = sorted(range(len(sizes)), key=s.probe_weight.index)
     # the worst case for overlap: everything of the first half resident, the second half streamed
     kept = set(order[: len(order) // 2])
-    spread = _spread_streamed(s, sizes, kept, set())
-    assert sum(sizes[w] for w in spread) == sum(sizes[w] for w in kept)
-    for size in set(sizes):
-        members = [w for w in order if sizes[w] == size]
-        streamed = [i for i, w in enumerate(members) if w not in spread]
-        assert len(streamed) == sum(1 for w in members if w not in kept)
-        if len(streamed) > 1:
-            gaps = [b - a for a, b in zip(streamed, streamed[1:])]
-            assert max(gaps) - min(gaps) <= 1, (size, streamed)
+    for align in ("end", "centred"):
+        spread = _spread_streamed(s, sizes, kept, set(), align=align)
+        assert sum(sizes[w] for w in spread) == sum(sizes[w] for w in kept)
+        for size in set(sizes):
+            members = [w for w in order if sizes[w] == size]
+            streamed = [i for i, w in enumerate(members) if w not in spread]
+            assert len(streamed) == sum(1 for w in members if w not in kept)
+            if len(streamed) > 1:
+                gaps = [b - a for a, b in zip(streamed, streamed[1:])]
+                assert max(gaps) - min(gaps) <= 1, (align, size, streamed)
+            if align == "end" and 0 < len(streamed) < len(members):
+                # the forward ends on a streamed weight of the class (a short tail after the
+                # last copy) and starts on a resident one
+                assert streamed[-1] == len(members) - 1 and streamed[0] > 0, (size, streamed)
+
+
+def test_error_spread_alignment_unknown():
+    from hostswap.schedules.policies import _spread_streamed
+
+    s = _meta_llama_schedule(1)
+    with pytest.raises(ValueError, match="align must be 'end' or 'centred', got 'middle'"):
+        _spread_streamed(s, [aligned(b) for b in s.weight_bytes], set(), set(), align="middle")
 
 
 @pytest.mark.parametrize("depth", [1, 4])
 def test_planned_streams_in_every_layer_not_in_a_block(depth):
-    """Below the total, every decoder layer streams something: no stretch of resident layers
-    leaves the copy stream idle while a later stretch is copy-bound (issue 4's d4 at 75 %)."""
+    """Below the total, every decoder layer after the first streams something: no stretch of
+    resident layers leaves the copy stream idle while a later stretch is copy-bound (issue 4's
+    d4 at 75 %). The first may stay resident (its kernels run while the first copies land),
+    and the last streams (after the last copy only its end and the head are left to run)."""
     s = dataclasses.replace(_meta_llama_schedule(9), prefetch_depth=depth)
     for fraction in (0.5, 0.75):
         layout = plan_layout(s, int(fraction * s.total_bytes))
         streamed_layers = {s.fqns[w].split(".")[1] for w in range(len(s.fqns)) if w not in layout.resident and s.fqns[w].startswith("layers.")}
-        assert streamed_layers == {str(i) for i in range(9)}, (fraction, sorted(streamed_layers))
+        assert streamed_layers >= {str(i) for i in range(1, 9)}, (fraction, sorted(streamed_layers))
         assert layout.streamed_bytes <= 1.01 * (s.total_bytes - (int(fraction * s.total_bytes) - s.floor_bytes))
