@@ -246,6 +246,7 @@ class ActivationOffloadPass:
                 if layer in first_of_layer:
                     _insert_boundary(graph, first_of_layer[layer], sync_id, p, avoid)
         order = {node: i for i, node in enumerate(graph.nodes)}
+        first_read: dict[int, int] = {}
         for g in groups:
             phs = [placeholders[s.name] for s in g.saved if s.name in placeholders]
             if not phs:
@@ -253,6 +254,7 @@ class ActivationOffloadPass:
             saved_placeholders.update(phs)
             users = [u for ph in phs for u in ph.users]
             first_user = min(users, key=lambda u: order[u]) if users else graph.output_node()
+            first_read[g.tensor_id] = order[first_user]
             val = _tensor_val(g.base)
             with graph.inserting_before(first_user):
                 reloaded = graph.call_function(ACT_RELOAD, (phs[0], sync_id, g.tensor_id, list(val.shape), list(val.stride()), val.dtype))
@@ -269,6 +271,7 @@ class ActivationOffloadPass:
                         user.replace_input_with(ph, target)
         for ph in saved_placeholders:
             ph.meta["val"] = ph.meta["val"].new_empty((0,))
+        self.synchronizer.set_reload_order(sorted(first_read, key=first_read.get))
 
 
 def offloads_kept_alive(graph: torch.fx.Graph) -> list[bool]:

@@ -149,6 +149,8 @@ class OffloadSynchronizer:
         self.bytes_offloaded = 0  # last step
         self.pinned_allocations = 0  # over the synchronizer's life: constant after the first step
         self.log: list[tuple[str, int]] = []  # (action, layer) of the last step
+        self.reloads: list[int] = []  # tensors in the order their reload copies were queued, last step
+        self._read: list[int] = []  # tensors in the order the backward read them, this step
         # Set to a list to record, at every point of a step on CUDA, (point, bytes allocated
         # there, peak since the previous point): where in the step the peak falls. Resets
         # the allocator's peak counter at each point, so leave it off when measuring a peak.
@@ -159,6 +161,19 @@ class OffloadSynchronizer:
     def register(self, tensor: int, layer: int) -> None:
         self.tensors[tensor] = _TensorState(layer)
         self.layer_tensors.setdefault(layer, []).append(tensor)
+
+    def set_reload_order(self, tensors: list[int]) -> None:
+        """The order in which the backward first reads these tensors. A layer's reload copies
+        them in that order, so its backward can start when the first one has landed instead of
+        the last (the forward saves them in roughly the reverse order). The pass gives the
+        backward graph's order; a compiler may schedule otherwise, so every step the order in
+        which the backward actually read them replaces it for the next."""
+        rank = {t: i for i, t in enumerate(tensors)}
+        for layer, ids in self.layer_tensors.items():
+            # only this backward's tensors move; those of other compiled graphs keep their places
+            slots = [k for k, t in enumerate(ids) if t in rank]
+            for k, t in zip(slots, sorted((ids[k] for k in slots), key=rank.get)):
+                ids[k] = t
 
     def transfers(self, device: torch.device) -> _Transfers:
         if self._transfers is None or self._transfers.device != device:
@@ -206,6 +221,7 @@ class OffloadSynchronizer:
     def pop(self, tensor: int, size: tuple | None = None, stride: tuple | None = None) -> torch.Tensor:
         state = self.tensors[tensor]
         self._phase = "bwd"
+        self._read.append(tensor)
         if not state.reload_started:
             self.start_reload_layer(state.layer)  # the schedule did not get there first: reload now
         t = self._transfers
@@ -271,6 +287,7 @@ class OffloadSynchronizer:
                 continue  # not saved this step (a layer that did not run): nothing to reload
             state.gpu = torch.empty_strided(state.host.shape, state.host.stride(), dtype=state.host.dtype, device=t.device)
             state.reloaded = t.copy(state.host, state.gpu)
+            self.reloads.append(i)
             started = True
         if started:
             self.on_gpu.add(layer)
@@ -279,8 +296,12 @@ class OffloadSynchronizer:
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def _new_step(self) -> None:
+        if self._read:
+            self.set_reload_order(self._read)
+            self._read = []
         self.bytes_offloaded = 0
         self.log = []
+        self.reloads = []
         self.on_gpu = set()
 
     def _count(self) -> None:

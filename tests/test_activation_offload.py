@@ -258,6 +258,36 @@ def test_reload_ahead_reloads_late_and_stays_bitwise():
     assert backend.schedule.rows()[1]["reload_start"] == "bwd 2" and backend.schedule.rows()[0]["reload_start"] == "bwd 1"
 
 
+@pytest.mark.parametrize("block", [MLPBlock, AttentionBlock])
+def test_reload_copies_in_the_order_the_backward_reads(block, monkeypatch):
+    # The forward saves a layer's tensors in roughly the reverse of the order its backward
+    # reads them; reloading in the backward's order lets that backward start on the first
+    # tensor to land instead of the last.
+    model = Stack(block)
+    x = torch.randn(2, 16, H, generator=torch.Generator().manual_seed(1))
+    reference = _steps(model, hostswap.activation_offload_backend(model_layers=4, num_layers=0, min_tensor_size_to_offload=0), x)
+    backend = hostswap.activation_offload_backend(model_layers=4, num_layers=2, min_tensor_size_to_offload=0)
+    sync = backend.synchronizer
+    popped = []
+    original = OffloadSynchronizer.pop
+
+    def pop(self, tensor, *args):
+        popped.append(tensor)
+        return original(self, tensor, *args)
+
+    monkeypatch.setattr(OffloadSynchronizer, "pop", pop)
+    _assert_bitwise(reference, _steps(model, backend, x))
+    last_step = popped[len(popped) // 2:]
+    assert sorted(last_step) == sorted(sync.tensors) and len(last_step) > 2
+    for layer in (0, 1):
+        reloaded = [t for t in sync.reloads if sync.tensors[t].layer == layer]
+        read = [t for t in last_step if sync.tensors[t].layer == layer]
+        assert len(reloaded) > 1 and reloaded == read, (layer, reloaded, read)
+        # the forward's order (registration) is not the backward's
+        registered = sorted(read)
+        assert read != registered, (layer, read)
+
+
 @pytest.mark.parametrize("sync,message", [
     ({1: (False, 0, False, 0)}, "layer 1: reload would start at bwd 0, after layer 1's backward begins"),
     ({1: (True, 1, False, 1)}, "layer 1: offload would finish at fwd 1, before layer 1's forward ends"),
