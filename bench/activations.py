@@ -247,6 +247,9 @@ def main(argv=None) -> int:
         b.run(f"hostswap custom dict {json.dumps({str(k_): list(v) for k_, v in given.items()}, separators=(',', ':'))}", "hostswap", backend=hostswap_backend(synchronization_dict=given), trace=True)
     k = n // 2
     b.run(f"hostswap k={k} + checkpoint others", "hostswap+ckpt", backend=hostswap_backend(num_layers=k), wrap={i: "checkpoint" for i in range(k, n)})
+    if n - k - 2 >= 1:
+        b.run(f"hostswap k={k} reload_ahead={n - k - 2} + checkpoint others", "hostswap+ckpt", backend=hostswap_backend(num_layers=k, reload_ahead=n - k - 2),
+              wrap={i: "checkpoint" for i in range(k, n)}, trace=True)
     # one layer later than the default (n-k-1): room for the weight gradients made meanwhile
     for k2 in sorted({1, n // 4, n // 2, n - 2}):
         if n - k2 - 2 >= 1:
