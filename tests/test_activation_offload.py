@@ -288,6 +288,19 @@ def test_reload_copies_in_the_order_the_backward_reads(block, monkeypatch):
         assert read != registered, (layer, read)
 
 
+def test_reload_order_moves_only_the_tensors_it_names():
+    # With a graph break a layer's tensors can come from two compiled graphs; one backward's
+    # order must not push the other graph's tensors around.
+    sync = OffloadSynchronizer(ActivationSchedule(2, validate_sync_dict({0: (True, 1, False, 1)}, 2)))
+    for t in range(5):
+        sync.register(t, 0)
+    sync.set_reload_order([3, 1])
+    assert sync.layer_tensors[0] == [0, 3, 2, 1, 4]
+    sync.set_reload_order([4, 0, 2])
+    assert sync.layer_tensors[0] == [4, 3, 0, 1, 2]
+    sync.close()
+
+
 @pytest.mark.parametrize("sync,message", [
     ({1: (False, 0, False, 0)}, "layer 1: reload would start at bwd 0, after layer 1's backward begins"),
     ({1: (True, 1, False, 1)}, "layer 1: offload would finish at fwd 1, before layer 1's forward ends"),
