@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -30,6 +29,7 @@ import hostswap  # noqa: E402
 from hostswap.models import llama_decoder  # noqa: E402
 from hostswap.runtime import Module  # noqa: E402
 from hostswap.schedules import policies  # noqa: E402
+from weights import h2d_bandwidth, time_calls  # noqa: E402  (bench/weights.py, beside this script)
 
 
 def busy_us(events) -> float:
@@ -47,16 +47,8 @@ def busy_us(events) -> float:
 
 
 def timeline(m: Module, x: torch.Tensor, bandwidth: float, label: str, runs: int = 15) -> float:
-    for _ in range(3):
-        m(x)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        m(x)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    median_ms = statistics.median(times) * 1e3
+    timing, _ = time_calls(lambda: m(x), x.device, runs, warmup=3)
+    median_ms = timing["latency_s"] * 1e3
     before = m.stats["bytes_h2d"]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         m(x)
@@ -94,18 +86,8 @@ def main(argv=None) -> int:
     pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (tokens,))), os.path.join(tmp, "m"))
     del model
     x = tokens.cuda()
-    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    bw = 5 * (1 << 30) / (time.perf_counter() - t)
+    bw = h2d_bandwidth(x.device, torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True))
     print(f"pinned H2D {bw / 1e9:.1f} GB/s; {args.layers} layers, {args.tokens} tokens")
-    del src, dst
     m = Module(pte, ptd, weight_offload_budget_mb=100000, device="cuda")
     total = m.schedule.total_bytes
     timeline(m, x, bw, "all-resident")

@@ -198,8 +198,8 @@ def _spread_streamed(schedule: WeightSchedule, sizes: list[int], kept: set[int],
     spread = set(kept) | set(w for w in range(len(sizes)) if w not in first_access)
     for members in classes.values():
         n, s = len(members), sum(1 for w in members if w not in kept)
+        half = n if align == "centred" else 0
         for i, w in enumerate(members):
-            half = n if align == "centred" else 0
             if (2 * (i + 1) * s + half) // (2 * n) == (2 * i * s + half) // (2 * n):
                 spread.add(w)
             else:
