@@ -493,3 +493,53 @@ def test_lru_names_the_weight_when_fragmentation_leaves_nothing_to_evict(lowered
     # the same budget serves the planned policy, whose layout is fixed at load
     p = Module(conv.pte, conv.ptd, weight_offload_budget_mb=conv.schedule.floor_bytes / MB, device="cpu", policy="planned")
     assert torch.equal(p(*conv.args), conv.lowered_expected)
+
+
+def _save_with_encoded(tmp_path, monkeypatch, edit):
+    """Save the demo MLP with the schedule's constant methods changed by ``edit``."""
+    from hostswap import models
+    from hostswap.schedules import serialization
+
+    real = serialization.encode
+    monkeypatch.setattr(serialization, "encode", lambda schedule, method="forward": edit(real(schedule, method)))
+    model = models.NonUniformMLP()
+    x = torch.randn(2, 32)
+    ep = hostswap.apply_weight_offload(torch.export.export(model, (x,)))
+    pte, ptd = hostswap.save(ep, tmp_path / "m")
+    return pte, ptd, model, x
+
+
+def test_program_saved_without_kernel_work_loads_and_runs(tmp_path, monkeypatch):
+    """A .pte written before the pass recorded kernel work: the planner plans without its
+    cost model, and the outputs are those of all-resident, bitwise."""
+    from hostswap.schedules import load_weight_schedule, serialization
+    from hostswap.schedules.policies import plan_layout
+
+    pte, ptd, model, x = _save_with_encoded(tmp_path, monkeypatch, lambda d: {k: v for k, v in d.items() if k != serialization.KERNEL_WORK})
+    s = load_weight_schedule(pte)
+    assert s.kernel_work == ()
+    resident = Module(pte, ptd, weight_offload_budget_mb=s.total_bytes / MB, device="cpu")
+    m = Module(pte, ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cpu", policy="planned")
+    try:
+        assert m.pool.layout == plan_layout(s, m.budget_bytes, rates=None)
+        y = m(x)
+        assert m.stats["bytes_h2d"] > 0
+        assert torch.equal(y, resident(x))
+        torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
+    finally:
+        m.close()
+        resident.close()
+
+
+def test_error_kernel_work_of_wrong_length(tmp_path, monkeypatch):
+    from hostswap.schedules import load_weight_schedule, serialization
+
+    def truncate(d):
+        d[serialization.KERNEL_WORK] = d[serialization.KERNEL_WORK][:-1]
+        return d
+
+    pte, ptd, _, _ = _save_with_encoded(tmp_path, monkeypatch, truncate)
+    with pytest.raises(ScheduleError, match=r"hostswap_kernel_work has \d+ entries, expected \d+ for \d+ kernels"):
+        load_weight_schedule(pte)
+    with pytest.raises(ScheduleError, match="hostswap_kernel_work"):
+        Module(pte, ptd, weight_offload_budget_mb=1000, device="cpu")
