@@ -7,7 +7,7 @@ has no copy left to hide behind). latency ~ head + copy busy + tail when the cop
 idles, which is the floor for a forward that starts and ends synchronized.
 
     python bench/profile_stream.py                                  # planned d1/d4 at 50/75 %, prefill
-    python bench/profile_stream.py --tokens 1 --configs lru:1:0.5   # policy:depth:fraction[:graph][:centred][:base]
+    python bench/profile_stream.py --tokens 1 --configs lru:1:0.5   # policy:depth:fraction[:graph][:centred]
     python bench/profile_stream.py --repeat 3 --runs 30 --configs ...  # interleaved rounds: an A/B
 """
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=9)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--configs", default="planned:1:0.5,planned:1:0.75,planned:4:0.5,planned:4:0.75,planned:1:0.75:graph",
-                   help="comma-separated policy:depth:fraction of the weight bytes[:graph][:centred (the previous spread rule)][:base (no cost-model tail search)]")
+                   help="comma-separated policy:depth:fraction of the weight bytes[:graph][:centred (the previous spread rule)]")
     p.add_argument("--repeat", type=int, default=1, help="rounds over the configurations, interleaved")
     p.add_argument("--runs", type=int, default=15, help="timed forwards per configuration and round")
     args = p.parse_args(argv)
@@ -93,22 +93,19 @@ def main(argv=None) -> int:
     timeline(m, x, bw, "all-resident")
     m.close()
     medians: dict[str, list[float]] = {}
-    spread, end_later = policies._spread_streamed, policies._end_later
+    spread = policies._spread_streamed
     for config in [c for _ in range(args.repeat) for c in args.configs.split(",")]:
         policy, depth, fraction, *rest = config.split(":")
-        graph, centred, base = "graph" in rest, "centred" in rest, "base" in rest
+        graph, centred = "graph" in rest, "centred" in rest
         if centred:  # the planner's previous spread rule, for an A/B in one process
             policies._spread_streamed = functools.partial(spread, align="centred")
-        if base:  # the plan before the cost model's tail search
-            policies._end_later = lambda schedule, layout, *_: layout
         try:
             m = Module(pte, ptd, weight_offload_budget_mb=int(float(fraction) * total) / 2**20, device="cuda", policy=policy, prefetch_depth=int(depth), cuda_graph=graph)
         finally:
-            policies._spread_streamed, policies._end_later = spread, end_later
-        label = f"{policy} d{depth} {float(fraction):.0%}{' cuda_graph' if graph else ''}{' centred' if centred else ''}{' base' if base else ''}"
+            policies._spread_streamed = spread
+        label = f"{policy} d{depth} {float(fraction):.0%}{' cuda_graph' if graph else ''}{' centred' if centred else ''}"
         if policy == "planned":
-            predicted = policies.predict_forward_s(m.schedule, m.pool.layout)
-            label += f" [{m.pool.layout.streamed_bytes / 2**20:.0f} MiB streamed{'' if predicted is None else f', cost model {predicted * 1e3:.2f} ms'}]"
+            label += f" [{m.pool.layout.streamed_bytes / 2**20:.0f} MiB streamed]"
         medians.setdefault(label, []).append(timeline(m, x, bw, label, args.runs))
         m.close()
     if args.repeat > 1:  # configurations interleaved, so that drift hits all alike

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 
-from hostswap.schedules.cost import DEFAULT_RATES, DeviceRates, simulate_forward
 from hostswap.schedules.floor import StreamSequence, aligned, lru_requirement, probe_ends, ring_is_safe, ring_placement, ring_requirement
 from hostswap.schedules.weight_schedule import WeightSchedule
 
@@ -208,9 +207,8 @@ def _spread_streamed(schedule: WeightSchedule, sizes: list[int], kept: set[int],
     return spread
 
 
-def _keep_greedily(schedule: WeightSchedule, sizes: list[int], kept: set[int], budget_bytes: int, seq: StreamSequence, ring: int, exclude: frozenset[int] = frozenset()) -> tuple[StreamSequence, int]:
-    """Add weights to ``kept`` (in place) while the ring for what is left still fits beside them;
-    never those in ``exclude``.
+def _keep_greedily(schedule: WeightSchedule, sizes: list[int], kept: set[int], budget_bytes: int, seq: StreamSequence, ring: int) -> tuple[StreamSequence, int]:
+    """Add weights to ``kept`` (in place) while the ring for what is left still fits beside them.
 
     Largest first: that removes the outliers that set the ring. The ring is not monotone in what
     stays streamed (with a deep prefetch, keeping one weight can pull larger ones into a window),
@@ -221,7 +219,7 @@ def _keep_greedily(schedule: WeightSchedule, sizes: list[int], kept: set[int], b
     changed = True
     while changed:
         changed = False
-        for w in sorted(set(range(len(sizes))) - kept - exclude, key=lambda w: -sizes[w]):
+        for w in sorted(set(range(len(sizes))) - kept, key=lambda w: -sizes[w]):
             if kept_bytes + sizes[w] > budget_bytes:
                 continue
             trial_seq, _ = _stream_sequence(schedule, kept | {w})
@@ -244,12 +242,8 @@ def _keep_greedily(schedule: WeightSchedule, sizes: list[int], kept: set[int], b
     return seq, ring
 
 
-def plan_layout(schedule: WeightSchedule, budget_bytes: int, rates: DeviceRates | None = DEFAULT_RATES) -> PlannedLayout:
-    """Keep as many weight bytes resident as the budget allows beyond what streaming needs.
-
-    With the schedule's kernel work (schedules/cost.py) and ``rates``, the plan may then trade a
-    little resident memory for a shorter forward: see ``_end_later``. ``rates=None`` skips that.
-    """
+def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
+    """Keep as many weight bytes resident as the budget allows beyond what streaming needs."""
     check_budget(schedule, budget_bytes)
     ids = {f: i for i, f in enumerate(schedule.fqns)}
     sizes = [aligned(b) for b in schedule.weight_bytes]
@@ -269,85 +263,12 @@ def plan_layout(schedule: WeightSchedule, budget_bytes: int, rates: DeviceRates 
         if sum(sizes[w] for w in spread) + spread_ring <= budget_bytes:
             kept = spread
             seq, ring = _keep_greedily(schedule, sizes, kept, budget_bytes, spread_seq, spread_ring)
-    layout = _layout(schedule, budget_bytes, sizes, pinned, kept, ring)
-    if rates is not None and schedule.kernel_work and layout.streamed_bytes:
-        layout = _end_later(schedule, layout, sizes, rates)
-    return layout
-
-
-def predict_forward_s(schedule: WeightSchedule, layout: PlannedLayout, rates: DeviceRates = DEFAULT_RATES) -> float | None:
-    """The cost model's forward time under ``layout`` (schedules/cost.py); None without kernel work."""
-    if not schedule.kernel_work:
-        return None
-    return _simulate(schedule, layout, rates)[0]
-
-
-def _simulate(schedule: WeightSchedule, layout: PlannedLayout, rates: DeviceRates) -> tuple[float, float]:
-    fills = {p: (schedule.weight_bytes[schedule.probe_weight[p]], layout.fill_waits_for[p]) for p in layout.fill_offset}
-    return simulate_forward(
-        schedule.num_kernels, schedule.probe_weight, schedule.probe_kernel, schedule.kernel_work,
-        layout.resident, fills, issue_horizon(schedule, layout), rates,
-    )
-
-
-# Tail search limits: how many of the last-read resident weights are tried per round, how many
-# rounds, and the least predicted gain (a fraction of the forward) that changes the plan.
-_END_CANDIDATES, _END_ROUNDS, _END_MIN_GAIN = 4, 2, 0.005
-
-
-def _end_later(schedule: WeightSchedule, layout: PlannedLayout, sizes: list[int], rates: DeviceRates) -> PlannedLayout:
-    """Stream a late-read resident weight instead, where the cost model predicts a shorter forward.
-
-    When copies bound the forward, it ends one copy time plus the compute behind the last
-    streamed weight's reader: with only attention projections streamed, a whole MLP and the
-    lm_head run after the last copy with the copy engine idle. Streaming the last MLP weight
-    shortens that tail, but needs a larger ring, so the plan keeps fewer bytes resident and
-    copies more per forward. Whether that pays depends on the workload, which the program's
-    static shapes give: it pays in prefill, not in decode (there a kernel is short and the
-    extra bytes only add copy time). The candidates are the resident weights read last, each
-    tried with the rest of the plan refilled greedily; a candidate must fit the budget and
-    keep the plan's promise of streaming at most total - (budget - floor) bytes.
-    """
-    pinned = set(layout.pinned)
-    last_read: dict[int, int] = {}
-    for p, w in enumerate(schedule.probe_weight):
-        last_read[w] = p
-    allowed = schedule.total_bytes - (layout.budget_bytes - schedule.floor_bytes)
-    best_s, last_copy_s = _simulate(schedule, layout, rates)
-    if best_s - last_copy_s < _END_MIN_GAIN * best_s:
-        return layout  # the copy engine is busy to (nearly) the end: no tail to shorten
-    best, excluded = layout, frozenset()
-    for _ in range(_END_ROUNDS):
-        candidates = sorted((w for w in best.resident if w not in pinned and w in last_read), key=lambda w: -last_read[w])
-        trials = []
-        for w in candidates[:_END_CANDIDATES]:
-            exclude = excluded | {w}
-            kept = set(best.resident) - {w}
-            seq, _ = _stream_sequence(schedule, kept)
-            ring = ring_requirement(seq, schedule.prefetch_depth)
-            if sum(sizes[v] for v in kept) + ring > layout.budget_bytes:
-                continue
-            seq, ring = _keep_greedily(schedule, sizes, kept, layout.budget_bytes, seq, ring, exclude)
-            trial = _layout(schedule, layout.budget_bytes, sizes, pinned, kept, ring)
-            if trial.streamed_bytes <= allowed:
-                trials.append((_simulate(schedule, trial, rates)[0], trial, exclude))
-        if not trials:
-            break
-        trial_s, trial, exclude = min(trials, key=lambda t: t[0])
-        if trial_s > best_s * (1 - _END_MIN_GAIN):
-            break
-        best, best_s, excluded = trial, trial_s, exclude
-    return best
-
-
-def _layout(schedule: WeightSchedule, budget_bytes: int, sizes: list[int], pinned: set[int], kept: set[int], ring: int) -> PlannedLayout:
-    """Offsets, fills and waits of the plan that keeps ``kept`` resident and streams the rest."""
     kept_bytes = sum(sizes[w] for w in kept)
     # Shrink the ring to the smallest safe size when that one fits too (it usually does).
-    seq, probes = _stream_sequence(schedule, kept)
     smallest = ring_requirement(seq, schedule.prefetch_depth)
     if kept_bytes + smallest <= budget_bytes:
         ring = smallest
+    seq, probes = _stream_sequence(schedule, kept)
     offsets = ring_placement(seq, ring) if seq.probe_weight else []
     resident_offsets, cursor = {}, 0
     for w in sorted(kept):

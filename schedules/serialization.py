@@ -22,12 +22,10 @@ PREFETCH_DEPTH = PREFIX + "prefetch_depth"
 PIN = PREFIX + "pin"
 FLOOR_BYTES = PREFIX + "floor_bytes"
 TOTAL_BYTES = PREFIX + "total_bytes"
-KERNEL_WORK = PREFIX + "kernel_work"  # optional: files written before it was recorded lack it
 
 
 def encode(schedule: WeightSchedule, method: str = "forward") -> dict[str, object]:
-    work = {KERNEL_WORK: list(schedule.kernel_work)} if schedule.kernel_work else {}
-    return work | {
+    return {
         VERSION: SCHEDULE_VERSION,
         METHOD: method,
         FQNS: list(schedule.fqns),
@@ -73,15 +71,9 @@ def decode_program(program, source: str = "<program>") -> tuple[str, WeightSched
         kernel_ops=tuple(get(KERNEL_OPS)),
         prefetch_depth=prefetch_depth,
         pin=tuple(get(PIN)),
-        kernel_work=tuple(constant_method_outputs(program, KERNEL_WORK) or ()),
     )
     if len(schedule.probe_weight) != len(schedule.probe_kernel):
         raise ScheduleError(f"{source}: {PROBE_WEIGHT} and {PROBE_KERNEL} differ in length")
-    if schedule.kernel_work and len(schedule.kernel_work) != 4 * schedule.num_kernels + 2:
-        raise ScheduleError(
-            f"{source}: {KERNEL_WORK} has {len(schedule.kernel_work)} entries, "
-            f"expected {4 * schedule.num_kernels + 2} for {schedule.num_kernels} kernels"
-        )
     (stored_floor,) = get(FLOOR_BYTES)
     if stored_floor != schedule.floor_bytes:
         raise ScheduleError(

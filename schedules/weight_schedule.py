@@ -28,11 +28,6 @@ class WeightSchedule:
     kernel_ops: tuple[str, ...]  # operator of each kernel, in execution order
     prefetch_depth: int
     pin: tuple[str, ...]
-    # Work per kernel, flat (schedules/cost.py): for kernel k, entries 4k..4k+3 are the FLOPs and
-    # device-memory bytes of the weightless ops between kernel k-1 and kernel k, then of kernel
-    # k itself; the last two are the work after the last kernel. Empty when unknown (a program
-    # saved before it was recorded): the planner then has no cost model to compare plans by.
-    kernel_work: tuple[int, ...] = ()
 
     @functools.cached_property
     def floor(self) -> Floor:
@@ -114,7 +109,6 @@ def schedule_from_graph(
 ) -> WeightSchedule:
     """Build the schedule of a probed graph: probes in node order, kernels as their readers."""
     from hostswap.passes.graph_facts import is_probe, is_view_like
-    from hostswap.schedules.cost import node_work
 
     order = {node: i for i, node in enumerate(graph.nodes)}
     probes = [n for n in graph.nodes if is_probe(n)]
@@ -138,17 +132,6 @@ def schedule_from_graph(
         kernel_of_probe.append(next(iter(readers)))
     kernels = sorted(set(kernel_of_probe), key=order.__getitem__)
     kernel_index = {k: i for i, k in enumerate(kernels)}
-    work: list[int] = []
-    lead = [0, 0]
-    for node in graph.nodes:
-        flops, nbytes = node_work(node)
-        if node in kernel_index:
-            work += [lead[0], lead[1], flops, nbytes]
-            lead = [0, 0]
-        else:
-            lead[0] += flops
-            lead[1] += nbytes
-    work += lead
     fqns: list[str] = []
     weight_id: dict[str, int] = {}
     probe_weight = []
@@ -176,5 +159,4 @@ def schedule_from_graph(
         kernel_ops=tuple(_op_name(k.target) for k in kernels),
         prefetch_depth=prefetch_depth,
         pin=tuple(pin),
-        kernel_work=tuple(work),
     )
