@@ -7,7 +7,7 @@ has no copy left to hide behind). latency ~ head + copy busy + tail when the cop
 idles, which is the floor for a forward that starts and ends synchronized.
 
     python bench/profile_stream.py                                  # planned d1/d4 at 50/75 %, prefill
-    python bench/profile_stream.py --tokens 1 --configs lru:1:0.5   # policy:depth:fraction[:graph][:centred]
+    python bench/profile_stream.py --tokens 1 --configs lru:1:0.5   # policy:depth:fraction[:graph][:centred][:late]
     python bench/profile_stream.py --repeat 3 --runs 30 --configs ...  # interleaved rounds: an A/B
 """
 
@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hostswap  # noqa: E402
 from hostswap.models import llama_decoder  # noqa: E402
 from hostswap.runtime import Module  # noqa: E402
+from hostswap.runtime import pool  # noqa: E402
 from hostswap.schedules import policies  # noqa: E402
 from weights import h2d_bandwidth, time_calls  # noqa: E402  (bench/weights.py, beside this script)
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=9)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--configs", default="planned:1:0.5,planned:1:0.75,planned:4:0.5,planned:4:0.75,planned:1:0.75:graph",
-                   help="comma-separated policy:depth:fraction of the weight bytes[:graph][:centred (the previous spread rule)]")
+                   help="comma-separated policy:depth:fraction of the weight bytes[:graph][:centred (the previous spread rule)][:late (first fills at the first probe)]")
     p.add_argument("--repeat", type=int, default=1, help="rounds over the configurations, interleaved")
     p.add_argument("--runs", type=int, default=15, help="timed forwards per configuration and round")
     args = p.parse_args(argv)
@@ -96,17 +97,21 @@ def main(argv=None) -> int:
     spread = policies._spread_streamed
     for config in [c for _ in range(args.repeat) for c in args.configs.split(",")]:
         policy, depth, fraction, *rest = config.split(":")
-        graph, centred = "graph" in rest, "centred" in rest
+        graph, centred, late = "graph" in rest, "centred" in rest, "late" in rest
         if centred:  # the planner's previous spread rule, for an A/B in one process
             policies._spread_streamed = functools.partial(spread, align="centred")
         try:
             m = Module(pte, ptd, weight_offload_budget_mb=int(float(fraction) * total) / 2**20, device="cuda", policy=policy, prefetch_depth=int(depth), cuda_graph=graph)
         finally:
             policies._spread_streamed = spread
-        label = f"{policy} d{depth} {float(fraction):.0%}{' cuda_graph' if graph else ''}{' centred' if centred else ''}"
+        label = f"{policy} d{depth} {float(fraction):.0%}{' cuda_graph' if graph else ''}{' centred' if centred else ''}{' late' if late else ''}"
         if policy == "planned":
             label += f" [{m.pool.layout.streamed_bytes / 2**20:.0f} MiB streamed]"
-        medians.setdefault(label, []).append(timeline(m, x, bw, label, args.runs))
+        pool.EARLY_FIRST_FILLS = not late  # late: the first fills at the first probe, as before
+        try:
+            medians.setdefault(label, []).append(timeline(m, x, bw, label, args.runs))
+        finally:
+            pool.EARLY_FIRST_FILLS = True
         m.close()
     if args.repeat > 1:  # configurations interleaved, so that drift hits all alike
         for label, values in medians.items():

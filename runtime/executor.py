@@ -473,15 +473,22 @@ class MethodExecutor:
         return v
 
     # --- running ----------------------------------------------------------------------------
-    def bind_inputs(self, inputs) -> None:
+    def check_inputs(self, inputs) -> None:
+        """Raise ProgramError for inputs ``bind_inputs`` would refuse, before anything runs."""
         if len(inputs) != len(self.plan.inputs):
             raise ProgramError(f"method '{self.name}' takes {len(self.plan.inputs)} inputs, got {len(inputs)}")
         for value_id, given in zip(self.plan.inputs, inputs):
             slot = self.values[value_id]
+            if isinstance(given, torch.Tensor) and isinstance(slot, torch.Tensor):
+                if tuple(slot.shape) != tuple(given.shape) or slot.dtype != given.dtype:
+                    raise ProgramError(f"method '{self.name}': input of shape {tuple(given.shape)} {given.dtype} does not match the program's {tuple(slot.shape)} {slot.dtype}")
+
+    def bind_inputs(self, inputs) -> None:
+        self.check_inputs(inputs)
+        for value_id, given in zip(self.plan.inputs, inputs):
+            slot = self.values[value_id]
             if isinstance(given, torch.Tensor):
                 if slot is not None and isinstance(slot, torch.Tensor):
-                    if tuple(slot.shape) != tuple(given.shape) or slot.dtype != given.dtype:
-                        raise ProgramError(f"method '{self.name}': input of shape {tuple(given.shape)} {given.dtype} does not match the program's {tuple(slot.shape)} {slot.dtype}")
                     slot.copy_(given)
                 else:
                     self.values[value_id] = given.to(self.device)

@@ -133,8 +133,11 @@ class Module:
     def _on_kernel(self, instruction_index: int) -> None:
         self.pool.kernel_launched(self._kernel_of_instruction[instruction_index])
 
-    def _run_forward(self, executor: MethodExecutor) -> None:
+    def _run_forward(self, executor: MethodExecutor, inputs=None) -> None:
+        """One forward; ``inputs`` are bound after the pool has started its first copies."""
         self.pool.begin_forward()
+        if inputs is not None:
+            executor.bind_inputs(inputs)
         executor.run(self._on_kernel, hooked=self._hooked)
         self.pool.end_forward()
 
@@ -162,8 +165,8 @@ class Module:
             return executor.outputs()
         if self.cuda_graph:
             return self._run_graphed(executor, inputs)
-        executor.bind_inputs(inputs)
-        self._run_forward(executor)
+        executor.check_inputs(inputs)  # a refused input must not leave a forward half begun
+        self._run_forward(executor, inputs)
         return executor.outputs()
 
     def _run_graphed(self, executor, inputs):

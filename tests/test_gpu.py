@@ -108,3 +108,25 @@ def test_cuda_graph_replays_correctly(lowered_by_name):
         want = demo.model(other)
     torch.testing.assert_close(m(other.cuda()).cpu(), want, rtol=1e-4, atol=1e-4)
     m.close()
+
+
+def test_refused_input_leaves_planned_forwards_intact(lowered_by_name):
+    """The first ring fills are issued before the inputs are bound (runtime/pool.py
+    begin_forward); an input the program refuses is refused before that, so the module keeps
+    streaming exactly its plan and its outputs stay bitwise."""
+    demo = lowered_by_name("demo_transformer")
+    s = demo.schedule
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cuda", policy="planned")
+    try:
+        args = [a.cuda() for a in demo.args]
+        first = m(*args)
+        per_forward = m.stats["bytes_h2d"]
+        assert per_forward == m.pool.layout.streamed_bytes > 0
+        bad = [torch.cat([args[0], args[0]], dim=-1)]
+        with pytest.raises(hostswap.runtime.ProgramError, match="does not match the program's"):
+            m(*bad)
+        assert m.stats["bytes_h2d"] == per_forward  # nothing was copied for the refused call
+        assert torch.equal(m(*args), first)
+        assert m.stats["bytes_h2d"] == 2 * per_forward
+    finally:
+        m.close()

@@ -493,3 +493,19 @@ def test_lru_names_the_weight_when_fragmentation_leaves_nothing_to_evict(lowered
     # the same budget serves the planned policy, whose layout is fixed at load
     p = Module(conv.pte, conv.ptd, weight_offload_budget_mb=conv.schedule.floor_bytes / MB, device="cpu", policy="planned")
     assert torch.equal(p(*conv.args), conv.lowered_expected)
+
+
+def test_error_input_of_wrong_shape_loses_nothing(lowered_by_name):
+    demo = lowered_by_name("demo_transformer")
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=demo.schedule.floor_bytes / MB, device="cpu", policy="planned")
+    try:
+        first = m(*demo.args)
+        forwards = m.stats["forwards"]
+        with pytest.raises(ProgramError, match=r"input of shape \(\d+, \d+\) torch.int64 does not match the program's"):
+            m(torch.cat([demo.args[0], demo.args[0]], dim=-1))
+        with pytest.raises(ProgramError, match="takes 1 inputs, got 2"):
+            m(*demo.args, *demo.args)
+        assert m.stats["forwards"] == forwards
+        assert torch.equal(m(*demo.args), first)
+    finally:
+        m.close()
