@@ -81,6 +81,8 @@ class Module:
                 self.ptd.register_with_cuda()
             host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
             self.pool = WeightPool(self.schedule, host, self.budget_bytes, self.device, policy=policy, warm=warm_pool)
+            if cuda_graph and policy == "planned":
+                self.pool.carry_allowed = False  # a replay starts from its captured first fills
             self._executors: dict[str, MethodExecutor] = {}
             plan = plan_by_name(self.program, self.method_name)
             self._executors[self.method_name] = MethodExecutor(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)

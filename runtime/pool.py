@@ -51,6 +51,8 @@ class PoolStats:
     allocation_seconds: float = 0.0  # host time spent in them
     pool_trims: int = 0  # lru: allocations retried after handing wholly free chunks back
     fragmentation_evictions: int = 0  # lru: victims beyond the byte count, for a refused allocation
+    fills_carried: int = 0  # planned on CUDA: fills issued at the end of a forward for the next
+    bytes_carried: int = 0  # their bytes (counted in bytes_h2d too)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -68,8 +70,11 @@ class _Streams:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.kernel_events = [torch.cuda.Event() for _ in range(num_kernels)]
-            self.forward_start = torch.cuda.Event()
-            self.copies_done = torch.cuda.Event()
+            # timed: the pool reads the last forward's copy span and compute tail from them
+            self.forward_start = torch.cuda.Event(enable_timing=True)
+            self.copies_done = torch.cuda.Event(enable_timing=True)
+            self.forward_end = torch.cuda.Event(enable_timing=True)
+            self._timed = False  # a whole forward has recorded all three
 
     @property
     def compute_stream(self):
@@ -85,6 +90,16 @@ class _Streams:
         if self.cuda:
             self.copies_done.record(self.copy_stream)
             self.compute_stream.wait_event(self.copies_done)
+            self.forward_end.record(self.compute_stream)
+            self._timed = not torch.cuda.is_current_stream_capturing()
+
+    def last_forward_times(self) -> tuple[float, float] | None:
+        """(seconds from the start of the last forward to its last copy, seconds its kernels ran
+        after that copy), or None while that forward is still running (or none was timed).
+        Read before the next begin_forward records its start."""
+        if not (self.cuda and self._timed and self.forward_end.query()):
+            return None
+        return self.forward_start.elapsed_time(self.copies_done) / 1e3, self.copies_done.elapsed_time(self.forward_end) / 1e3
 
     def kernel_launched(self, kernel: int) -> None:
         if self.cuda:
@@ -257,12 +272,19 @@ class WeightPool:
 
     def begin_forward(self) -> None:
         self._next_probe = 0
+        if self.policy_name == "planned":
+            self._decide_carry()  # from the last forward's timing, before its events are re-recorded
         self.streams.begin_forward()
         if self.policy_name == "lru":
             self.lru.begin_forward()
         else:
             self._issued = 0
             self._prefetched_fills = set()
+            self._forward_bytes = 0
+            carried, self._carried = self._carried, []
+            if carried:  # copied at the end of the previous forward (end_forward)
+                self._prefetched_fills.update(carried)
+                self._issued = carried[-1] + 1
         self._launched = -1
         if self.policy_name == "planned" and self.schedule.num_probes and self.device.type == "cuda" and EARLY_FIRST_FILLS:
             # The fills the first probe would issue (they overwrite nothing this forward has
@@ -277,6 +299,50 @@ class WeightPool:
             )
         self.streams.end_forward()
         self.stats.forwards += 1
+        if self.policy_name == "planned" and self._carry_count:
+            self._carry_fills()
+
+    # --- planned: fills carried into the next forward ------------------------------------------
+    def _decide_carry(self) -> None:
+        """How many of the next forward's first fills to issue at the end of each forward.
+
+        When copies bound a forward, it ends with kernels that run after its last copy while
+        the copy engine idles (in prefill, the last layer's MLP and the head behind the last
+        streamed attention projection: about 2 ms on the benchmark's model). The first fills of
+        the next forward can copy in that idle tail. As many are carried as the measured tail
+        hides at the bandwidth the forward's own copies achieved; none where the tail is short
+        (decode): carrying there would only move copies from one forward to the other and
+        leave the copy engine waiting at the next forward's head for the host to reach a probe
+        that may issue more. Measured, not modelled: the decision follows the workload.
+        """
+        if not (self.carry_allowed and self.layout.carry_waits_for):
+            return
+        times = self.streams.last_forward_times()
+        if times is None or self._forward_bytes <= 0:
+            return  # keep the last decision
+        span_s, tail_s = times
+        if span_s <= 0:
+            return
+        hidden = tail_s * self._forward_bytes / span_s  # bytes the idle tail could copy
+        count, total = 0, 0
+        for q in self._carry_order:
+            total += self.schedule.weight_bytes[self.schedule.probe_weight[q]]
+            if total > hidden:
+                break
+            count += 1
+        self._carry_count = count
+
+    def _carry_fills(self) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            return
+        for q in self._carry_order[: self._carry_count]:
+            self.streams.copy_waits_for_kernel(self.layout.carry_waits_for[q])
+            w = self.schedule.probe_weight[q]
+            self._ring_ready[q] = self.streams.copy(self._ring_tensor[q], self.host[w])
+            self.stats.bytes_h2d += self.schedule.weight_bytes[w]
+            self.stats.bytes_carried += self.schedule.weight_bytes[w]
+            self.stats.fills_carried += 1
+            self._carried.append(q)
 
     def kernel_launched(self, kernel: int) -> None:
         self._launched = kernel
@@ -482,7 +548,13 @@ class WeightPool:
         self._issued = 0
         self._prefetched_fills: set[int] = set()
         # Only kernels that a ring fill waits for need an event (none when all is resident).
-        self._awaited_kernels = frozenset(k for k in layout.fill_waits_for.values() if k >= 0)
+        waited = list(layout.fill_waits_for.values()) + list(layout.carry_waits_for.values())
+        self._awaited_kernels = frozenset(k for k in waited if k >= 0)
+        self._carry_order = sorted(layout.carry_waits_for)
+        self._carry_count = 0
+        self._carried: list[int] = []
+        self._forward_bytes = 0
+        self.carry_allowed = self.device.type == "cuda"  # Module turns it off under CUDA graphs
         self._issue_through = issue_horizon(self.schedule, layout)
 
     def _issue_fill(self, q: int) -> None:
@@ -498,6 +570,7 @@ class WeightPool:
         w = self.schedule.probe_weight[q]
         self._ring_ready[q] = self.streams.copy(self._ring_tensor[q], self.host[w])
         self.stats.bytes_h2d += self.schedule.weight_bytes[w]
+        self._forward_bytes += self.schedule.weight_bytes[w]
 
     def _issue_fills_through(self, last: int, probe_id: int | None) -> None:
         """Issue every ring fill up to probe ``last``; one for ``probe_id`` itself is a miss."""

@@ -159,6 +159,10 @@ class PlannedLayout:
     fill_waits_for: dict[int, int]  # probe id -> last kernel that read the bytes it overwrites (-1: none)
     reuse_offset: dict[int, int]  # probe id -> ring offset of a weight still there (no copy)
     streamed_bytes: int  # bytes copied host-to-device per forward
+    # The forward's first fills that overwrite nothing the same forward read before them, each
+    # with the last kernel of a whole forward that reads the bytes it overwrites (-1: none). The
+    # runtime may issue them at the end of one forward for the next (pool.py, carried fills).
+    carry_waits_for: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def arena_bytes(self) -> int:
@@ -292,7 +296,17 @@ def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
         occupants = [o for o in occupants if not (o[0] < end and off < o[1])] + [[off, end, w, kernel]]
         fill_offset[p] = off
         streamed += schedule.weight_bytes[w]
+    # Every ring read of a forward overlapping a carried fill's bytes must be over before the
+    # fill (the latest of them; conservative: stream order alone would cover some).
+    reads = [(off, off + sizes[schedule.probe_weight[p]], schedule.probe_kernel[p]) for p, off in zip(probes, offsets)]
+    carry_waits_for = {}
+    for p in sorted(fill_offset):
+        if fill_waits_for[p] >= 0:
+            break
+        start, end = fill_offset[p], fill_offset[p] + sizes[schedule.probe_weight[p]]
+        carry_waits_for[p] = max((k for a, b, k in reads if a < end and start < b), default=-1)
     return PlannedLayout(
+        carry_waits_for=carry_waits_for,
         budget_bytes=budget_bytes,
         pinned=frozenset(pinned),
         resident=frozenset(kept),

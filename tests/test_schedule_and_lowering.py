@@ -239,3 +239,33 @@ def test_planned_streams_in_every_layer_not_in_a_block(depth):
         streamed_layers = {s.fqns[w].split(".")[1] for w in range(len(s.fqns)) if w not in layout.resident and s.fqns[w].startswith("layers.")}
         assert streamed_layers >= {str(i) for i in range(1, 9)}, (fraction, sorted(streamed_layers))
         assert layout.streamed_bytes <= 1.01 * (s.total_bytes - (int(fraction * s.total_bytes) - s.floor_bytes))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
+def test_carried_fills_wait_for_every_reader_of_their_bytes(depth):
+    """The fills the runtime may issue at the end of a forward for the next one: a prefix of the
+    forward's fills that overwrite nothing read earlier in it, each waiting for the last kernel
+    of the whole forward that reads any of the bytes it overwrites (placements recomputed)."""
+    from hostswap.schedules.floor import ring_placement
+    from hostswap.schedules.policies import _stream_sequence
+
+    s = dataclasses.replace(_meta_llama_schedule(4), prefetch_depth=depth)
+    sizes = [aligned(b) for b in s.weight_bytes]
+    carried_any = False
+    for fraction in (0.5, 0.75, 0.9):
+        layout = plan_layout(s, max(s.floor_bytes, int(fraction * s.total_bytes)))
+        seq, probes = _stream_sequence(s, set(layout.resident))
+        offsets = ring_placement(seq, layout.ring_bytes) if probes else []
+        fills = sorted(layout.fill_offset)
+        carry = sorted(layout.carry_waits_for)
+        assert carry == fills[: len(carry)]
+        assert all(layout.fill_waits_for[p] == -1 for p in carry)
+        if len(carry) < len(fills):
+            assert layout.fill_waits_for[fills[len(carry)]] >= 0
+        reads = [(off, off + sizes[s.probe_weight[p]], s.probe_kernel[p]) for p, off in zip(probes, offsets)]
+        for p in carry:
+            start, end = layout.fill_offset[p], layout.fill_offset[p] + sizes[s.probe_weight[p]]
+            readers = [k for a, b, k in reads if a < end and start < b]
+            assert readers and layout.carry_waits_for[p] == max(readers)  # its own read at least
+            carried_any = True
+    assert carried_any
