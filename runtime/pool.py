@@ -85,6 +85,7 @@ class _Streams:
             # Copies of this forward may overwrite what the previous one's kernels still read.
             self.forward_start.record(self.compute_stream)
             self.copy_stream.wait_event(self.forward_start)
+            self._timed = False  # until this forward ends: a failed one leaves no timing behind
 
     def end_forward(self) -> None:
         if self.cuda:
@@ -336,11 +337,7 @@ class WeightPool:
         if torch.cuda.is_current_stream_capturing():
             return
         for q in self._carry_order[: self._carry_count]:
-            self.streams.copy_waits_for_kernel(self.layout.carry_waits_for[q])
-            w = self.schedule.probe_weight[q]
-            self._ring_ready[q] = self.streams.copy(self._ring_tensor[q], self.host[w])
-            self.stats.bytes_h2d += self.schedule.weight_bytes[w]
-            self.stats.bytes_carried += self.schedule.weight_bytes[w]
+            self.stats.bytes_carried += self._copy_fill(q, self.layout.carry_waits_for[q])
             self.stats.fills_carried += 1
             self._carried.append(q)
 
@@ -566,11 +563,15 @@ class WeightPool:
                 f"ring fill for probe {q} ('{self.schedule.fqns[self.schedule.probe_weight[q]]}') must wait for kernel {waits_for}, "
                 f"but only kernels up to {self._launched} have been launched in this forward"
             )
+        self._forward_bytes += self._copy_fill(q, waits_for)
+
+    def _copy_fill(self, q: int, waits_for: int) -> int:
+        """Copy probe ``q``'s weight into its ring slot after kernel ``waits_for``; its bytes."""
         self.streams.copy_waits_for_kernel(waits_for)
         w = self.schedule.probe_weight[q]
         self._ring_ready[q] = self.streams.copy(self._ring_tensor[q], self.host[w])
         self.stats.bytes_h2d += self.schedule.weight_bytes[w]
-        self._forward_bytes += self.schedule.weight_bytes[w]
+        return self.schedule.weight_bytes[w]
 
     def _issue_fills_through(self, last: int, probe_id: int | None) -> None:
         """Issue every ring fill up to probe ``last``; one for ``probe_id`` itself is a miss."""
