@@ -17,6 +17,10 @@ from hostswap.schedules.pte_program import constant_method_outputs, external_wei
 from hostswap.schedules.serialization import decode_program
 
 
+# PoolStats counters a graph replay advances by what its captured forward counted.
+_REPLAY_COUNTED = ("forwards", "hits", "misses", "bytes_h2d", "prefetches_issued", "prefetches_used", "fills_carried", "bytes_carried")
+
+
 class ConcurrentExecutionError(RuntimeError):
     """Two threads tried to run one loaded Module at the same time."""
 
@@ -49,7 +53,8 @@ class Module:
     """A hostswap program loaded for execution with its weights streamed from a ``.ptd``.
 
     ``policy``: ``planned`` (default) or ``lru``. ``cuda_graph=True`` (planned, CUDA, static
-    input shapes) captures the whole forward, copies included, at the first call.
+    input shapes) captures the whole forward, copies included, at the first call; each replay
+    copies the next one's first fills in its own idle tail, as eager forwards do.
     ``prefetch_depth`` overrides the depth recorded by the pass; the floor is recomputed
     for it (a deeper prefetch needs more headroom), so the budget check stays exact.
     """
@@ -81,8 +86,6 @@ class Module:
                 self.ptd.register_with_cuda()
             host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
             self.pool = WeightPool(self.schedule, host, self.budget_bytes, self.device, policy=policy, warm=warm_pool)
-            if cuda_graph and policy == "planned":
-                self.pool.carry_allowed = False  # a replay starts from its captured first fills
             self._executors: dict[str, MethodExecutor] = {}
             plan = plan_by_name(self.program, self.method_name)
             self._executors[self.method_name] = MethodExecutor(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
@@ -173,25 +176,44 @@ class Module:
 
     def _run_graphed(self, executor, inputs):
         if self._graph is None:
-            executor.bind_inputs([i.to(self.device) if isinstance(i, torch.Tensor) else i for i in inputs])
-            self._static_inputs = [executor.values[v] for v in executor.plan.inputs]
+            device_inputs = [i.to(self.device) if isinstance(i, torch.Tensor) else i for i in inputs]
+            executor.check_inputs(device_inputs)  # before the first forward starts any copy
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up outside the graph (lazy inits, cuBLAS handles)
-                self._run_forward(executor)
+            # Warm-up outside the graph (lazy inits, cuBLAS handles); the second forward's
+            # measured tail decides how many fills each replay carries into the next. Inputs
+            # are bound for each: a forward may reuse an input's arena slot once it is read.
+            for _ in range(2):
+                with torch.cuda.stream(side):
+                    self._run_forward(executor, device_inputs)
+                torch.cuda.synchronize(self.device)
+            self._static_inputs = [executor.values[v] for v in executor.plan.inputs]
             torch.cuda.current_stream(self.device).wait_stream(side)
-            torch.cuda.synchronize(self.device)
+            self.pool.prepare_capture()
+            before = dataclasses.replace(self.pool.stats)
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
                 self._run_forward(executor)
             self._graph_outputs = executor.outputs()
+            # Capturing copies nothing; every replay does what the captured forward counted.
+            after, self.pool.stats = self.pool.stats, before
+            self._replay_counts = {f: getattr(after, f) - getattr(before, f) for f in _REPLAY_COUNTED}
+            self._replayed = torch.cuda.Event()
+            self._replayed.record()
+        for static, given in zip(self._static_inputs, inputs):
+            if isinstance(static, torch.Tensor) and static.shape != given.shape:
+                raise ProgramError(f"cuda_graph=True needs static input shapes: captured {tuple(static.shape)}, got {tuple(given.shape)}")
+        # A replay reads the fills the previous one carried, and its inputs overwrite what the
+        # previous one read: order it after that one even when the caller launches from
+        # another stream.
+        torch.cuda.current_stream(self.device).wait_event(self._replayed)
         for static, given in zip(self._static_inputs, inputs):
             if isinstance(static, torch.Tensor):
-                if static.shape != given.shape:
-                    raise ProgramError(f"cuda_graph=True needs static input shapes: captured {tuple(static.shape)}, got {tuple(given.shape)}")
                 static.copy_(given)
         self._graph.replay()
-        self.pool.stats.forwards += 1
+        self._replayed.record()
+        for f, n in self._replay_counts.items():
+            setattr(self.pool.stats, f, getattr(self.pool.stats, f) + n)
         return self._graph_outputs
 
     def __call__(self, *inputs):

@@ -286,6 +286,13 @@ class WeightPool:
             if carried:  # copied at the end of the previous forward (end_forward)
                 self._prefetched_fills.update(carried)
                 self._issued = carried[-1] + 1
+                if torch.cuda.is_current_stream_capturing():
+                    # A replay runs after the previous one has finished, carried copies
+                    # included (one graph launch after the other on the launching stream), and
+                    # the first after prepare_capture's synchronised copies: nothing to wait for
+                    # inside the graph, and an event recorded outside it cannot be waited on.
+                    for q in carried:
+                        self._ring_ready[q] = None
         self._launched = -1
         if self.policy_name == "planned" and self.schedule.num_probes and self.device.type == "cuda" and EARLY_FIRST_FILLS:
             # The fills the first probe would issue (they overwrite nothing this forward has
@@ -316,7 +323,7 @@ class WeightPool:
         leave the copy engine waiting at the next forward's head for the host to reach a probe
         that may issue more. Measured, not modelled: the decision follows the workload.
         """
-        if not (self.carry_allowed and self.layout.carry_waits_for):
+        if self._carry_frozen or not (self.carry_allowed and self.layout.carry_waits_for):
             return
         times = self.streams.last_forward_times()
         if times is None or self._forward_bytes <= 0:
@@ -334,12 +341,37 @@ class WeightPool:
         self._carry_count = count
 
     def _carry_fills(self) -> None:
-        if torch.cuda.is_current_stream_capturing():
-            return
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and not self._carry_frozen:
+            return  # a graph's carried fills must match what prepare_capture placed
         for q in self._carry_order[: self._carry_count]:
             self.stats.bytes_carried += self._copy_fill(q, self.layout.carry_waits_for[q])
             self.stats.fills_carried += 1
             self._carried.append(q)
+        if capturing:
+            # Join the copy stream back into the captured work: the graph ends when its carried
+            # copies have, and the next replay (stream-ordered after it) finds them done.
+            self.streams.compute_stream.wait_stream(self.streams.copy_stream)
+
+    def prepare_capture(self) -> None:
+        """Fix the carry for a CUDA graph and place the fills its replays will take as carried.
+
+        Call after at least one eager forward has finished (synchronised) and before capturing
+        one. The carry count is decided once from that forward's measured tail and frozen: the
+        captured forward skips the first ``_carry_count`` fills at its start and copies them at
+        its end for the next replay, so the graph's idle tail copies as an eager forward's
+        does. Here those fills are copied once, synchronously, for the first replay.
+        """
+        if self.policy_name != "planned" or self.device.type != "cuda":
+            raise RuntimeError("prepare_capture is for the planned policy on CUDA")
+        self._decide_carry()
+        self._carry_frozen = True
+        torch.cuda.synchronize(self.device)  # every reader of the ring has finished
+        self._carried = []
+        for q in self._carry_order[: self._carry_count]:
+            self._copy_fill(q, -1)
+            self._carried.append(q)
+        torch.cuda.synchronize(self.device)
 
     def kernel_launched(self, kernel: int) -> None:
         self._launched = kernel
@@ -551,7 +583,8 @@ class WeightPool:
         self._carry_count = 0
         self._carried: list[int] = []
         self._forward_bytes = 0
-        self.carry_allowed = self.device.type == "cuda"  # Module turns it off under CUDA graphs
+        self.carry_allowed = self.device.type == "cuda"
+        self._carry_frozen = False  # prepare_capture: fixed for a CUDA graph
         self._issue_through = issue_horizon(self.schedule, layout)
 
     def _issue_fill(self, q: int) -> None:

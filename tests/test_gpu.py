@@ -110,6 +110,47 @@ def test_cuda_graph_replays_correctly(lowered_by_name):
     m.close()
 
 
+@pytest.mark.parametrize("forced", [True, False])
+def test_cuda_graph_carries_fills_between_replays(lowered_by_name, monkeypatch, forced):
+    """Under cuda_graph=True each replay copies the next one's first fills at its end and skips
+    them at its start (pool.prepare_capture). Forced: every carry-able fill is carried. Replays
+    back to back with no synchronisation, inputs alternating, launched from two streams:
+    every output is bitwise the all-resident one, and every replay copies the plan's bytes."""
+    from hostswap.runtime.pool import WeightPool
+
+    demo = lowered_by_name("demo_transformer")
+    s = demo.schedule
+    inputs = [demo.args[0].cuda(), torch.randint(0, 4096, demo.args[0].shape, generator=torch.Generator().manual_seed(5)).cuda()]
+    resident = Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.total_bytes / MB, device="cuda")
+    expected = [resident(x).clone() for x in inputs]
+    resident.close()
+    if forced:
+        monkeypatch.setattr(WeightPool, "_decide_carry", lambda self: setattr(self, "_carry_count", len(self._carry_order)))
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cuda", policy="planned", cuda_graph=True)
+    try:
+        m(inputs[0])  # capture
+        if forced:
+            assert m.pool._carry_count == len(m.pool._carry_order) > 0
+        before = m.stats
+        other = torch.cuda.Stream()
+        outs = []
+        for i in range(8):
+            other.wait_stream(torch.cuda.current_stream())  # the last clone has read the outputs
+            with torch.cuda.stream(other if i % 3 == 2 else torch.cuda.current_stream()):
+                y = m(inputs[i % 2]).clone()
+            torch.cuda.current_stream().wait_stream(other)
+            outs.append(y)
+        for i, y in enumerate(outs):
+            assert torch.equal(y, expected[i % 2]), i
+        after = m.stats
+        assert after["forwards"] - before["forwards"] == 8
+        assert after["bytes_h2d"] - before["bytes_h2d"] == 8 * m.pool.layout.streamed_bytes
+        assert after["fills_carried"] - before["fills_carried"] == 8 * m.pool._carry_count
+        print(f"forced={forced}: {m.pool._carry_count} of {len(m.pool._carry_order)} carry-able fills carried per replay")
+    finally:
+        m.close()
+
+
 def test_refused_input_leaves_planned_forwards_intact(lowered_by_name):
     """The first ring fills are issued before the inputs are bound (runtime/pool.py
     begin_forward); an input the program refuses is refused before that, so the module keeps

@@ -135,6 +135,20 @@ def test_error_ring_fill_ahead_of_the_kernel_it_must_wait_for(lowered_by_name, m
     m.close()
 
 
+def test_error_prepare_capture_off_planned_cuda(lowered_by_name):
+    """prepare_capture (what cuda_graph=True calls before capturing) is only for the planned
+    policy on CUDA; called elsewhere it refuses before touching the pool."""
+    demo = lowered_by_name("demo_transformer")
+    for policy in ("planned", "lru"):
+        m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=demo.schedule.floor_bytes / MB, device="cpu", policy=policy)
+        try:
+            with pytest.raises(RuntimeError, match="prepare_capture is for the planned policy on CUDA"):
+                m.pool.prepare_capture()
+            assert torch.equal(m(*demo.args), m(*demo.args))
+        finally:
+            m.close()
+
+
 def test_constant_methods_readable_and_several_methods(lowered_by_name):
     demo = lowered_by_name("demo_transformer")
     m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=100, device="cpu")
