@@ -51,6 +51,7 @@ MODELS = {
 
 class Lowered:
     def __init__(self, name, tmp_path_factory):
+        self.name = name
         factory, self.expected_uses = MODELS[name]
         self.model, self.args = factory()
         self.expected = self.model(*self.args)

@@ -122,6 +122,34 @@ def test_planned_prefetch_runs_ahead_over_resident_weights(lowered_by_name):
     m.close()
 
 
+def test_depth_zero_run_ahead_layout_stays_bitwise(lowered):
+    """Depth 0 at budgets where the plan places its ring as depth 1 does (policies.plan_layout,
+    run-ahead) still issues each copy at its own probe; outputs stay bitwise over forwards."""
+    from hostswap.schedules.floor import ring_is_safe
+    from hostswap.schedules.policies import _stream_sequence, plan_layout
+
+    s = dataclasses.replace(lowered.schedule, prefetch_depth=0)
+    total = budgets(s)["total"]
+    ran_ahead = 0
+    for fraction in (0.5, 0.75, 0.9):
+        budget = max(s.floor_bytes, int(fraction * total))
+        layout = plan_layout(s, budget)
+        seq, _ = _stream_sequence(s, set(layout.resident))
+        if not seq.probe_weight or not ring_is_safe(seq, 1, layout.ring_bytes):
+            continue
+        ran_ahead += 1
+        m = Module(lowered.pte, lowered.ptd, weight_offload_budget_mb=budget / MB, device="cpu", policy="planned", prefetch_depth=0)
+        try:
+            assert m.pool.layout == layout
+            for _ in range(3):
+                assert torch.equal(m(*lowered.args), lowered.lowered_expected)
+            assert m.stats["bytes_h2d"] == 3 * layout.streamed_bytes
+        finally:
+            m.close()
+    if lowered.name == "demo_transformer":
+        assert ran_ahead, "the demo transformer has budgets where depth 0 runs ahead"
+
+
 def test_error_ring_fill_ahead_of_the_kernel_it_must_wait_for(lowered_by_name, monkeypatch):
     # A horizon past what the ring's windows allow would make a fill wait on an event that
     # still holds the previous forward's record; the pool refuses instead of racing.

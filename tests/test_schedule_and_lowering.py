@@ -241,6 +241,39 @@ def test_planned_streams_in_every_layer_not_in_a_block(depth):
         assert layout.streamed_bytes <= 1.01 * (s.total_bytes - (int(fraction * s.total_bytes) - s.floor_bytes))
 
 
+def test_depth_zero_plans_a_ring_that_runs_one_weight_ahead_when_the_floor_allows():
+    """Depth 0's smallest ring holds just two consecutive kernels' weights, so a copy cannot
+    start before the kernel ahead of the one it feeds has run (policies.plan_layout). Where the
+    budget allows, the plan is safe at depth 1 (each copy may run a weight ahead), its ring no
+    larger than what the depth-0 floor reserves for streaming: issue 4's byte target holds
+    against the depth-0 floor. Where that ring does not fit (at the floor), the smallest ring."""
+    from hostswap.schedules.floor import ring_is_safe
+    from hostswap.schedules.policies import _stream_sequence
+
+    s = dataclasses.replace(_meta_llama_schedule(9), prefetch_depth=0)
+    total, floor = s.total_bytes, s.floor
+    ahead = []
+    for budget in (s.floor_bytes, int(0.25 * total), int(0.5 * total), int(0.75 * total)):
+        layout = plan_layout(s, budget)
+        smallest = plan_layout(s, budget, run_ahead=False)
+        seq, _ = _stream_sequence(s, set(layout.resident))
+        assert ring_is_safe(seq, 0, layout.ring_bytes)
+        assert layout.resident_bytes + layout.ring_bytes <= budget
+        assert layout.ring_bytes <= floor.floor_bytes - floor.pinned_bytes
+        assert layout.streamed_bytes <= 1.01 * (total - (budget - s.floor_bytes)), budget
+        if ring_is_safe(seq, 1, layout.ring_bytes):
+            ahead.append(budget)
+            assert layout != smallest
+        else:
+            assert layout == smallest
+    # at the floor no such ring fits; at half and three quarters of the weights one does
+    assert s.floor_bytes not in ahead and int(0.5 * total) in ahead and int(0.75 * total) in ahead
+    # the smallest ring at 75 %: every copy waits for the kernel just before the one it feeds
+    smallest = plan_layout(s, int(0.75 * total), run_ahead=False)
+    seq, _ = _stream_sequence(s, set(smallest.resident))
+    assert not ring_is_safe(seq, 1, smallest.ring_bytes)
+
+
 @pytest.mark.parametrize("depth", [0, 1, 2, 4])
 def test_carried_fills_wait_for_every_reader_of_their_bytes(depth):
     """The fills the runtime may issue at the end of a forward for the next one: a prefix of the
