@@ -1,0 +1,32 @@
+"""Host time of a forward (launch only) against its synchronised latency, prefill 9-layer."""
+import os, sys, tempfile, statistics, time
+import torch
+import hostswap
+from hostswap.models import llama_decoder
+from hostswap.runtime import Module
+
+tokens_n = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
+model = llama_decoder(9, max_seq=2048)
+tokens = torch.randint(0, 32000, (1, tokens_n), generator=torch.Generator().manual_seed(1))
+tmp = tempfile.mkdtemp()
+pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (tokens,))), os.path.join(tmp, "m"))
+del model
+x = tokens.cuda()
+total = 4167720960
+for rnd in range(2):
+    for depth, frac, stalls in ((1, 1.0, True), (0, 0.75, True), (1, 0.75, True), (0, 0.75, False), (1, 0.75, False)):
+        m = Module(pte, ptd, weight_offload_budget_mb=int(frac * total) / 2**20, device="cuda", prefetch_depth=depth)
+        m.pool.streams.measure_stalls = stalls
+        hosts, totals, firsts = [], [], []
+        orig = m.pool._issue_fill
+        for i in range(25):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            m(x)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            if i >= 5:
+                hosts.append(t1 - t0); totals.append(t2 - t0)
+        print(f"d{depth} {frac:.0%} stalls={stalls}: host {statistics.median(hosts)*1e3:.2f} ms, latency {statistics.median(totals)*1e3:.2f} ms", flush=True)
+        m.close()
