@@ -102,7 +102,8 @@ class _Streams:
         if self.cuda:
             self._compute = torch.cuda.current_stream(self.device)
             self._capturing = torch.cuda.is_current_stream_capturing()
-            self._read_stalls(wait=False)
+            if not self._capturing:  # an event query would invalidate a capture
+                self._read_stalls(wait=False)
             # Copies of this forward may overwrite what the previous one's kernels still read.
             self.forward_start.record(self._compute)
             self.copy_stream.wait_event(self.forward_start)

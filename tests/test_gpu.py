@@ -151,6 +151,34 @@ def test_cuda_graph_carries_fills_between_replays(lowered_by_name, monkeypatch, 
         m.close()
 
 
+def test_cuda_graph_captures_with_stall_timings_unread(lowered_by_name, monkeypatch):
+    """Stall timing events recorded by eager forwards and not yet read must not be queried
+    while the graph is captured (a query invalidates the capture): on the bench's model every
+    cuda_graph capture below the total failed so. A wait on a long copy leaves such a pair."""
+    from hostswap.runtime.pool import WeightPool
+
+    demo = lowered_by_name("demo_transformer")
+    s = demo.schedule
+    source = torch.empty(256 * MB, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(256 * MB, dtype=torch.uint8, device="cuda")
+    prepare = WeightPool.prepare_capture
+
+    def prepare_then_stall(pool):  # between the eager warm-ups and the capture
+        prepare(pool)
+        pool.streams.compute_waits(pool.streams.copy(target, source))
+        assert pool.streams._stall_pairs, "the wait on a 256 MiB copy did not stall"
+
+    monkeypatch.setattr(WeightPool, "prepare_capture", prepare_then_stall)
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cuda", policy="planned", cuda_graph=True)
+    try:
+        y = m(demo.args[0].cuda())  # warm-ups, prepare_capture, capture, first replay
+        torch.testing.assert_close(y.cpu(), demo.expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(m(demo.args[0].cuda()), y)
+        assert m.stats["stall_seconds"] > 0
+    finally:
+        m.close()
+
+
 def test_refused_input_leaves_planned_forwards_intact(lowered_by_name):
     """The first ring fills are issued before the inputs are bound (runtime/pool.py
     begin_forward); an input the program refuses is refused before that, so the module keeps
