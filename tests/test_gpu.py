@@ -153,8 +153,9 @@ def test_cuda_graph_carries_fills_between_replays(lowered_by_name, monkeypatch, 
 
 def test_cuda_graph_captures_with_stall_timings_unread(lowered_by_name, monkeypatch):
     """Stall timing events recorded by eager forwards and not yet read must not be queried
-    while the graph is captured (a query invalidates the capture): on the bench's model every
-    cuda_graph capture below the total failed so. A wait on a long copy leaves such a pair."""
+    while the graph is captured (a query invalidates the capture). A version of the pool that
+    read them at begin_forward failed every cuda_graph capture below the total on the bench's
+    model (reverted; see the README). A wait on a long copy leaves such a pair."""
     from hostswap.runtime.pool import WeightPool
 
     demo = lowered_by_name("demo_transformer")
