@@ -1,28 +1,27 @@
-"""Interleaved A/B in one process: the pool's _Streams before (6183ec5) and after the host-call
-changes (750bc14 + 6b6ddcf), prefill and decode at 75 % of the weights."""
+"""Interleaved A/B in one process: the pool's _Streams as committed against the host-call
+version tried in 750bc14/6b6ddcf and reverted (bench/ab_data/host_call_streams.py: one
+cudaMemcpyAsync per copy, compute stream looked up once per forward, stall events reused).
+The run recorded in bench/results/ab_host_calls_h100_2026-11-22_s7.txt was made at 6b6ddcf,
+where the pool also reused one completion event per ring fill; at HEAD only the _Streams
+class differs. Usage: python bench/ab_host_calls.py
+"""
 import os, sys, tempfile, statistics
 import torch
 import hostswap
-from hostswap.models import llama_decoder
 from hostswap.runtime import Module
 from hostswap.runtime import pool
-from hostswap.bench.weights import time_calls
+from hostswap.bench.weights import llama_program, time_calls
 
-OLD_SRC = open(os.path.join(os.path.dirname(__file__), "ab_data", "old_streams.py")).read()
+TRIED_SRC = open(os.path.join(os.path.dirname(__file__), "ab_data", "host_call_streams.py")).read()
 ns = dict(pool.__dict__)
-exec(OLD_SRC, ns)
-class OldStreams(ns["_Streams"]):
-    def copy(self, dst, src, event=None):
-        return super().copy(dst, src)
-NewStreams = pool._Streams
+exec(TRIED_SRC, ns)
+OldStreams = pool._Streams  # as committed
+NewStreams = ns["_Streams"]  # tried and reverted
 total = 4167720960
 progs = {}
 for name, n in (("prefill", 2048), ("decode", 1)):
-    model = llama_decoder(9, max_seq=2048)
-    tokens = torch.randint(0, 32000, (1, n), generator=torch.Generator().manual_seed(1))
-    tmp = tempfile.mkdtemp()
-    progs[name] = (*hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (tokens,))), os.path.join(tmp, "m")), tokens.cuda())
-    del model
+    pte, ptd, tokens = llama_program(9, n)
+    progs[name] = (pte, ptd, tokens.cuda())
 configs = [("prefill", "planned", 0), ("prefill", "planned", 1), ("decode", "planned", 1), ("decode", "lru", 1)]
 res = {}
 for rnd in range(3):
@@ -35,6 +34,6 @@ for rnd in range(3):
             m.close()
             res.setdefault((wl, policy, depth, variant), []).append(t)
             print(f"round {rnd} {wl} {policy} d{depth} 75% {variant}: {t:.2f} ms", flush=True)
-pool._Streams = NewStreams
+pool._Streams = OldStreams
 for k, v in res.items():
     print(*k, " ".join(f"{t:.2f}" for t in v), f"median {statistics.median(v):.2f} ms")

@@ -7,19 +7,14 @@ Usage: python bench/carry_scan.py [tokens] [graph|eager] [depth:fraction,...]
 import os, sys, tempfile, statistics, time
 import torch
 import hostswap
-from hostswap.models import llama_decoder
 from hostswap.runtime import Module
 from hostswap.runtime.pool import WeightPool
-from hostswap.bench.weights import h2d_bandwidth, time_calls
+from hostswap.bench.weights import llama_program, h2d_bandwidth, time_calls
 
 tokens_n = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
 graph = (sys.argv[2] if len(sys.argv) > 2 else "graph") == "graph"
 configs = [(int(c.split(":")[0]), float(c.split(":")[1])) for c in (sys.argv[3] if len(sys.argv) > 3 else "1:0.75,2:0.75,1:0.5").split(",")]
-model = llama_decoder(9, max_seq=2048)
-tokens = torch.randint(0, 32000, (1, tokens_n), generator=torch.Generator().manual_seed(1))
-tmp = tempfile.mkdtemp()
-pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (tokens,))), os.path.join(tmp, "m"))
-del model
+pte, ptd, tokens = llama_program(9, tokens_n)
 x = tokens.cuda()
 bw = h2d_bandwidth(x.device, torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True))
 m = Module(pte, ptd, weight_offload_budget_mb=100000, device="cuda")

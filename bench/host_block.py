@@ -2,15 +2,11 @@
 import os, sys, tempfile, statistics, time, collections
 import torch
 import hostswap
-from hostswap.models import llama_decoder
 from hostswap.runtime import Module
+from hostswap.bench.weights import llama_program
 from hostswap.runtime import pool as poolmod
 
-model = llama_decoder(9, max_seq=2048)
-tokens = torch.randint(0, 32000, (1, 2048), generator=torch.Generator().manual_seed(1))
-tmp = tempfile.mkdtemp()
-pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (tokens,))), os.path.join(tmp, "m"))
-del model
+pte, ptd, tokens = llama_program(9, 2048)
 x = tokens.cuda()
 total = 4167720960
 acc = collections.defaultdict(float)

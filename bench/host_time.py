@@ -2,15 +2,11 @@
 import os, sys, tempfile, statistics, time
 import torch
 import hostswap
-from hostswap.models import llama_decoder
 from hostswap.runtime import Module
+from hostswap.bench.weights import llama_program
 
 tokens_n = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
-model = llama_decoder(9, max_seq=2048)
-tokens = torch.randint(0, 32000, (1, tokens_n), generator=torch.Generator().manual_seed(1))
-tmp = tempfile.mkdtemp()
-pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (tokens,))), os.path.join(tmp, "m"))
-del model
+pte, ptd, tokens = llama_program(9, tokens_n)
 x = tokens.cuda()
 total = 4167720960
 for rnd in range(2):

@@ -4,15 +4,11 @@ import json, os, sys, tempfile, statistics
 import torch
 from torch.profiler import ProfilerActivity, profile
 import hostswap
-from hostswap.models import llama_decoder
 from hostswap.runtime import Module
-from hostswap.bench.weights import time_calls
+from hostswap.bench.weights import llama_program, time_calls
 
-model = llama_decoder(9, max_seq=2048)
-tokens = torch.randint(0, 32000, (1, 2048), generator=torch.Generator().manual_seed(1))
+pte, ptd, tokens = llama_program(9, 2048)
 tmp = tempfile.mkdtemp()
-pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (tokens,))), os.path.join(tmp, "m"))
-del model
 x = tokens.cuda()
 out = os.environ.get("OUT", "/tmp")
 for rnd in range(2):

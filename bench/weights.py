@@ -22,6 +22,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -64,6 +65,18 @@ def time_calls(fn, device, runs: int, warmup: int):
         "latency_p90_s": times[(len(times) * 9) // 10 - (1 if len(times) % 10 == 0 else 0)],
         "runs": runs,
     }, out
+
+
+def llama_program(layers: int, tokens: int, seed: int = 1) -> tuple[str, str, torch.Tensor]:
+    """The benchmark's Llama-style decoder exported, passed and saved to a temporary directory:
+    (.pte path, .ptd path, the random token ids it was exported with). For the diagnostic
+    scripts beside this one."""
+    from hostswap.models import llama_decoder
+
+    model = llama_decoder(layers, max_seq=max(2048, tokens))
+    ids = torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(seed))
+    pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (ids,))), os.path.join(tempfile.mkdtemp(), "m"))
+    return pte, ptd, ids
 
 
 def h2d_bandwidth(device: torch.device, source: torch.Tensor, repeats: int = 10) -> float:
