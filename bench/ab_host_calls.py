@@ -16,7 +16,7 @@ TRIED_SRC = open(os.path.join(os.path.dirname(__file__), "ab_data", "host_call_s
 ns = dict(pool.__dict__)
 exec(TRIED_SRC, ns)
 OldStreams = pool._Streams  # as committed
-NewStreams = ns["_Streams"]  # tried and reverted
+NewStreams = ns["HostCallStreams"]  # tried and reverted
 total = 4167720960
 progs = {}
 for name, n in (("prefill", 2048), ("decode", 1)):

@@ -262,9 +262,9 @@ def plan_layout(schedule: WeightSchedule, budget_bytes: int, run_ahead: bool = T
     check_budget(schedule, budget_bytes)
     if run_ahead and schedule.prefetch_depth == 0:
         ahead = dataclasses.replace(schedule, prefetch_depth=1)
-        floor = schedule.floor
         if budget_bytes >= ahead.floor_bytes:
             layout = _plan_layout(ahead, budget_bytes)
+            floor = schedule.floor
             if layout.ring_bytes <= floor.floor_bytes - floor.pinned_bytes:
                 return layout
     return _plan_layout(schedule, budget_bytes)

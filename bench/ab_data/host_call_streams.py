@@ -1,22 +1,17 @@
-class _Streams:
-    """Copy stream, per-kernel release events and the waits between them; no-ops on CPU.
+"""The pool's _Streams as tried in 750bc14/6b6ddcf and reverted (bench/ab_host_calls.py).
 
-    The calls here run once per probe or kernel on the host, and in a forward that copies
-    bound the host leads the GPU only by what it saves: a copy issued late is a copy engine
-    idle (prefetch depth 0 issues each copy at its own probe). So: the compute stream is looked
-    up once per forward, a copy is one cudaMemcpyAsync on the copy stream (no stream switch,
-    no dispatch), callers may pass a reusable completion event, and the timing events that
-    measure stalls are reused once read.
-    """
+Executed in runtime/pool.py's namespace (torch, _Streams); only what differs from the
+committed _Streams is here: the copy is one cudaMemcpyAsync, the compute stream is looked up
+once per forward, callers may pass a reusable completion event, and stall timing events are
+reused once read.
+"""
 
-    def __init__(self, device: torch.device, num_kernels: int, measure_stalls: bool = True):
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.measure_stalls = measure_stalls and self.cuda
-        self._stall_pairs: list[tuple] = []  # (before, after) timing events, recorded, unread
+
+class HostCallStreams(_Streams):  # noqa: F821
+    def __init__(self, device, num_kernels: int, measure_stalls: bool = True):
+        super().__init__(device, num_kernels, measure_stalls)
         self._stall_free: list[tuple] = []  # read ones, for reuse
         self._stall_seconds = 0.0  # read from completed pairs, not yet collected
-        self.copy_stream = None  # CPU: copies are synchronous
         self._compute = None
         self._capturing = False
         if self.cuda:
@@ -24,14 +19,7 @@ class _Streams:
 
             self._cudart = _cudart()
             self._h2d = self._cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
-            self.copy_stream = torch.cuda.Stream(device)
             self._copy_handle = self.copy_stream.cuda_stream
-            self.kernel_events = [torch.cuda.Event() for _ in range(num_kernels)]
-            # timed: the pool reads the last forward's copy span and compute tail from them
-            self.forward_start = torch.cuda.Event(enable_timing=True)
-            self.copies_done = torch.cuda.Event(enable_timing=True)
-            self.forward_end = torch.cuda.Event(enable_timing=True)
-            self._timed = False  # a whole forward has recorded all three
 
     @property
     def compute_stream(self):
@@ -56,21 +44,9 @@ class _Streams:
             self.forward_end.record(self._compute)
             self._timed = not self._capturing
 
-    def last_forward_times(self) -> tuple[float, float] | None:
-        """(seconds from the start of the last forward to its last copy, seconds its kernels ran
-        after that copy), or None while that forward is still running (or none was timed).
-        Read before the next begin_forward records its start."""
-        if not (self.cuda and self._timed and self.forward_end.query()):
-            return None
-        return self.forward_start.elapsed_time(self.copies_done) / 1e3, self.copies_done.elapsed_time(self.forward_end) / 1e3
-
     def kernel_launched(self, kernel: int) -> None:
         if self.cuda:
             self.kernel_events[kernel].record(self._compute)
-
-    def copy_waits_for_kernel(self, kernel: int) -> None:
-        if self.cuda and kernel >= 0:
-            self.copy_stream.wait_event(self.kernel_events[kernel])
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, event=None):
         """Host-to-device copy on the copy stream; returns its completion event (None on CPU),
@@ -125,5 +101,3 @@ class _Streams:
         self._read_stalls(wait=True)
         seconds, self._stall_seconds = self._stall_seconds, 0.0
         return seconds
-
-
