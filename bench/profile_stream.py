@@ -7,7 +7,7 @@ has no copy left to hide behind). latency ~ head + copy busy + tail when the cop
 idles, which is the floor for a forward that starts and ends synchronized.
 
     python bench/profile_stream.py                                  # planned d1/d4 at 50/75 %, prefill
-    python bench/profile_stream.py --tokens 1 --configs lru:1:0.5   # policy:depth:fraction[:graph][:centred][:late][:nocarry][:minring]
+    python bench/profile_stream.py --tokens 1 --configs lru:1:0.5   # policy:depth:fraction[:graph][:centred][:late][:nocarry][:minring][:horizon]
     python bench/profile_stream.py --repeat 3 --runs 30 --configs ...  # interleaved rounds: an A/B
 """
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=9)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--configs", default="planned:1:0.5,planned:1:0.75,planned:4:0.5,planned:4:0.75,planned:1:0.75:graph",
-                   help="comma-separated policy:depth:fraction of the weight bytes[:graph][:centred (the previous spread rule)][:late (first fills at the first probe)][:nocarry (no fills carried into the next forward)][:minring (depth 0 without run-ahead)]")
+                   help="comma-separated policy:depth:fraction of the weight bytes[:graph][:centred (the previous spread rule)][:late (first fills at the first probe)][:nocarry (no fills carried into the next forward)][:minring (depth 0 without run-ahead)][:horizon (fills only through the depth horizon, not when their ring bytes are released)]")
     p.add_argument("--repeat", type=int, default=1, help="rounds over the configurations, interleaved")
     p.add_argument("--runs", type=int, default=15, help="timed forwards per configuration and round")
     args = p.parse_args(argv)
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     spread = policies._spread_streamed
     for config in [c for _ in range(args.repeat) for c in args.configs.split(",")]:
         policy, depth, fraction, *rest = config.split(":")
-        graph, centred, late, nocarry, minring = "graph" in rest, "centred" in rest, "late" in rest, "nocarry" in rest, "minring" in rest
+        graph, centred, late, nocarry, minring, horizon = ("graph" in rest, "centred" in rest, "late" in rest, "nocarry" in rest, "minring" in rest, "horizon" in rest)
         if centred:  # the planner's previous spread rule, for an A/B in one process
             policies._spread_streamed = functools.partial(spread, align="centred")
         if minring:  # depth 0 on its smallest ring, without run-ahead (policies.plan_layout)
@@ -107,11 +107,13 @@ def main(argv=None) -> int:
         finally:
             policies._spread_streamed = spread
             pool.plan_layout = policies.plan_layout
-        label = f"{policy} d{depth} {float(fraction):.0%}{' cuda_graph' if graph else ''}{' centred' if centred else ''}{' late' if late else ''}{' nocarry' if nocarry else ''}{' minring' if minring else ''}"
+        label = f"{policy} d{depth} {float(fraction):.0%}{' cuda_graph' if graph else ''}{' centred' if centred else ''}{' late' if late else ''}{' nocarry' if nocarry else ''}{' minring' if minring else ''}{' horizon' if horizon else ''}"
         if policy == "planned":
             label += f" [{m.pool.layout.streamed_bytes / 2**20:.0f} MiB streamed]"
         if nocarry and policy == "planned":  # no fills carried from one forward into the next
             m.pool.carry_allowed = False
+        if horizon and policy == "planned":  # fills only through the depth horizon, not on release
+            m.pool.issue_on_release = False
         pool.EARLY_FIRST_FILLS = not late  # late: the first fills at the first probe, as before
         try:
             medians.setdefault(label, []).append(timeline(m, x, bw, label, args.runs))

@@ -299,6 +299,8 @@ class WeightPool:
             # read: issue_horizon), issued now, before the inputs are bound and the executor
             # starts: the copy engine starts about 0.2 ms earlier in a forward it bounds.
             self._issue_fills_through(self._issue_through[0], None)
+        if self.policy_name == "planned" and self.issue_on_release:
+            self._issue_released_fills()
 
     def end_forward(self) -> None:
         if self._next_probe != self.schedule.num_probes:
@@ -381,6 +383,8 @@ class WeightPool:
             self.streams.kernel_launched(kernel)
         elif kernel in self._awaited_kernels:
             self.streams.kernel_launched(kernel)
+            if self.issue_on_release:
+                self._issue_released_fills()
         if self.policy_name == "lru":
             self.lru.kernel_launched(kernel)
             for w in self._readers[kernel]:
@@ -586,6 +590,11 @@ class WeightPool:
         self.carry_allowed = self.device.type == "cuda"
         self._carry_frozen = False  # prepare_capture: fixed for a CUDA graph
         self._issue_through = issue_horizon(self.schedule, layout)
+        # Depth >= 1: a fill is also issued as soon as the last kernel reading the ring bytes
+        # it overwrites has been launched (_issue_released_fills). False: only through the
+        # depth horizon at each probe, as before (kept for the A/B in bench/profile_stream.py).
+        # Depth 0, the no-prefetch reference, issues each copy at its own probe.
+        self.issue_on_release = self.schedule.prefetch_depth >= 1
 
     def _issue_fill(self, q: int) -> None:
         waits_for = self.layout.fill_waits_for[q]
@@ -617,6 +626,28 @@ class WeightPool:
                 else:
                     self.stats.prefetches_issued += 1
                     self._prefetched_fills.add(q)
+            self._issued += 1
+
+    def _issue_released_fills(self) -> None:
+        """Issue, in order, every next ring fill whose bytes the kernels launched so far release.
+
+        The depth horizon issues a fill only a fixed number of streamed probes ahead, so at the
+        head of a forward, after the carried fills, the copy engine waits for the host to reach
+        the probe that issues the next one (on the H100 bench, 1.1 ms of a 23 ms prefill at
+        75 %) although its ring slot was released by a kernel launched long before. Issued
+        here, the copy waits on the GPU for that kernel's event (as every fill does), so the
+        copy stream runs as far ahead as the ring allows. Stream order is kept: fills are
+        issued in probe order, and the first one not yet released stops the walk.
+        """
+        waits_for, n = self.layout.fill_waits_for, self.schedule.num_probes
+        while self._issued < n:
+            q = self._issued
+            if q in waits_for:
+                if waits_for[q] > self._launched:
+                    return
+                self._issue_fill(q)
+                self.stats.prefetches_issued += 1
+                self._prefetched_fills.add(q)
             self._issued += 1
 
     def _acquire_planned(self, probe_id: int) -> torch.Tensor:

@@ -122,6 +122,55 @@ def test_planned_prefetch_runs_ahead_over_resident_weights(lowered_by_name):
     m.close()
 
 
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_fills_are_issued_as_soon_as_their_ring_bytes_are_released(lowered, depth):
+    """Depth >= 1: every ring fill is issued once the last kernel reading the bytes it
+    overwrites has been launched, never before (the copy would race that kernel) and not one
+    awaited kernel launch later (the copy engine would wait for the host). Depth 0, the
+    no-prefetch reference, issues each fill at a probe of the kernel that reads it. Outputs
+    stay bitwise."""
+    s = dataclasses.replace(lowered.schedule, prefetch_depth=depth)
+    total = budgets(s)["total"]
+    checked = streaming = 0
+    for fraction in (0.0, 0.5, 0.75):
+        budget = max(s.floor_bytes, int(fraction * total))
+        if budget >= total:
+            continue
+        m = Module(lowered.pte, lowered.ptd, weight_offload_budget_mb=budget / MB, device="cpu", policy="planned", prefetch_depth=depth)
+        pool = m.pool
+        waits_for = pool.layout.fill_waits_for
+        streaming += bool(waits_for)
+        log = []
+        launched, issue = pool.kernel_launched, pool._issue_fill
+        pool.kernel_launched = lambda k: (log.append(("launch", k)), launched(k))[1]
+        pool._issue_fill = lambda q: (log.append(("fill", q, pool._next_probe)), issue(q))[1]
+        try:
+            for _ in range(2):
+                log.clear()
+                assert torch.equal(m(*lowered.args), lowered.lowered_expected)
+                fills = [e[1] for e in log if e[0] == "fill"]
+                assert fills == sorted(waits_for)  # each fill once, in probe order
+                done, last = set(), -1
+                for e in log:
+                    if e[0] == "fill":
+                        q = e[1]
+                        assert waits_for[q] <= last, (q, waits_for[q], last)
+                        if depth == 0:  # at the first probe of the kernel that reads it
+                            assert e[2] >= 1 and s.probe_kernel[e[2] - 1] == s.probe_kernel[q], f"depth 0 issued fill {q} at probe {e[2] - 1}"
+                        done.add(q)
+                    else:
+                        pending = [q for q in sorted(waits_for) if q not in done]
+                        if depth >= 1 and pending:
+                            assert waits_for[pending[0]] > last, f"fill {pending[0]} was released by kernel {waits_for[pending[0]]} but still waited at kernel {e[1]}"
+                        last = e[1]
+                checked += bool(fills)
+        finally:
+            m.close()
+    assert checked == 2 * streaming
+    if lowered.name == "demo_transformer":
+        assert streaming
+
+
 def test_depth_zero_run_ahead_layout_stays_bitwise(lowered):
     """Depth 0 at budgets where the plan places its ring as depth 1 does (policies.plan_layout,
     run-ahead) still issues each copy at its own probe; outputs stay bitwise over forwards."""
