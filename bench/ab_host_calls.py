@@ -3,7 +3,8 @@ version tried in 750bc14/6b6ddcf and reverted (bench/ab_data/host_call_streams.p
 cudaMemcpyAsync per copy, compute stream looked up once per forward, stall events reused).
 The run recorded in bench/results/ab_host_calls_h100_2026-11-22_s7.txt was made at 6b6ddcf,
 where the pool also reused one completion event per ring fill; at HEAD only the _Streams
-class differs. Usage: python bench/ab_host_calls.py
+class differs. Each variant also runs with the pool's stall timing off (nostall: no timing
+event pair around a compute-stream wait on a copy). Usage: python bench/ab_host_calls.py
 """
 import os, sys, tempfile, statistics
 import torch
@@ -22,14 +23,15 @@ progs = {}
 for name, n in (("prefill", 2048), ("decode", 1)):
     pte, ptd, tokens = llama_program(9, n)
     progs[name] = (pte, ptd, tokens.cuda())
-configs = [("prefill", "planned", 0), ("prefill", "planned", 1), ("decode", "planned", 1), ("decode", "lru", 1)]
+configs = [("prefill", "planned", 0), ("prefill", "planned", 1), ("decode", "planned", 1)]
 res = {}
 for rnd in range(3):
     for wl, policy, depth in configs:
-        for variant, cls in (("old", OldStreams), ("new", NewStreams)):
+        for variant, cls, stalls in (("old", OldStreams, True), ("old nostall", OldStreams, False), ("new", NewStreams, True), ("new nostall", NewStreams, False)):
             pool._Streams = cls
             pte, ptd, x = progs[wl]
             m = Module(pte, ptd, weight_offload_budget_mb=int(0.75 * total) / 2**20, device="cuda", policy=policy, prefetch_depth=depth)
+            m.pool.streams.measure_stalls = stalls
             t = time_calls(lambda: m(x), x.device, 30, 3)[0]["latency_s"] * 1e3
             m.close()
             res.setdefault((wl, policy, depth, variant), []).append(t)
