@@ -9,7 +9,7 @@ import builtins, re, statistics, sys, time, collections
 import torch
 from hostswap.runtime import Module
 from hostswap.runtime import executor as ex
-from hostswap.bench.weights import llama_program
+from hostswap.bench.weights import host_and_latency, llama_program
 
 tokens_n = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
 configs = [tuple(float(x) for x in c.split(":")) for c in (sys.argv[2:] or ["1:1", "0:0.75", "1:0.75"])]
@@ -56,18 +56,14 @@ for rnd in range(2):
         hosts, lats = [], []
         for i in range(25):
             builtins._HS_T = T = []
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            m(x)
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
+            marks = []
+            host, latency = host_and_latency(lambda: (marks.append(time.perf_counter()), m(x), marks.append(time.perf_counter())))
             if i >= 5:
-                hosts.append(t1 - t0); lats.append(t2 - t0)
+                hosts.append(host); lats.append(latency)
                 d = [b - a for a, b in zip(T, T[1:])]
                 for j, v in enumerate(d):
                     per[j].append(v)
-                per["pre"].append(T[0] - t0); per["post"].append(t1 - T[-1])
+                per["pre"].append(T[0] - marks[0]); per["post"].append(marks[1] - T[-1])
         med = {j: statistics.median(v) for j, v in per.items()}
         stmt = sum(v for j, v in med.items() if isinstance(j, int))
         print(f"round {rnd} d{depth} {frac:.0%}: host {statistics.median(hosts)*1e3:.2f} ms, latency {statistics.median(lats)*1e3:.2f} ms; statements {stmt*1e3:.2f} ms, before run {med['pre']*1e3:.2f} ms, after {med['post']*1e3:.2f} ms; {len(labels)} instructions, {len(per)-2} timed statements", flush=True)

@@ -67,6 +67,17 @@ def time_calls(fn, device, runs: int, warmup: int):
     }, out
 
 
+def host_and_latency(fn) -> tuple[float, float]:
+    """One CUDA call of ``fn()`` from an idle GPU: (seconds until it returns on the host,
+    seconds until the GPU has finished it). For the diagnostic scripts beside this one."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return t1 - t0, time.perf_counter() - t0
+
+
 def llama_program(layers: int, tokens: int, seed: int = 1) -> tuple[str, str, torch.Tensor]:
     """The benchmark's Llama-style decoder exported, passed and saved to a temporary directory:
     (.pte path, .ptd path, the random token ids it was exported with). For the diagnostic

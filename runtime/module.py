@@ -19,6 +19,18 @@ from hostswap.schedules.serialization import decode_program
 
 # PoolStats counters a graph replay advances by what its captured forward counted.
 _REPLAY_COUNTED = ("forwards", "hits", "misses", "bytes_h2d", "prefetches_issued", "prefetches_used", "fills_carried", "bytes_carried")
+# The PoolStats fields it leaves as they are, and why. Every field is in one of the two
+# (tests/test_runtime.py): a counter added later must be placed.
+_REPLAY_NOT_COUNTED = {
+    "evictions": "lru only (graphs are planned)",
+    "prefetches_wasted": "lru only",
+    "allocations": "lru only",
+    "allocation_seconds": "lru only",
+    "pool_trims": "lru only",
+    "fragmentation_evictions": "lru only",
+    "stall_seconds": "not timed inside a graph",
+    "peak_weight_bytes": "a high-water mark, unchanged by a replay of the same plan",
+}
 
 
 class ConcurrentExecutionError(RuntimeError):

@@ -212,6 +212,19 @@ def test_error_ring_fill_ahead_of_the_kernel_it_must_wait_for(lowered_by_name, m
     m.close()
 
 
+def test_every_pool_counter_is_placed_for_graph_replays():
+    """A CUDA-graph replay advances the PoolStats counters in module._REPLAY_COUNTED by what
+    its captured forward counted; every other field must be listed, with its reason, in
+    _REPLAY_NOT_COUNTED, so that a counter added to PoolStats cannot be left stale silently."""
+    from hostswap.runtime import module
+    from hostswap.runtime.pool import PoolStats
+
+    fields = {f.name for f in dataclasses.fields(PoolStats)}
+    counted, not_counted = set(module._REPLAY_COUNTED), set(module._REPLAY_NOT_COUNTED)
+    assert not counted & not_counted
+    assert counted | not_counted == fields, f"unplaced: {sorted(fields - counted - not_counted)}, unknown: {sorted((counted | not_counted) - fields)}"
+
+
 def test_error_prepare_capture_off_planned_cuda(lowered_by_name):
     """prepare_capture (what cuda_graph=True calls before capturing) is only for the planned
     policy on CUDA; called elsewhere it refuses before touching the pool."""
