@@ -299,11 +299,14 @@ class MethodExecutor:
         contiguous = dict(self.contiguous)
         views: dict[int, object] = {}  # pc -> the view op its copy runs as
         for pc, x, y, view_op, keeps_contiguity, needs_contiguous in self._copies_viewable():
-            if x not in self._meta or y not in self._meta or y in inputs or write_pcs.get(y) != [pc] or y in folded_of or x in folded_base:
+            if x not in self._meta or y not in self._meta or y in inputs or write_pcs.get(y) != [pc] or y in folded_of:
                 continue
             if needs_contiguous and not contiguous.get(x, False):
                 continue
+            # the buffer x's bytes live in: a view ExecuTorch folded into planning (the reshape
+            # between a projection and its transpose) reads its base's bytes
             r = root.get(x, x)
+            r = folded_base.get(r, r)
             if any(p > pc for p in write_pcs.get(r, [])):
                 continue  # the buffer is written again later: a view would see the new bytes
             root[y] = r
