@@ -36,6 +36,12 @@ DIM_ORDER_OUT_OPS = {
 }
 
 
+# A copy whose source is a view ExecuTorch folded into memory planning may run as a view
+# (_replan_with_views); False: such copies stay copies, as before e30cd3e (kept for the A/B in
+# bench/ab_views.py).
+VIEW_FOLDED_SOURCES = True
+
+
 class ProgramError(ValueError):
     """A program the executor cannot run; the message names the instruction or value."""
 
@@ -300,6 +306,8 @@ class MethodExecutor:
         views: dict[int, object] = {}  # pc -> the view op its copy runs as
         for pc, x, y, view_op, keeps_contiguity, needs_contiguous in self._copies_viewable():
             if x not in self._meta or y not in self._meta or y in inputs or write_pcs.get(y) != [pc] or y in folded_of:
+                continue
+            if x in folded_base and not VIEW_FOLDED_SOURCES:
                 continue
             if needs_contiguous and not contiguous.get(x, False):
                 continue
