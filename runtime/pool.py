@@ -294,13 +294,15 @@ class WeightPool:
                     for q in carried:
                         self._ring_ready[q] = None
         self._launched = -1
-        if self.policy_name == "planned" and self.schedule.num_probes and self.device.type == "cuda" and EARLY_FIRST_FILLS:
-            # The fills the first probe would issue (they overwrite nothing this forward has
-            # read: issue_horizon), issued now, before the inputs are bound and the executor
-            # starts: the copy engine starts about 0.2 ms earlier in a forward it bounds.
-            self._issue_fills_through(self._issue_through[0], None)
+        # Fills issued now, before the inputs are bound and the executor starts: the copy
+        # engine starts about 0.2 ms earlier in a forward it bounds. On release (depth >= 1):
+        # every leading fill that overwrites nothing this forward reads, which includes all the
+        # first probe would issue. Otherwise, on CUDA, those the first probe would issue
+        # (issue_horizon; each overwrites nothing this forward reads, or _issue_fill refuses).
         if self.policy_name == "planned" and self.issue_on_release:
             self._issue_released_fills()
+        elif self.policy_name == "planned" and self.schedule.num_probes and self.device.type == "cuda" and EARLY_FIRST_FILLS:
+            self._issue_fills_through(self._issue_through[0], None)
 
     def end_forward(self) -> None:
         if self._next_probe != self.schedule.num_probes:

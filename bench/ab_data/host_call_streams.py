@@ -37,17 +37,6 @@ class HostCallStreams(_Streams):  # noqa: F821
             self.copy_stream.wait_event(self.forward_start)
             self._timed = False  # until this forward ends: a failed one leaves no timing behind
 
-    def end_forward(self) -> None:
-        if self.cuda:
-            self.copies_done.record(self.copy_stream)
-            self._compute.wait_event(self.copies_done)
-            self.forward_end.record(self._compute)
-            self._timed = not self._capturing
-
-    def kernel_launched(self, kernel: int) -> None:
-        if self.cuda:
-            self.kernel_events[kernel].record(self._compute)
-
     def copy(self, dst: torch.Tensor, src: torch.Tensor, event=None):
         """Host-to-device copy on the copy stream; returns its completion event (None on CPU),
         ``event`` if one is given (re-recorded: the caller no longer waits on its last record)."""
