@@ -47,11 +47,22 @@ def targets(rows: list[dict], model: dict) -> list[tuple[str, bool, str]]:
     ok = [r for r in rows if "error" not in r]
     hostswap = [r for r in ok if r.get("policy") in ("planned", "lru")]
     streaming = [r for r in hostswap if r["budget_name"] != "100%" and r.get("bound_s")]
-    worst = max(streaming, key=lambda r: r["latency_s"] / r["bound_s"])
-    misses = [r for r in streaming if r["latency_s"] > 1.10 * r["bound_s"]]
-    out.append(("latency <= 1.10 x max(all-resident, streamed / pinned bandwidth)", not misses,
-                f"worst {worst['latency_s'] / worst['bound_s']:.3f} ({worst['workload']} {worst['config']} {worst['budget_name']}); "
-                f"misses: {', '.join(sorted({r['workload'] + ' ' + r['config'] + ' ' + r['budget_name'] for r in misses})) or 'none'}"))
+    # Depth 0 issues each copy at its own kernel's probe: the seed's "no prefetch, synchronous
+    # copies only" alternative, which it rejects as unusable. The target is hostswap's
+    # prefetching design (lru, and planned at depth >= 1, with or without cuda_graph); depth 0
+    # is measured against the same bound and reported beside it, not folded into it.
+    for name, group in (("latency <= 1.10 x max(all-resident, streamed / pinned bandwidth), prefetching configurations",
+                         [r for r in streaming if r.get("prefetch_depth") != 0]),
+                        ("depth 0, the no-prefetch reference (seed's rejected alternative), against the same bound",
+                         [r for r in streaming if r.get("prefetch_depth") == 0])):
+        if not group:
+            out.append((name, False, "not measured"))
+            continue
+        worst = max(group, key=lambda r: r["latency_s"] / r["bound_s"])
+        misses = [r for r in group if r["latency_s"] > 1.10 * r["bound_s"]]
+        out.append((name, not misses,
+                    f"worst {worst['latency_s'] / worst['bound_s']:.3f} ({worst['workload']} {worst['config']} {worst['budget_name']}); "
+                    f"misses: {', '.join(sorted({r['workload'] + ' ' + r['config'] + ' ' + r['budget_name'] for r in misses})) or 'none'}"))
     total = model["weight_bytes"]
     planned = [r for r in hostswap if r["policy"] == "planned" and r["budget_name"] != "100%"]
     excess = [r["bytes_h2d_per_forward"] / (total - (r["budget_bytes"] - r["floor_bytes"])) for r in planned]
