@@ -46,12 +46,37 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _cpu_snapshot() -> tuple[float, float, float, float] | None:
+    """(wall s, busy CPU s of all processes, steal s, this process's CPU s) from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    own = os.times()
+    return time.perf_counter(), (user + nice + system + irq + softirq) / hz, steal / hz, own.user + own.system
+
+
+def host_load(before, after) -> dict:
+    """How busy the host's other processes kept its cores (and the hypervisor's steal) between
+    two _cpu_snapshot()s, in cores: a row timed on a disturbed host shows it here."""
+    if before is None or after is None or after[0] <= before[0]:
+        return {}
+    wall = after[0] - before[0]
+    return {"host_other_cpu_cores": max(0.0, (after[1] - before[1]) - (after[3] - before[3])) / wall,
+            "host_steal_cores": (after[2] - before[2]) / wall}
+
+
 def time_calls(fn, device, runs: int, warmup: int):
-    """Median and spread of ``fn()`` wall time, each call synchronized; returns the last output."""
+    """Median and spread of ``fn()`` wall time, each call synchronized; returns the last output
+    (and, on Linux, how busy the rest of the host was meanwhile)."""
     out = None
     for _ in range(warmup):
         out = fn()
     sync(device)
+    snap = _cpu_snapshot()
     times = []
     for _ in range(runs):
         t = time.perf_counter()
@@ -64,6 +89,7 @@ def time_calls(fn, device, runs: int, warmup: int):
         "latency_p10_s": times[len(times) // 10],
         "latency_p90_s": times[(len(times) * 9) // 10 - (1 if len(times) % 10 == 0 else 0)],
         "runs": runs,
+        **host_load(snap, _cpu_snapshot()),
     }, out
 
 
@@ -205,6 +231,8 @@ class Bench:
             self.log(f"{row['workload']:7s} {row['config']:22s} {row['budget_name']:>6s} FAILED {row['error']}")
             return
         extra = f" bound {row['bound_s'] * 1e3:.2f} ms ratio {row['latency_s'] / row['bound_s']:.3f}" if row.get("bound_s") else ""
+        if "host_other_cpu_cores" in row:
+            extra += f" (host: others {row['host_other_cpu_cores']:.2f} cores, steal {row['host_steal_cores']:.2f})"
         self.log(f"{row['workload']:7s} {row['config']:22s} {row['budget_name']:>6s} "
                  f"{'' if lat is None else f'{lat * 1e3:9.2f} ms'} H2D/fwd {row.get('bytes_h2d_per_forward', 0) / 2**20:9.1f} MB{extra}")
 
