@@ -69,6 +69,31 @@ def host_load(before, after) -> dict:
             "host_steal_cores": (after[2] - before[2]) / wall}
 
 
+class _GcPauses:
+    """Python garbage collections (count, seconds, of them the full ones) while it is open."""
+
+    def __init__(self):
+        self.count = self.full = 0
+        self.seconds = 0.0
+        self._t = None
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.seconds += time.perf_counter() - self._t
+            self.count += 1
+            self.full += info.get("generation") == 2
+            self._t = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+
 def time_calls(fn, device, runs: int, warmup: int):
     """Median and spread of ``fn()`` wall time, each call synchronized; returns the last output
     (and, on Linux, how busy the rest of the host was meanwhile)."""
@@ -78,11 +103,12 @@ def time_calls(fn, device, runs: int, warmup: int):
     sync(device)
     snap = _cpu_snapshot()
     times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        out = fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
+    with _GcPauses() as gcp:
+        for _ in range(runs):
+            t = time.perf_counter()
+            out = fn()
+            sync(device)
+            times.append(time.perf_counter() - t)
     times.sort()
     return {
         "latency_s": statistics.median(times),
@@ -90,6 +116,7 @@ def time_calls(fn, device, runs: int, warmup: int):
         "latency_p90_s": times[(len(times) * 9) // 10 - (1 if len(times) % 10 == 0 else 0)],
         "runs": runs,
         **host_load(snap, _cpu_snapshot()),
+        "gc_collections": gcp.count, "gc_full_collections": gcp.full, "gc_seconds": gcp.seconds,
     }, out
 
 
@@ -233,6 +260,8 @@ class Bench:
         extra = f" bound {row['bound_s'] * 1e3:.2f} ms ratio {row['latency_s'] / row['bound_s']:.3f}" if row.get("bound_s") else ""
         if "host_other_cpu_cores" in row:
             extra += f" (host: others {row['host_other_cpu_cores']:.2f} cores, steal {row['host_steal_cores']:.2f})"
+        if row.get("gc_collections"):
+            extra += f" gc {row['gc_collections']} ({row['gc_full_collections']} full) {row['gc_seconds'] * 1e3:.1f} ms"
         self.log(f"{row['workload']:7s} {row['config']:22s} {row['budget_name']:>6s} "
                  f"{'' if lat is None else f'{lat * 1e3:9.2f} ms'} H2D/fwd {row.get('bytes_h2d_per_forward', 0) / 2**20:9.1f} MB{extra}")
 
