@@ -95,8 +95,9 @@ class _GcPauses:
 
 
 def time_calls(fn, device, runs: int, warmup: int):
-    """Median and spread of ``fn()`` wall time, each call synchronized; returns the last output
-    (and, on Linux, how busy the rest of the host was meanwhile)."""
+    """Median and spread of ``fn()`` wall time, each call synchronized; returns the last output.
+    Also how busy the rest of the host was meanwhile (on Linux) and the Python garbage
+    collections during the timed calls."""
     out = None
     for _ in range(warmup):
         out = fn()

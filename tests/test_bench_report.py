@@ -35,3 +35,10 @@ def test_a_prefetching_cell_over_the_target_fails_it():
     (met, detail), (ref_met, _) = _latency_rows(rows)
     assert not met and "misses: decode lru d4 75%, prefill planned d2 50%" in detail
     assert ref_met
+
+
+def test_depth_0_not_run_leaves_its_row_out_and_an_unmeasured_target_fails():
+    names = [(name, met) for name, met, _ in targets([_row("planned d1", 1, 1.02)], {"weight_bytes": 10})]
+    assert not any(name.startswith("depth 0") for name, _ in names)
+    only_d0 = {name: met for name, met, _ in targets([_row("planned d0", 0, 1.02)], {"weight_bytes": 10})}
+    assert any(name.startswith("latency <= 1.10") and not met for name, met in only_d0.items())
