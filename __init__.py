@@ -2,10 +2,11 @@
 
 from hostswap import schedules
 from hostswap.passes import WeightOffloadError, apply_weight_offload, get_weight_schedule, save, to_executorch
-from hostswap.passes.activation_offload import ActivationOffloadError, activation_offload_backend
+from hostswap.passes.activation_offload import ActivationOffloadError, OffloadCoverageWarning, activation_offload_backend
+from hostswap.passes.out_variants import OutVariantError
 from hostswap.runtime.activation_offload import mark_not_offload
 
-__all__ = ["ActivationOffloadError", "activation_offload_backend", "mark_not_offload", "WeightOffloadError", "apply_weight_offload", "get_weight_schedule", "save", "schedules", "to_executorch", "runtime"]
+__all__ = ["ActivationOffloadError", "OffloadCoverageWarning", "OutVariantError", "activation_offload_backend", "mark_not_offload", "WeightOffloadError", "apply_weight_offload", "get_weight_schedule", "save", "schedules", "to_executorch", "runtime"]
 
 
 def __getattr__(name):

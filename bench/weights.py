@@ -1,12 +1,13 @@
 """Weight-streaming benchmark: hostswap against all-resident, the PCIe bound and accelerate.
 
-One process, one run: a Llama-style bf16 decoder (models.llama_decoder) is exported,
+One process, one run: a transformers ``LlamaForCausalLM`` (GQA, bf16, random weights from a
+config; ``--model own`` takes the project's Llama-style decoder instead) is exported,
 passed and saved once per workload (decode: batch 1, one token; prefill: batch 1, N
 tokens), then every configuration is loaded and timed in turn. Each configuration's row
 goes into one JSON file under --out as soon as it is measured, so a run cut short still
 leaves its numbers. bench/report.py turns the JSON into the README's table and plot.
 
-    python bench/weights.py --layers 10 --out bench/results           # GPU machine
+    python bench/weights.py --layers 12 --out bench/results           # GPU machine
     python bench/weights.py --quick --device cpu --out /tmp/bench      # smoke test anywhere
 """
 
@@ -38,6 +39,33 @@ from hostswap.schedules.policies import mb_ceil  # noqa: E402
 
 DEPTHS = (0, 1, 2, 4)
 BUDGET_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+class LogitsOnly(torch.nn.Module):
+    """A transformers causal LM returning its logits alone, as every configuration compares them."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def hf_llama(layers: int, hidden: int = 2048, intermediate: int = 5632, vocab: int = 32000, heads: int = 32, kv_heads: int = 8, max_seq: int = 4096, seed: int = 0) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM with grouped-query attention in bf16, random weights from ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_seq, use_cache=False,
+    )
+    torch.manual_seed(seed)
+    return LogitsOnly(LlamaForCausalLM(config).to(torch.bfloat16)).eval()
+
+
+# Decoder layer class of each benchmark model, for accelerate's device map.
+LAYER_CLASS = {"hf-llama": "LlamaDecoderLayer", "own": DecoderBlock.__name__}
 
 
 # --- measurement helpers ---------------------------------------------------------------------
@@ -269,12 +297,14 @@ class Bench:
     # --- model and programs
     def build(self):
         a = self.args
-        if a.quick:
-            self.model = llama_decoder(a.layers, hidden=256, intermediate=688, vocab=2048, heads=4, max_seq=a.prefill_tokens, seed=0)
+        small = dict(hidden=256, intermediate=688, vocab=2048, heads=4) if a.quick else {}
+        if a.model == "hf-llama":
+            self.model = hf_llama(a.layers, max_seq=max(a.prefill_tokens, 2048), **small, **({"kv_heads": 2} if a.quick else {}))
+            vocab = self.model.model.config.vocab_size
         else:
-            self.model = llama_decoder(a.layers, seed=0, max_seq=max(a.prefill_tokens, 2048))
+            self.model = llama_decoder(a.layers, seed=0, max_seq=max(a.prefill_tokens, 2048), **small)
+            vocab = self.model.embed.num_embeddings
         gen = torch.Generator().manual_seed(1)
-        vocab = self.model.embed.num_embeddings
         self.inputs = {
             "decode": torch.randint(0, vocab, (1, 1), generator=gen),
             "prefill": torch.randint(0, vocab, (1, a.prefill_tokens), generator=gen),
@@ -283,8 +313,9 @@ class Bench:
         self.programs = {}
         for i, (workload, tokens) in enumerate(self.inputs.items()):
             t = time.perf_counter()
-            ep = hostswap.apply_weight_offload(torch.export.export(self.model, (tokens,)))
-            base = os.path.join(a.workdir, f"llama{a.layers}_{workload}")
+            with torch.no_grad():
+                ep = hostswap.apply_weight_offload(torch.export.export(self.model, (tokens,), strict=False))
+            base = os.path.join(a.workdir, f"{a.model}{a.layers}_{workload}")
             if i == 0:
                 pte, ptd = hostswap.save(ep, base)
                 self.ptd = ptd
@@ -298,6 +329,8 @@ class Bench:
         self.schedule = load_weight_schedule(next(iter(self.programs.values())))
         self.total_bytes = self.schedule.total_bytes
         self.result["model"] = {
+            "name": a.model,
+            "class": type(getattr(self.model, "model", self.model)).__name__,
             "layers": a.layers,
             "weight_bytes": self.total_bytes,
             "num_weights": len(self.schedule.fqns),
@@ -358,11 +391,13 @@ class Bench:
             x = tokens.to(self.device)
             # exported on the device: .to() after export would leave lifted constants behind
             on_device = copy.deepcopy(self.model).to(self.device)
-            module = torch.export.export(on_device, (x,)).module()
+            with torch.no_grad():
+                module = torch.export.export(on_device, (x,), strict=False).module()
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
                 before = torch.cuda.memory_allocated(self.device)
-            timing, out = time_calls(lambda: module(x), self.device, self.args.runs, self.args.warmup)
+            with torch.no_grad():
+                timing, out = time_calls(lambda: module(x), self.device, self.args.runs, self.args.warmup)
             row = {"workload": workload, "config": "plain PyTorch", "policy": None, "budget_name": "100%", "budget_bytes": self.total_bytes, **timing, "bytes_h2d_per_forward": 0, "peak_weight_bytes": self.total_bytes}
             if self.device.type == "cuda":
                 row["activation_peak_bytes"] = torch.cuda.max_memory_allocated(self.device) - before
@@ -427,6 +462,11 @@ class Bench:
             else:
                 row["bitwise_vs_hostswap_resident"] = bool(torch.equal(out.float().cpu(), resident))
             row["bound_s"] = self.bound(workload, streamed)
+            # what handing the caller its own outputs costs: one device copy of each (included
+            # in latency_s), timed alone
+            copy_timing, _ = time_calls(lambda: out.clone(), self.device, 10, 2)
+            row["output_copy_s"] = copy_timing["latency_s"]
+            row["output_bytes"] = out.numel() * out.element_size()
             self.add_row(row)
             return row
         finally:
@@ -490,7 +530,7 @@ class Bench:
                     config = "accelerate cpu_offload"
                     device_map = None
                 else:
-                    device_map = infer_auto_device_map(model, max_memory={gpu: budget, "cpu": 2**40}, no_split_module_classes=[DecoderBlock.__name__])
+                    device_map = infer_auto_device_map(model, max_memory={gpu: budget, "cpu": 2**40}, no_split_module_classes=[LAYER_CLASS[self.args.model]])
                     model = dispatch_model(model, device_map=device_map, main_device=gpu)
                     config = "accelerate dispatch_model"
                 weights_on_gpu = torch.cuda.memory_allocated(self.device) - before
@@ -539,7 +579,8 @@ class Bench:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=10)
+    p.add_argument("--model", choices=sorted(LAYER_CLASS), default="hf-llama", help="hf-llama: transformers LlamaForCausalLM (GQA); own: the project's decoder")
+    p.add_argument("--layers", type=int, default=12)
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)

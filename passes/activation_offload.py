@@ -46,6 +46,14 @@ class ActivationOffloadError(ValueError):
     """The model or options cannot be offloaded as asked; the message names the culprit."""
 
 
+class OffloadCoverageWarning(UserWarning):
+    """The layers asked to be offloaded save mostly tensors the pass keeps on the GPU."""
+
+
+# Below this fraction of the asked layers' saved bytes actually offloaded, the backend warns.
+LOW_COVERAGE_FRACTION = 0.5
+
+
 class NonContiguousOffloadWarning(UserWarning):
     """A saved activation is not dense: it is copied contiguous on the main stream first."""
 
@@ -102,9 +110,11 @@ class LayerMap:
             if not chosen:
                 raise ActivationOffloadError(f"layers={layers!r} names no repeated block list of this model (found: {sorted(by_prefix) or 'none'})")
             self.prefix = chosen[0]
+        elif not by_prefix:
+            # a graph with no block at all (a graph break's piece, such as a loss): nothing to offload
+            self.prefix, self.index_to_layer, self.num_layers = None, {}, 0
+            return
         else:
-            if not by_prefix:
-                raise ActivationOffloadError("no repeated block list (an nn.ModuleList or nn.Sequential of layers) found in the compiled model; name it with layers=")
             self.prefix = max(by_prefix, key=lambda p: (len(by_prefix[p]), -min(first_seen[(p, i)] for i in by_prefix[p])))
         ordered = sorted(by_prefix[self.prefix], key=lambda i: first_seen[(self.prefix, i)])
         self.index_to_layer = {index: layer for layer, index in enumerate(ordered)}
@@ -166,16 +176,21 @@ class ActivationOffloadPass:
     def __init__(self, schedule: ActivationSchedule, synchronizer: OffloadSynchronizer, layers: str | None, min_tensor_size_to_offload: int):
         self.schedule, self.synchronizer = schedule, synchronizer
         self.layers, self.min_bytes = layers, min_tensor_size_to_offload
+        self.graphs_without_layers = 0
 
     def call(self, forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, num_fwd_outputs: int) -> list[SavedGroup]:
         layer_map = LayerMap(forward.graph, self.layers)
         n = self.schedule.model_layers
+        if layer_map.num_layers == 0:
+            self.graphs_without_layers += 1
+            return []
         if layer_map.num_layers != n:
             raise ActivationOffloadError(f"model_layers={n}, but the compiled model has {layer_map.num_layers} blocks in '{layer_map.prefix}'")
         groups, kept = saved_groups(forward, num_fwd_outputs, layer_map, self.min_bytes)
         for layer, nbytes in kept.items():
             self.schedule.layers.setdefault(layer, LayerRecord(layer)).kept_bytes += nbytes
         groups = [g for g in groups if g.layer in self.schedule.sync or self.schedule.manual]
+        self._warn_on_low_coverage(groups, kept)
         for g in groups:
             rec = self.schedule.layers.setdefault(g.layer, LayerRecord(g.layer))
             rec.saved_bytes += g.nbytes
@@ -193,6 +208,19 @@ class ActivationOffloadPass:
             gm.graph.lint()
             gm.recompile()
         return groups
+
+    def _warn_on_low_coverage(self, groups: list[SavedGroup], kept: dict[int, int]) -> None:
+        asked = [layer for layer in range(self.schedule.model_layers) if layer in self.schedule.sync or self.schedule.manual]
+        offloaded = sum(g.nbytes for g in groups)
+        kept_in_asked = sum(kept.get(layer, 0) for layer in asked)
+        if not asked or offloaded >= LOW_COVERAGE_FRACTION * (offloaded + kept_in_asked):
+            return
+        warnings.warn(
+            f"activation offload of layers {asked}: {offloaded} bytes offloaded, {kept_in_asked} bytes of their saved "
+            f"activations stay on the GPU (tensors under min_tensor_size_to_offload={self.min_bytes} bytes, or marked "
+            "not to offload); lower min_tensor_size_to_offload to offload them",
+            OffloadCoverageWarning, stacklevel=2,
+        )
 
     def _rewrite_forward(self, forward, groups, layer_map) -> None:
         graph = forward.graph
@@ -334,8 +362,26 @@ class ActivationOffloadBackend:
         self.layers, self.min_bytes, self.compiler = layers, min_tensor_size_to_offload, compiler
         self.groups: list[SavedGroup] = []
         self.compiled_graphs = 0
+        self.graphs_without_layers = 0  # graph-break pieces holding no block: compiled without offload
 
-    # the manual API, as in the seed
+    @property
+    def stats(self) -> dict:
+        """Bytes per step the compiled graphs offload, and the saved bytes of the offloaded
+        layers that stay on the GPU; ``offloaded_fraction`` is the first over their sum."""
+        asked = [r for r in self.schedule.rows() if r["offloaded"]]
+        offloaded = sum(r["offloaded_bytes"] for r in asked)
+        kept = sum(r["kept_bytes"] for r in asked)
+        return {
+            "layers_offloaded": [r["layer"] for r in asked],
+            "offloaded_bytes": offloaded,
+            "kept_bytes_in_offloaded_layers": kept,
+            "offloaded_fraction": offloaded / (offloaded + kept) if offloaded + kept else 0.0,
+            "min_tensor_size_to_offload": self.min_bytes,
+            "compiled_graphs": self.compiled_graphs,
+            "graphs_without_layers": self.graphs_without_layers,
+        }
+
+    # the manual API
     def start_offload_layer(self, layer: int) -> None:
         self.synchronizer.start_offload_layer(layer)
 
@@ -349,7 +395,9 @@ class ActivationOffloadBackend:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
-        self.groups = ActivationOffloadPass(self.schedule, self.synchronizer, self.layers, self.min_bytes).call(forward, backward, kwargs["num_fwd_outputs"])
+        offload_pass = ActivationOffloadPass(self.schedule, self.synchronizer, self.layers, self.min_bytes)
+        self.groups = offload_pass.call(forward, backward, kwargs["num_fwd_outputs"])
+        self.graphs_without_layers += offload_pass.graphs_without_layers
         self.forward_graph, self.backward_graph = forward, backward
         self.compiled_graphs += 1
         return forward, backward
@@ -380,4 +428,4 @@ def activation_offload_backend(model_layers: int, num_layers: int | None = None,
     return ActivationOffloadBackend(model_layers, num_layers, **options)
 
 
-__all__ = ["ActivationOffloadBackend", "ActivationOffloadError", "SyncDictError", "activation_offload_backend"]
+__all__ = ["ActivationOffloadBackend", "ActivationOffloadError", "OffloadCoverageWarning", "SyncDictError", "activation_offload_backend"]

@@ -23,6 +23,26 @@ def is_probe(node: torch.fx.Node) -> bool:
     return op is not None and op._schema.name == PROBE_SCHEMA_NAME
 
 
+# Ops that read a tensor's metadata (sizes, strides, dtype), never its data.
+METADATA_OPS = frozenset({"aten::sym_size", "aten::sym_numel", "aten::sym_stride", "aten::sym_storage_offset"})
+
+
+def reads_no_data(node: torch.fx.Node) -> bool:
+    """Ops that need no weight bytes: checks (they return nothing and write nothing, such as
+    ``_assert_tensor_metadata`` and ``_assert_scalar``; lowering deletes them) and metadata
+    queries. They get no probe: a probe in front of one would be deleted with it."""
+    if node.op != "call_function":
+        return False
+    op = underlying_op(node.target)
+    if op is None:
+        return False
+    schema = op._schema
+    if schema.name in METADATA_OPS:
+        return True
+    writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return not schema.returns and not writes
+
+
 def returns_alias(op: torch._ops.OpOverload) -> bool:
     """The op's (first) result aliases an input without writing it: a view."""
     returns = op._schema.returns

@@ -11,11 +11,13 @@ import torch.fx
 from torch.export import ExportedProgram
 
 from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, view_chain_root
+from hostswap.passes.out_variants import CustomOpOutVariantPass
 from hostswap.passes.weight_offload import (
     OPTIONS_META_KEY,
     WeightOffloadError,
     WeightOffloadOptions,
     get_weight_schedule,
+    reprobe,
     schedule_with_options,
 )
 from hostswap.schedules import serialization
@@ -34,6 +36,21 @@ def _probe_derived(node: torch.fx.Node) -> bool:
     return root is not None and is_probe(root)
 
 
+def _view_spec_base(spec):
+    """The storage spec an ExecuTorch ``_ViewSpec`` views, else None."""
+    from executorch.exir.passes.replace_view_copy_with_view_pass import _ViewSpec
+
+    return object.__getattribute__(spec, "_base") if isinstance(spec, _ViewSpec) else None
+
+
+def _set_view_spec_dynamism(spec, dynamism) -> None:
+    """Give a ``_ViewSpec`` its base's new dynamism; its creation-time guard records the old."""
+    for guard in object.__getattribute__(spec, "_guards"):
+        if guard.name == "shape_dynamism_init":
+            guard.expected_val = dynamism
+    spec.shape_dynamism = dynamism
+
+
 def _make_memory_planning_pass():
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.schema import TensorShapeDynamism
@@ -47,6 +64,7 @@ def _make_memory_planning_pass():
 
         def _set_alloc_node_spec(self, graph_module: torch.fx.GraphModule) -> None:
             super()._set_alloc_node_spec(graph_module)
+            unplanned = set()
             for node in graph_module.graph.nodes:
                 if node.op != "call_function" or "out" not in node.kwargs:
                     continue
@@ -54,6 +72,16 @@ def _make_memory_planning_pass():
                     spec = node.kwargs["out"].meta.get("spec")
                     if spec is not None:
                         spec.shape_dynamism = TensorShapeDynamism.DYNAMIC_UNBOUND
+                        unplanned.add(id(spec))
+            # A view_copy that ExecuTorch already turned into a memory view shares its base's
+            # storage spec; it must share the base's dynamism too (the emitter then emits it
+            # as an et_view instruction, which the runtime runs as a view of the pool tensor).
+            for node in graph_module.graph.nodes:
+                spec = node.meta.get("spec")
+                base = _view_spec_base(spec)
+                if base is not None and id(base) in unplanned:
+                    _set_view_spec_dynamism(spec, TensorShapeDynamism.DYNAMIC_UNBOUND)
+                    unplanned.add(id(spec))
 
     return ProbeAwareMemoryPlanningPass()
 
@@ -82,12 +110,14 @@ def to_executorch(ep: ExportedProgram, *, progress=None):
     """
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 
-    get_weight_schedule(ep)  # raises a clear error for a program the pass did not touch
+    weights = get_weight_schedule(ep).fqns  # raises a clear error for a program the pass did not touch
     options: WeightOffloadOptions = ep.graph_module.meta[OPTIONS_META_KEY]
     say = progress or (lambda _msg: None)
     say("lowering to the edge dialect")
     # silu stays one kernel, as in eager PyTorch (the edge dialect would run sigmoid and mul)
     edge = to_edge_transform_and_lower(ep, compile_config=EdgeCompileConfig(_check_ir_validity=False, preserve_ops=list(PRESERVED_OPS)))
+    reprobe(edge.exported_program(METHOD), weights)
+    CustomOpOutVariantPass().call(edge.exported_program(METHOD).graph_module)
     schedule = schedule_with_options(edge.exported_program(METHOD), options)
     # ExecutorchProgramManager emits EdgeProgramManager._config_methods as constant methods;
     # the schedule is only known after lowering, so it is set here rather than at creation.

@@ -12,7 +12,7 @@ from torch.export.graph_signature import InputKind
 
 from hostswap.passes import probe_op
 from hostswap.passes.fused_attention import KeepFusedAttentionPass
-from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, underlying_op, view_chain_root
+from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, reads_no_data, underlying_op, view_chain_root
 from hostswap.schedules.weight_schedule import WeightSchedule, schedule_from_graph
 
 SCHEDULE_META_KEY = "hostswap_weight_schedule"
@@ -58,12 +58,38 @@ def _check_streamable(fqn: str, tensor: torch.Tensor) -> None:
         raise WeightOffloadError(f"weight '{fqn}' has zero elements (shape {tuple(tensor.shape)}); it cannot be streamed")
     storage_bytes = tensor.untyped_storage().nbytes()
     own_bytes = tensor.numel() * tensor.element_size()
-    if tensor.storage_offset() != 0 or storage_bytes != own_bytes or not tensor.is_contiguous():
+    if tensor.storage_offset() != 0 or storage_bytes != own_bytes:
         raise WeightOffloadError(
             f"weight '{fqn}' is a view into a larger storage (shape {tuple(tensor.shape)}, "
-            f"storage offset {tensor.storage_offset()}, {own_bytes} of {storage_bytes} storage bytes, "
-            f"contiguous={tensor.is_contiguous()}); give it its own storage with .clone().contiguous() before export"
+            f"storage offset {tensor.storage_offset()}, {own_bytes} of {storage_bytes} storage bytes); "
+            "give it its own storage with .clone().contiguous() before export"
         )
+
+
+def _make_contiguous(ep: ExportedProgram, by_placeholder: dict[str, str]) -> None:
+    """Store dense weights that are laid out permuted (a transposed constant) contiguously.
+
+    The ``.ptd`` holds each weight as a contiguous run of its own bytes; the values, and so
+    every kernel's result, are unchanged. The placeholder's metadata follows.
+    """
+    for node in ep.graph.nodes:
+        fqn = by_placeholder.get(node.name) if node.op == "placeholder" else None
+        if fqn is None:
+            continue
+        tensor = weight_tensor(ep, fqn)
+        if tensor.is_contiguous():
+            continue
+        if fqn in ep.state_dict:
+            data = tensor.data.contiguous() if isinstance(tensor, torch.nn.Parameter) else tensor.contiguous()
+            ep.state_dict[fqn] = torch.nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else data
+        else:
+            ep.constants[fqn] = tensor.contiguous()
+        node.meta["val"] = node.meta["val"].contiguous()
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    val = node.meta["val"]
+    return val.numel() * val.element_size()
 
 
 class WeightOffloadPass:
@@ -99,14 +125,16 @@ class WeightOffloadPass:
                             "hostswap serves weights only to kernels (return a copy instead)"
                         )
                 continue
-            if consumer.op != "call_function" or is_view_like(consumer) or is_probe(consumer):
+            if consumer.op != "call_function" or is_view_like(consumer) or is_probe(consumer) or reads_no_data(consumer):
                 continue
             probes: dict[torch.fx.Node, torch.fx.Node] = {}
             replacements: dict[torch.fx.Node, torch.fx.Node] = {}
-            for arg in consumer.all_input_nodes:
-                root = self._weight_root(arg)
-                if root is None:
-                    continue
+            weight_args = [(arg, root) for arg in consumer.all_input_nodes if (root := self._weight_root(arg)) is not None]
+            # A kernel's largest weight is probed (and so copied) first: the order does not
+            # depend on the argument order of the dialect (``addmm`` takes the bias first,
+            # ``linear`` last), and the planned ring packs large-before-small tighter.
+            weight_args.sort(key=lambda pair: -_nbytes(pair[1]))
+            for arg, root in weight_args:
                 with graph.inserting_before(consumer):
                     if root not in probes:
                         probe_node = graph.call_function(probe_op.probe, (root, next_probe_id))
@@ -126,6 +154,26 @@ class WeightOffloadPass:
         graph.eliminate_dead_code()
         graph_module.recompile()
         return next_probe_id
+
+
+def reprobe(ep: ExportedProgram, fqns: Iterable[str]) -> int:
+    """Derive the probes of a lowered program from its own kernels.
+
+    Lowering deletes ops (checks, no-op casts), decomposes others and may leave one probe
+    in front of two kernels. The probes are therefore taken out and put back by the same
+    pass on the lowered graph, so every probe id is dense and each probe feeds exactly one
+    kernel that survives into the emitted program. Only ``fqns``, the weights of the program
+    before lowering, are probed: lowering lifts scalars into constants of its own, which the
+    program carries inline. Returns the number of probes.
+    """
+    fqns = set(fqns)
+    graph = ep.graph_module.graph
+    for node in list(graph.nodes):
+        if is_probe(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    weights = {name: fqn for name, fqn in weight_placeholders(ep).items() if fqn in fqns}
+    return WeightOffloadPass(weights).call(ep.graph_module)
 
 
 def _written_in_place(ep: ExportedProgram, by_placeholder: dict[str, str]) -> set[str]:
@@ -178,6 +226,7 @@ def apply_weight_offload(ep: ExportedProgram, *, prefetch_depth: int = 1, pin: S
     it was) and returns it. ``pin`` FQNs stay resident for the program's lifetime.
     """
     by_placeholder, pin = _validate(ep, prefetch_depth, pin)
+    _make_contiguous(ep, by_placeholder)
     WeightOffloadPass(by_placeholder).call(ep.graph_module)
     # lowering would otherwise decompose attention into the math reference (see fused_attention.py)
     KeepFusedAttentionPass().call(ep.graph_module)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from hostswap.schedules.custom_ops import OUT_OVERLOAD, out_variant_schema, run_into_outs
 from hostswap.schedules.pte_program import SCALAR_EVALUES, evalue_scalar, torch_dtype
 
 PROBE_OPERATOR = "hostswap::probe"
@@ -51,12 +52,40 @@ def _register_executorch_ops() -> None:
     import executorch.exir.passes.dim_order_ops_registry  # noqa: F401
 
 
-def resolve_operator(name: str, overload: str) -> torch._ops.OpOverload:
+# ExecuTorch's emitter turns a view of a tensor it does not plan (here: a weight bound to the
+# pool) into ``executorch_prim::et_view(self, size, out)``; it has no PyTorch op. It runs as
+# a reshape, a view wherever the source's strides allow one.
+ET_VIEW_OPERATOR = "executorch_prim::et_view"
+
+
+class FunctionalAsOut:
+    """The ``out`` overload hostswap gave a functional custom op at lowering, run in a process
+    where it is not registered: the functional op, its results copied into ``out``."""
+
+    def __init__(self, functional: torch._ops.OpOverload):
+        self.functional = functional
+        self._schema = torch._C.parse_schema(functional._schema.name.split("::")[0] + "::" + out_variant_schema(functional._schema))
+
+    def __call__(self, *args, **kwargs):
+        return run_into_outs(self.functional, args, kwargs)
+
+
+def resolve_operator(name: str, overload: str):
+    if name == ET_VIEW_OPERATOR:
+        return torch.ops.aten.reshape.default
     namespace, _, op_name = name.partition("::")
     try:
         packet = getattr(getattr(torch.ops, namespace), op_name)
+    except (AttributeError, RuntimeError) as e:
+        raise ProgramError(
+            f"operator {name} has no PyTorch kernel in this process ({e}); import the library that defines it before loading"
+        ) from None
+    try:
         return getattr(packet, overload or "default")
     except (AttributeError, RuntimeError) as e:
+        functional = getattr(packet, "default", None) if overload == OUT_OVERLOAD else None
+        if functional is not None and namespace != "aten":
+            return FunctionalAsOut(functional)
         raise ProgramError(f"operator {name}.{overload or 'default'} has no PyTorch kernel: {e}") from None
 
 
@@ -89,18 +118,22 @@ def _tensor_from_arena(t, arenas: dict[int, torch.Tensor], at: tuple[int, int] |
     for s in t.sizes:
         numel *= s
     raw = arenas[memory_id][offset : offset + numel * dtype.itemsize]
-    tensor = raw.view(dtype).view(list(t.sizes))
-    if list(t.dim_order) != list(range(len(t.sizes))):
-        # stored in dim order; expose logical sizes with the matching strides
-        physical = [t.sizes[d] for d in t.dim_order]
-        tensor = raw.view(dtype).view(physical).permute([list(t.dim_order).index(i) for i in range(len(t.sizes))])
-    return tensor
+    return _shaped(raw.view(dtype), t)
+
+
+def _shaped(flat: torch.Tensor, t) -> torch.Tensor:
+    """Flat data of program tensor ``t`` with its logical sizes; data stored in ``t``'s dim
+    order gets the matching strides."""
+    if list(t.dim_order) == list(range(len(t.sizes))):
+        return flat.view(list(t.sizes))
+    physical = [t.sizes[d] for d in t.dim_order]
+    return flat.view(physical).permute([list(t.dim_order).index(i) for i in range(len(t.sizes))])
 
 
 class MethodExecutor:
     """One method of a program, ready to run: every value and kernel resolved at load."""
 
-    def __init__(self, program, plan, device: torch.device, weights: Callable[[str], torch.Tensor] | None, probe_handler=None, constant_data: bytes | None = None, elide_copies: bool = True, replan: bool = True):
+    def __init__(self, program, plan, device: torch.device, weights: Callable[[str], torch.Tensor] | None, probe_handler=None, elide_copies: bool = True, replan: bool = True):
         _register_executorch_ops()
         self.plan, self.device, self.name = plan, device, plan.name
         self.probe_handler = probe_handler
@@ -118,7 +151,7 @@ class MethodExecutor:
         self.reads: list[set[int]] = []  # per instruction: value ids it reads
         self.writes: list[set[int]] = []  # per instruction: value ids it writes (out arguments)
         for i, value in enumerate(plan.values):
-            self.values[i] = self._initial_value(i, value, program, weights, constant_data)
+            self.values[i] = self._initial_value(i, value, program, weights)
         self.operators = [resolve_operator(op.name, op.overload) for op in plan.operators]
         self.instructions = []
         for chain_index, chain in enumerate(plan.chains):
@@ -132,7 +165,7 @@ class MethodExecutor:
             self.elided_copies = self._elide_copies() if replanned is None else replanned
 
     # --- values -----------------------------------------------------------------------------
-    def _initial_value(self, i, value, program, weights, constant_data):
+    def _initial_value(self, i, value, program, weights):
         kind = type(value.val).__name__
         v = value.val
         if kind == "Null":
@@ -148,10 +181,10 @@ class MethodExecutor:
         if kind == "BoolList":
             return list(v.items)
         if kind == "Tensor":
-            return self._initial_tensor(i, v, program, weights, constant_data)
+            return self._initial_tensor(i, v, program, weights)
         raise ProgramError(f"method '{self.name}': value {i} has kind {kind}, which the executor does not handle")
 
-    def _initial_tensor(self, i, t, program, weights, constant_data):
+    def _initial_tensor(self, i, t, program, weights):
         info = t.extra_tensor_info
         if info is not None and info.location.name == "EXTERNAL":
             if weights is None:
@@ -166,25 +199,35 @@ class MethodExecutor:
             self.contiguous[i] = tensor.is_contiguous()
             return tensor
         if t.data_buffer_idx > 0:
-            return self._constant_tensor(t, program, constant_data)
+            return self._constant_tensor(t, program)
         # unplanned: inputs bound per call, probe outputs bound to the pool, views of them
         self.unplanned.add(i)
         return None
 
-    def _constant_tensor(self, t, program, constant_data):
+    def _constant_tensor(self, t, program):
+        """A constant the program carries itself, read as exactly its own bytes.
+
+        ExecuTorch pads each constant's slot of the constant buffer to an alignment: the
+        tensor is the first ``numel x itemsize`` bytes of its slot, which must hold them.
+        """
         dtype = torch_dtype(t.scalar_type)
-        if program.constant_buffer and t.data_buffer_idx < len(program.constant_buffer):
-            data = bytes(program.constant_buffer[t.data_buffer_idx].storage)
-        elif constant_data is not None:
-            offsets = program.constant_segment.offsets
-            start = offsets[t.data_buffer_idx]
-            numel = 1
-            for s in t.sizes:
-                numel *= s
-            data = constant_data[start : start + numel * dtype.itemsize]
-        else:
-            raise ProgramError(f"method '{self.name}': constant tensor {t.data_buffer_idx} has no data")
-        return torch.frombuffer(bytearray(data), dtype=dtype).view(list(t.sizes)).to(self.device)
+        numel = 1
+        for s in t.sizes:
+            numel *= s
+        nbytes = numel * dtype.itemsize
+        index = t.data_buffer_idx
+        if not program.constant_buffer or index >= len(program.constant_buffer):
+            raise ProgramError(f"method '{self.name}': constant tensor {index} has no data in the program")
+        slot = program.constant_buffer[index].storage
+        if nbytes > len(slot):
+            raise ProgramError(
+                f"method '{self.name}': constant tensor {index} of shape {list(t.sizes)} {dtype} needs {nbytes} bytes, "
+                f"its slot of the constant buffer holds {len(slot)}"
+            )
+        if nbytes == 0:
+            return torch.empty(list(t.sizes), dtype=dtype, device=self.device)
+        flat = torch.frombuffer(bytearray(bytes(slot[:nbytes])), dtype=torch.uint8).view(dtype)
+        return _shaped(flat, t).to(self.device)
 
     # --- instructions -----------------------------------------------------------------------
     def _compile(self, index: int, instruction):
@@ -216,6 +259,10 @@ class MethodExecutor:
             fqn = weight_value.extra_tensor_info.fully_qualified_name
             probe_id = self.plan.values[arg_ids[1]].val.int_val
             return ("probe", probe_id, fqn, ret_ids[0])
+        if op_meta.name == ET_VIEW_OPERATOR:
+            source, size, out = call.args
+            self.reads[-1].update([source, size])
+            return ("kernel", op, [source, size], {}, [out], op, index, {}, {})
         positional, keyword = [], {}
         for arg_schema, value_id in zip(schema.arguments, arg_ids):
             if arg_schema.kwarg_only:

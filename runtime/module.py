@@ -61,6 +61,16 @@ def _instruction_kernels(executor: MethodExecutor) -> list[tuple[int, set[int]]]
     return kernels
 
 
+def _owned(outputs: list) -> list:
+    """The caller's own copies of a method's outputs.
+
+    Outputs live in the method's activation arena (or a CUDA graph's static buffers), which
+    the next call reuses: handed out as they are, a later call would overwrite a result the
+    caller still holds. One device copy per output tensor.
+    """
+    return [o.clone() if isinstance(o, torch.Tensor) else _owned(o) if isinstance(o, list) else o for o in outputs]
+
+
 class Module:
     """A hostswap program loaded for execution with its weights streamed from a ``.ptd``.
 
@@ -163,7 +173,7 @@ class Module:
             raise ConcurrentExecutionError("this hostswap Module is already executing on another thread; one loaded Module runs one call at a time (load one per thread)")
         try:
             with torch.no_grad():
-                return self._run_method(name, list(inputs))
+                return _owned(self._run_method(name, list(inputs)))
         finally:
             self._lock.release()
 
@@ -242,6 +252,12 @@ class Module:
 
     def method_names(self) -> list[str]:
         return [p.name for p in self.program.execution_plan]
+
+    def __enter__(self) -> "Module":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         if hasattr(self, "pool"):

@@ -56,9 +56,11 @@ class Lowered:
         self.model, self.args = factory()
         self.expected = self.model(*self.args)
         self.ep = hostswap.apply_weight_offload(torch.export.export(self.model, self.args))
-        self.schedule = hostswap.get_weight_schedule(self.ep)
+        self.pass_schedule = hostswap.get_weight_schedule(self.ep)
         out = tmp_path_factory.mktemp(name)
         self.pte, self.ptd = hostswap.save(self.ep, os.path.join(out, name))
+        # what the runtime executes: probes re-derived from the lowered program's kernels
+        self.schedule = hostswap.schedules.load_weight_schedule(self.pte)
         # Attention stays one kernel through lowering (passes/fused_attention.py), so the .pte
         # runs eager's own kernels: eager output is the bitwise reference for every model.
         self.lowered_expected = self.expected

@@ -1,0 +1,203 @@
+"""Programs that real models produce and that the built-in ones did not: constants of every
+kind, checks that lowering deletes, custom ops without an out variant."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import hostswap
+from hostswap.passes.graph_facts import is_probe, reads_no_data
+from hostswap.runtime.executor import FunctionalAsOut, MethodExecutor, ProgramError, resolve_operator
+from hostswap.schedules.pte_program import plan_by_name, read_program
+
+MB = 2**20
+
+
+class EveryConstant(torch.nn.Module):
+    """Tensor constants (plain tensor attributes) of every kind, one of them read twice."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 3)
+        self.scale = torch.tensor(2.5)  # 0-d, read by two kernels
+        self.mask = torch.tensor([True, False, True])  # bool
+        self.index = torch.tensor([2, 0, 1])  # int64
+        self.transposed = torch.randn(3, 4).t()  # dense, not contiguous
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale
+        y = torch.where(self.mask, y, -y)
+        y = y[:, self.index] + y * self.scale
+        return y + (x @ self.transposed) + 1e-6  # the scalar becomes a constant of the lowered program
+
+
+def _save(model, args, path, no_grad=False):
+    with torch.no_grad() if no_grad else contextlib.nullcontext():
+        ep = torch.export.export(model, args, strict=False)
+    ep = hostswap.apply_weight_offload(ep)
+    pte, ptd = hostswap.save(ep, path)
+    return ep, pte, ptd, hostswap.schedules.load_weight_schedule(pte)
+
+
+@pytest.fixture(scope="module")
+def every_constant(tmp_path_factory):
+    model = EveryConstant().eval()
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    return (model, x, *_save(model, (x,), tmp_path_factory.mktemp("constants") / "m"))
+
+
+@pytest.mark.parametrize("policy", ["planned", "lru"])
+@pytest.mark.parametrize("where", ["floor", "total"])
+def test_constants_of_every_kind_bitwise(every_constant, policy, where):
+    model, x, ep, pte, ptd, schedule = every_constant
+    assert {"scale", "mask", "index", "transposed"} <= set(schedule.fqns)
+    assert schedule.probe_fqns().count("scale") == 2  # one probe per (kernel, weight) use
+    budget = schedule.floor_bytes if where == "floor" else schedule.total_bytes + MB
+    with hostswap.runtime.Module(pte, ptd, weight_offload_budget_mb=budget / MB, device="cpu", policy=policy) as m:
+        for _ in range(2):
+            assert torch.equal(m(x), model(x))
+
+
+def test_transposed_constant_stored_contiguous_with_its_values(every_constant):
+    model, x, ep, *_ = every_constant
+    assert ep.constants["transposed"].is_contiguous()
+    assert torch.equal(ep.constants["transposed"], model.transposed)
+
+
+def test_constant_read_only_within_its_slot(every_constant):
+    """A constant the program carries inline is read as exactly its bytes, which must lie in
+    its slot of the constant buffer; a short slot is refused at load, naming the constant."""
+    *_, pte, ptd, schedule = every_constant
+    program = read_program(pte)
+    plan = plan_by_name(program, "forward")
+    inline = [v.val for v in plan.values if type(v.val).__name__ == "Tensor" and v.val.data_buffer_idx > 0 and v.val.allocation_info is None
+              and (v.val.extra_tensor_info is None or v.val.extra_tensor_info.location.name != "EXTERNAL")]
+    assert inline, "lowering lifted the scalar into an inline constant"
+    executor = MethodExecutor(program, plan, torch.device("cpu"), weights=lambda fqn: None, probe_handler=lambda p, f: None)
+    del executor  # every slot holds its constant
+    t = inline[0]
+    program.constant_buffer[t.data_buffer_idx].storage = b"\0"
+    with pytest.raises(ProgramError, match=rf"constant tensor {t.data_buffer_idx} of shape .* needs \d+ bytes, its slot of the constant buffer holds 1"):
+        MethodExecutor(program, plan, torch.device("cpu"), weights=lambda fqn: None, probe_handler=lambda p, f: None)
+
+
+class CastsItsBuffer(torch.nn.Module):
+    """``.to()`` on a buffer: export under no_grad records an ``_assert_tensor_metadata`` on it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("freq", torch.rand(8), persistent=False)
+
+    def forward(self, x):
+        return self.lin(x) * self.freq.to(x.device, torch.float32)[None, :]
+
+
+def test_no_probe_in_front_of_a_check(tmp_path):
+    model = CastsItsBuffer().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        exported = torch.export.export(model, (x,), strict=False)
+    checks = [n for n in exported.graph.nodes if reads_no_data(n)]
+    assert checks, "export recorded a check on the buffer"
+    ep = hostswap.apply_weight_offload(exported)
+    assert not any(is_probe(a) for n in ep.graph.nodes if reads_no_data(n) for a in n.all_input_nodes)
+    pte, ptd = hostswap.save(ep, tmp_path / "m")
+    lowered = hostswap.schedules.load_weight_schedule(pte)
+    assert lowered.probe_fqns() == hostswap.get_weight_schedule(ep).probe_fqns()
+    with hostswap.runtime.Module(pte, ptd, weight_offload_budget_mb=lowered.floor_bytes / MB, device="cpu") as m:
+        assert torch.equal(m(x), model(x))
+
+
+# --- custom ops ---------------------------------------------------------------------------------
+@torch.library.custom_op("hostswap_test::rowscale", mutates_args=())
+def rowscale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w.sum(dim=1)
+
+
+@rowscale.register_fake
+def _(x, w):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("hostswap_test::split_pair", mutates_args=())
+def split_pair(x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+    return [x * w[0], x * w[1]]
+
+
+@split_pair.register_fake
+def _(x, w):
+    return [torch.empty_like(x), torch.empty_like(x)]
+
+
+class UsesCustomOp(torch.nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = torch.nn.Module()
+        self.inner.w = torch.nn.Parameter(torch.randn(6, 3))
+        self.op = op
+
+    def forward(self, x):
+        out = self.op(x, self.inner.w)
+        return out if isinstance(out, torch.Tensor) else out[0] + out[1]
+
+
+class Inner(torch.nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 6))
+        self.op = op
+
+    def forward(self, x):
+        out = self.op(x, self.w)
+        return out[0] + out[1]
+
+
+class Outer(torch.nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = Inner(op)
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_custom_op_without_out_variant_runs_bitwise(tmp_path):
+    model = UsesCustomOp(rowscale).eval()
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        expected = model(x)
+    _, pte, ptd, schedule = _save(model, (x,), tmp_path / "m", no_grad=True)
+    assert schedule.kernel_ops == ("hostswap_test::rowscale.default",)  # the schedule names the edge op
+    with hostswap.runtime.Module(pte, ptd, weight_offload_budget_mb=schedule.floor_bytes / MB, device="cpu") as m:
+        assert torch.equal(m(x), expected)
+
+
+def test_functional_op_runs_as_its_out_variant_where_that_is_not_registered():
+    """The runtime's own stand-in, for a process that never lowered the op."""
+    torch.library.define("hostswap_test::halve", "(Tensor x) -> Tensor")
+    torch.library.impl("hostswap_test::halve", "CompositeExplicitAutograd", lambda x: x / 2)
+    op = resolve_operator("hostswap_test::halve", "out")
+    assert isinstance(op, FunctionalAsOut)
+    assert [a.name for a in op._schema.arguments] == ["x", "out"] and op._schema.arguments[1].kwarg_only
+    out = torch.empty(3)
+    assert op(torch.tensor([2.0, 4.0, 6.0]), out=out) is out and torch.equal(out, torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(ProgramError, match="operator hostswap_test::no_such_op has no PyTorch kernel in this process"):
+        resolve_operator("hostswap_test::no_such_op", "out")
+
+
+def test_custom_op_that_cannot_have_an_out_variant_is_refused_naming_op_and_module(tmp_path):
+    model = Outer(split_pair).eval()
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        ep = hostswap.apply_weight_offload(torch.export.export(model, (x,), strict=False))
+    with pytest.raises(hostswap.OutVariantError, match=r"custom op hostswap_test::split_pair.default, used by module 'block', .* returns a List\[Tensor\]"):
+        hostswap.save(ep, tmp_path / "m")
+    assert not list(tmp_path.iterdir()), "nothing is written for a refused program"
