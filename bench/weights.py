@@ -517,7 +517,10 @@ class Bench:
             return
         gpu = self.device.index or 0
         cases = [(name, budget) for name, budget in self.budgets()[:-1]] + [("cpu_offload", None)]
+        streamed_all = False  # a budget no module fits already ran cpu_offload
         for budget_name, budget in cases:
+            if budget is None and streamed_all:
+                continue
             for workload, tokens in self.inputs.items():
                 if self.time_left() < self.args.reserve_s:
                     self.result["notes"].append(f"stopped before accelerate {budget_name} {workload}: deadline")
@@ -531,8 +534,16 @@ class Bench:
                     device_map = None
                 else:
                     device_map = infer_auto_device_map(model, max_memory={gpu: budget, "cpu": 2**40}, no_split_module_classes=[LAYER_CLASS[self.args.model]])
-                    model = dispatch_model(model, device_map=device_map, main_device=gpu)
-                    config = "accelerate dispatch_model"
+                    if gpu not in device_map.values():
+                        # no module fits the budget beside accelerate's reserve for the largest
+                        # layer: dispatch_model would run on the CPU; a user streams everything
+                        model = cpu_offload(model, execution_device=self.device)
+                        config = "accelerate cpu_offload"
+                        device_map = None
+                        streamed_all = True
+                    else:
+                        model = dispatch_model(model, device_map=device_map, main_device=gpu)
+                        config = "accelerate dispatch_model"
                 weights_on_gpu = torch.cuda.memory_allocated(self.device) - before
                 x = tokens.to(self.device)
                 runs = max(self.args.runs, 20)

@@ -213,9 +213,17 @@ class Module:
             torch.cuda.current_stream(self.device).wait_stream(side)
             self.pool.prepare_capture()
             before = dataclasses.replace(self.pool.stats)
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
-                self._run_forward(executor)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self._run_forward(executor)
+            except (RuntimeError, torch.AcceleratorError) as e:
+                raise ProgramError(
+                    f"cuda_graph=True: {self.pte_path} cannot be captured as a CUDA graph ({type(e).__name__}: {str(e).splitlines()[0]}). "
+                    "A kernel of the program synchronizes with the host (a data-dependent shape or a .tolist(), as MoE "
+                    "routing does); load it again with cuda_graph=False"
+                ) from e
+            self._graph = graph
             self._graph_outputs = executor.outputs()
             # Capturing copies nothing; every replay does what the captured forward counted.
             after, self.pool.stats = self.pool.stats, before
