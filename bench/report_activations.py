@@ -2,7 +2,7 @@
 
     python bench/report_activations.py bench/results/activations_a.json activations_b.json --plot out.png
 
-Several files (parts of one session, run with --only) are read as one table: the first
+Several files (parts of one run, made with --only) are read as one table: the first
 "no offload (hostswap k=0)" row is the base; a configuration appearing twice keeps its first
 row. Bandwidth is the mean of every measurement in the files (each run measures at its start
 and end), and the spread is printed.
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     rows = {x["config"]: x for x in all_rows}
     base = rows["no offload (hostswap k=0)"]
     n = a["layers"]
-    print(f"{env['gpu']}, torch {env['torch']}, {env['date'][:10]}: {n} decoder blocks (hidden {a['hidden']}, SwiGLU {a['intermediate']}, "
+    print(f"{env['gpu']}, torch {env['torch']}: {n} decoder blocks (hidden {a['hidden']}, SwiGLU {a['intermediate']}, "
           f"SDPA), bf16, batch {a['batch']} x {a['seq']} tokens; median of {a['steps']} steps; pinned D2H {d2h / 1e9:.1f} GB/s "
           f"({min(bw['d2h']) / 1e9:.1f}-{max(bw['d2h']) / 1e9:.1f}), H2D {h2d / 1e9:.1f} GB/s ({min(bw['h2d']) / 1e9:.1f}-{max(bw['h2d']) / 1e9:.1f}), "
           f"{len(bw['d2h'])} measurements\n")

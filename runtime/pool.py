@@ -1,6 +1,6 @@
 """The device weight pool: serves every probe from a budget-capped pool, two policies.
 
-``lru`` is the seed's design (per-weight allocations, LRU eviction, prefetch on a copy
+``lru`` follows the ExecuTorch weight-offload RFC (per-weight allocations, LRU eviction, prefetch on a copy
 stream; on CUDA the allocations come from a ``cudaMemPool_t`` whose maximum size is the
 budget). ``planned`` fixes residency and ring offsets at load (schedules/policies.py) and
 copies into one arena, so a forward makes no allocator calls and can be captured in a CUDA

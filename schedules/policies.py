@@ -44,7 +44,7 @@ class Action:
 
 
 class LruPolicy:
-    """The seed's policy: per-weight allocations, LRU victims, prefetch of the next d probes."""
+    """The RFC policy: per-weight allocations, LRU victims, prefetch of the next d probes."""
 
     def __init__(self, schedule: WeightSchedule, budget_bytes: int):
         check_budget(schedule, budget_bytes)

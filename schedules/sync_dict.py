@@ -166,7 +166,7 @@ class ActivationSchedule:
         return {"model_layers": self.model_layers, "manual": self.manual, "sync": {str(k): list(v) for k, v in self.sync.items()}, "layers": self.rows()}
 
     def plot(self, path: str) -> None:
-        """A timeline like the seed's scheduling figure: compute per layer, offload and reload spans."""
+        """A timeline in the manner of Transformer Engine's offload scheduling figure: compute per layer, offload and reload spans."""
         import matplotlib
 
         matplotlib.use("Agg")
