@@ -23,7 +23,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -151,25 +150,13 @@ def time_calls(fn, device, runs: int, warmup: int):
 
 def host_and_latency(fn) -> tuple[float, float]:
     """One CUDA call of ``fn()`` from an idle GPU: (seconds until it returns on the host,
-    seconds until the GPU has finished it). For the diagnostic scripts beside this one."""
+    seconds until the GPU has finished it). For bench/eager_overlap.py and ab_host_calls.py."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return t1 - t0, time.perf_counter() - t0
-
-
-def llama_program(layers: int, tokens: int, seed: int = 1) -> tuple[str, str, torch.Tensor]:
-    """The benchmark's Llama-style decoder exported, passed and saved to a temporary directory:
-    (.pte path, .ptd path, the random token ids it was exported with). For the diagnostic
-    scripts beside this one."""
-    from hostswap.models import llama_decoder
-
-    model = llama_decoder(layers, max_seq=max(2048, tokens))
-    ids = torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(seed))
-    pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (ids,))), os.path.join(tempfile.mkdtemp(), "m"))
-    return pte, ptd, ids
 
 
 def h2d_bandwidth(device: torch.device, source: torch.Tensor, repeats: int = 10) -> float:

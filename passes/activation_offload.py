@@ -105,15 +105,15 @@ class LayerMap:
         by_prefix: dict[str, set[int]] = {}
         for prefix, index in first_seen:
             by_prefix.setdefault(prefix, set()).add(index)
-        if layers is not None:
-            chosen = [p for p in by_prefix if p == layers or p.endswith("." + layers)]
-            if not chosen:
-                raise ActivationOffloadError(f"layers={layers!r} names no repeated block list of this model (found: {sorted(by_prefix) or 'none'})")
-            self.prefix = chosen[0]
-        elif not by_prefix:
+        if not by_prefix:
             # a graph with no block at all (a graph break's piece, such as a loss): nothing to offload
             self.prefix, self.index_to_layer, self.num_layers = None, {}, 0
             return
+        if layers is not None:
+            chosen = [p for p in by_prefix if p == layers or p.endswith("." + layers)]
+            if not chosen:
+                raise ActivationOffloadError(f"layers={layers!r} names no repeated block list of this model (found: {sorted(by_prefix)})")
+            self.prefix = chosen[0]
         else:
             self.prefix = max(by_prefix, key=lambda p: (len(by_prefix[p]), -min(first_seen[(p, i)] for i in by_prefix[p])))
         ordered = sorted(by_prefix[self.prefix], key=lambda i: first_seen[(self.prefix, i)])
@@ -363,6 +363,7 @@ class ActivationOffloadBackend:
         self.groups: list[SavedGroup] = []
         self.compiled_graphs = 0
         self.graphs_without_layers = 0  # graph-break pieces holding no block: compiled without offload
+        self.graphs_with_layers = 0
 
     @property
     def stats(self) -> dict:
@@ -396,10 +397,22 @@ class ActivationOffloadBackend:
 
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
         offload_pass = ActivationOffloadPass(self.schedule, self.synchronizer, self.layers, self.min_bytes)
-        self.groups = offload_pass.call(forward, backward, kwargs["num_fwd_outputs"])
-        self.graphs_without_layers += offload_pass.graphs_without_layers
-        self.forward_graph, self.backward_graph = forward, backward
+        groups = offload_pass.call(forward, backward, kwargs["num_fwd_outputs"])
         self.compiled_graphs += 1
+        if offload_pass.graphs_without_layers:
+            self.graphs_without_layers += 1
+            if self.graphs_with_layers == 0:
+                warnings.warn(
+                    f"a graph compiled with model_layers={self.schedule.model_layers} holds no block of a repeated layer list "
+                    "(an nn.ModuleList or nn.Sequential seen in nn_module_stack), and no graph before it did: nothing of it is "
+                    "offloaded; name the list with layers= if the model has one",
+                    OffloadCoverageWarning, stacklevel=2,
+                )
+        else:
+            # the graph pieces of one step (graph breaks): the last one holding the layers is the one reported
+            self.graphs_with_layers += 1
+            self.groups = groups
+            self.forward_graph, self.backward_graph = forward, backward
         return forward, backward
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):

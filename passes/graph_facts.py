@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-PROBE_SCHEMA_NAME = "hostswap::probe"
+from hostswap.schedules.custom_ops import PROBE_OPERATOR
 
 
 def underlying_op(target) -> torch._ops.OpOverload | None:
@@ -20,7 +20,7 @@ def is_probe(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     op = underlying_op(node.target)
-    return op is not None and op._schema.name == PROBE_SCHEMA_NAME
+    return op is not None and op._schema.name == PROBE_OPERATOR
 
 
 # Ops that read a tensor's metadata (sizes, strides, dtype), never its data.

@@ -21,6 +21,7 @@ from hostswap.passes.weight_offload import (
     schedule_with_options,
 )
 from hostswap.schedules import serialization
+from hostswap.schedules.custom_ops import PROBE_OPERATOR
 from hostswap.schedules.pte_program import plan_by_name
 from hostswap.schedules.weight_schedule import ScheduleError
 
@@ -89,7 +90,7 @@ def _make_memory_planning_pass():
 def emitted_probe_sequence(program, method: str = METHOD) -> list[tuple[int, str]]:
     """(probe_id, FQN) of every probe instruction of ``method``, in instruction order."""
     plan = plan_by_name(program, method)
-    probe_ops = {i for i, op in enumerate(plan.operators) if op.name == "hostswap::probe"}
+    probe_ops = {i for i, op in enumerate(plan.operators) if op.name == PROBE_OPERATOR}
     sequence = []
     for chain in plan.chains:
         for instruction in chain.instructions:

@@ -45,6 +45,9 @@ def _why_not_out_able(op: torch._ops.OpOverload) -> str | None:
             return f"it returns a {r.type}, and out variants return tensors only"
         if r.alias_info is not None:
             return "it returns a view of an input"
+    taken = set(out_names(schema)) & {a.name for a in schema.arguments}
+    if taken:
+        return f"it has an argument named {sorted(taken)[0]!r}, the name its out variant's result would take"
     if op._overloadname != "default":
         return f"its overload '{op._overloadname}' is not the default one"
     return None

@@ -42,12 +42,3 @@ _lib._register_fake("probe.out", _probe_out_fake)
 
 probe = torch.ops.hostswap.probe.default
 probe_out = torch.ops.hostswap.probe.out
-PROBE_OP_NAME = "hostswap::probe"
-
-
-def is_probe_target(target) -> bool:
-    """True for the probe op in any dialect (aten, edge, out variant)."""
-    name = getattr(target, "_name", None) or getattr(target, "__name__", "") or str(target)
-    return "hostswap::probe" in str(name) or "hostswap.probe" in str(target) or str(target).startswith(
-        "hostswap::probe"
-    ) or "hostswap_probe" in str(target)

@@ -13,7 +13,8 @@ from torch.export.graph_signature import InputKind
 from hostswap.passes import probe_op
 from hostswap.passes.fused_attention import KeepFusedAttentionPass
 from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, reads_no_data, underlying_op, view_chain_root
-from hostswap.schedules.weight_schedule import WeightSchedule, schedule_from_graph
+from hostswap.passes.schedule_builder import schedule_from_graph
+from hostswap.schedules.weight_schedule import WeightSchedule
 
 SCHEDULE_META_KEY = "hostswap_weight_schedule"
 OPTIONS_META_KEY = "hostswap_weight_offload_options"
@@ -31,13 +32,27 @@ class WeightOffloadOptions:
     pin: tuple[str, ...]
 
 
-def weight_placeholders(ep: ExportedProgram) -> dict[str, str]:
-    """Placeholder name -> FQN for parameters, buffers and lifted tensor constants."""
+# ExecuTorch keeps a constant whose placeholder name contains this inline in the .pte, not in
+# the .ptd (its external-constants pass: "lifted constants are closer to code than data"):
+# tensors a forward creates (``torch.tensor(...)``) and the scalars lowering lifts. They are
+# not streamed; the runtime puts them on the device at load, outside the budget.
+INLINE_CONSTANT_MARK = "_lifted_tensor"
+# An inline constant larger than this is refused: it would sit on the device unbudgeted.
+MAX_INLINE_CONSTANT_BYTES = 1 << 20
+
+
+def _input_weights(ep: ExportedProgram) -> dict[str, str]:
     return {
         spec.arg.name: spec.target
         for spec in ep.graph_signature.input_specs
         if spec.kind in WEIGHT_INPUT_KINDS and spec.target is not None
     }
+
+
+def weight_placeholders(ep: ExportedProgram) -> dict[str, str]:
+    """Placeholder name -> FQN of the weights hostswap streams: parameters, buffers and tensor
+    constants, less the constants ExecuTorch keeps inline."""
+    return {name: fqn for name, fqn in _input_weights(ep).items() if INLINE_CONSTANT_MARK not in name}
 
 
 def weight_tensor(ep: ExportedProgram, fqn: str) -> torch.Tensor:
@@ -64,6 +79,38 @@ def _check_streamable(fqn: str, tensor: torch.Tensor) -> None:
             f"storage offset {tensor.storage_offset()}, {own_bytes} of {storage_bytes} storage bytes); "
             "give it its own storage with .clone().contiguous() before export"
         )
+
+
+# Views whose result depends on the strides of their input: a permuted weight stored
+# contiguous would change what they read.
+STRIDE_DEPENDENT_VIEWS = frozenset({"aten::view", "aten::_unsafe_view", "aten::view_copy", "aten::as_strided", "aten::as_strided_copy"})
+
+
+def _stride_dependent_reader(placeholder: torch.fx.Node) -> torch.fx.Node | None:
+    """A view of ``placeholder`` (through a chain of views) that depends on its strides."""
+    frontier = list(placeholder.users)
+    while frontier:
+        node = frontier.pop()
+        if not is_view_like(node):
+            continue
+        op = underlying_op(node.target)
+        if op is not None and op._schema.name in STRIDE_DEPENDENT_VIEWS:
+            return node
+        frontier.extend(node.users)
+    return None
+
+
+def _check_contiguous_storage_is_safe(ep: ExportedProgram, by_placeholder: dict[str, str]) -> None:
+    for node in ep.graph.nodes:
+        fqn = by_placeholder.get(node.name) if node.op == "placeholder" else None
+        if fqn is None or weight_tensor(ep, fqn).is_contiguous():
+            continue
+        reader = _stride_dependent_reader(node)
+        if reader is not None:
+            raise WeightOffloadError(
+                f"weight '{fqn}' is not contiguous (stride {tuple(weight_tensor(ep, fqn).stride())}) and '{reader.name}' "
+                f"({reader.target}) views it through its strides; make it contiguous with .contiguous() before export"
+            )
 
 
 def _make_contiguous(ep: ExportedProgram, by_placeholder: dict[str, str]) -> None:
@@ -204,6 +251,13 @@ def _validate(ep: ExportedProgram, prefetch_depth: int, pin: Iterable[str]) -> t
     if isinstance(pin, str):
         raise WeightOffloadError(f"pin must be a collection of FQNs, got the string {pin!r}")
     pin = tuple(dict.fromkeys(pin))
+    for name, fqn in _input_weights(ep).items():
+        t = weight_tensor(ep, fqn)
+        if INLINE_CONSTANT_MARK in name and t.numel() * t.element_size() > MAX_INLINE_CONSTANT_BYTES:
+            raise WeightOffloadError(
+                f"tensor constant '{fqn}' ({t.numel() * t.element_size()} bytes) is created inside forward; ExecuTorch keeps such "
+                "constants in the program, on the device outside the budget. Register it as a buffer of the module instead"
+            )
     by_placeholder = weight_placeholders(ep)
     fqns = set(by_placeholder.values())
     if not fqns:
@@ -216,6 +270,7 @@ def _validate(ep: ExportedProgram, prefetch_depth: int, pin: Iterable[str]) -> t
         if fqn in mutated:
             raise WeightOffloadError(f"buffer '{fqn}' is mutated by the program; hostswap streams read-only weights")
         _check_streamable(fqn, weight_tensor(ep, fqn))
+    _check_contiguous_storage_is_safe(ep, by_placeholder)
     return by_placeholder, pin
 
 

@@ -14,10 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from hostswap.schedules.custom_ops import OUT_OVERLOAD, out_variant_schema, run_into_outs
+from hostswap.schedules.custom_ops import OUT_OVERLOAD, PROBE_OPERATOR, out_variant_schema, run_into_outs
 from hostswap.schedules.pte_program import SCALAR_EVALUES, evalue_scalar, torch_dtype
-
-PROBE_OPERATOR = "hostswap::probe"
 
 
 def _copy_into(self: torch.Tensor, *, out: torch.Tensor, non_blocking: bool = False, memory_format=None) -> torch.Tensor:
@@ -36,11 +34,6 @@ DIM_ORDER_OUT_OPS = {
     "dim_order_ops::_empty_dim_order": torch.ops.aten.empty.out,
 }
 
-
-# A copy whose source is a view ExecuTorch folded into memory planning may run as a view
-# (_replan_with_views); False: such copies stay copies, as before e30cd3e (kept for the A/B in
-# bench/ab_views.py).
-VIEW_FOLDED_SOURCES = True
 
 
 class ProgramError(ValueError):
@@ -96,11 +89,6 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
 def _regions_overlap(a: tuple[int, int, int] | None, b: tuple[int, int, int] | None) -> bool:
     """Two (memory id, start, end) arena regions share a byte."""
     return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
-
-
-@dataclasses.dataclass
-class _Ref:
-    index: int
 
 
 @dataclasses.dataclass
@@ -253,6 +241,12 @@ class MethodExecutor:
         op = self.operators[call.op_index]
         schema = op._schema
         n_in = len(schema.arguments)
+        if isinstance(op, FunctionalAsOut) and len(call.args) != n_in + len(schema.returns):
+            raise ProgramError(
+                f"instruction {index} calls {op_meta.name}.{op_meta.overload} with {len(call.args)} values, but its functional "
+                f"form makes an out variant of {n_in} arguments and {len(schema.returns)} results: the program was built with "
+                "an out variant of its own; import the library that defines it before loading"
+            )
         arg_ids, ret_ids = call.args[:n_in], call.args[n_in:]
         if op_meta.name == PROBE_OPERATOR:
             weight_value = self.plan.values[arg_ids[0]].val
@@ -353,8 +347,6 @@ class MethodExecutor:
         views: dict[int, object] = {}  # pc -> the view op its copy runs as
         for pc, x, y, view_op, keeps_contiguity, needs_contiguous in self._copies_viewable():
             if x not in self._meta or y not in self._meta or y in inputs or write_pcs.get(y) != [pc] or y in folded_of:
-                continue
-            if x in folded_base and not VIEW_FOLDED_SOURCES:
                 continue
             if needs_contiguous and not contiguous.get(x, False):
                 continue

@@ -121,6 +121,7 @@ class Module:
         if cuda_graph and (policy != "planned" or self.device.type != "cuda"):
             raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
         self._graph = None
+        self._capture_error: ProgramError | None = None
         self._lock = threading.Lock()
         self.load_seconds = time.perf_counter() - t0
 
@@ -197,6 +198,8 @@ class Module:
         return executor.outputs()
 
     def _run_graphed(self, executor, inputs):
+        if self._capture_error is not None:
+            raise self._capture_error
         if self._graph is None:
             device_inputs = [i.to(self.device) if isinstance(i, torch.Tensor) else i for i in inputs]
             executor.check_inputs(device_inputs)  # before the first forward starts any copy
@@ -218,11 +221,17 @@ class Module:
                 with torch.cuda.graph(graph):
                     self._run_forward(executor)
             except (RuntimeError, torch.AcceleratorError) as e:
-                raise ProgramError(
+                if "captur" not in str(e).lower():
+                    raise
+                self.pool.stats = before
+                # The pool is left mid-forward by the invalidated capture: this Module stays
+                # refused, and the same error is raised at every later call.
+                self._capture_error = ProgramError(
                     f"cuda_graph=True: {self.pte_path} cannot be captured as a CUDA graph ({type(e).__name__}: {str(e).splitlines()[0]}). "
-                    "A kernel of the program synchronizes with the host (a data-dependent shape or a .tolist(), as MoE "
-                    "routing does); load it again with cuda_graph=False"
-                ) from e
+                    "Most likely a kernel of the program synchronizes with the host (a data-dependent shape or a .tolist(), "
+                    "as MoE routing does); load it again with cuda_graph=False"
+                )
+                raise self._capture_error from e
             self._graph = graph
             self._graph_outputs = executor.outputs()
             # Capturing copies nothing; every replay does what the captured forward counted.

@@ -30,10 +30,6 @@ class ScheduleDivergenceError(RuntimeError):
     """The program asked for a probe the recorded schedule did not predict."""
 
 
-# Issue the first probe's fills at begin_forward (False: at the first probe, as before; kept
-# for the A/B in bench/profile_stream.py).
-EARLY_FIRST_FILLS = True
-
 
 @dataclasses.dataclass
 class PoolStats:
@@ -346,7 +342,7 @@ class WeightPool:
         # (issue_horizon; each overwrites nothing this forward reads, or _issue_fill refuses).
         if self.policy_name == "planned" and self.issue_on_release:
             self._issue_released_fills()
-        elif self.policy_name == "planned" and self.schedule.num_probes and self.device.type == "cuda" and EARLY_FIRST_FILLS:
+        elif self.policy_name == "planned" and self.schedule.num_probes and self.device.type == "cuda":
             self._issue_fills_through(self._issue_through[0], None)
 
     def end_forward(self) -> None:
@@ -640,9 +636,9 @@ class WeightPool:
         self._carry_frozen = False  # prepare_capture: fixed for a CUDA graph
         self._issue_through = issue_horizon(self.schedule, layout)
         # Depth >= 1: a fill is also issued as soon as the last kernel reading the ring bytes
-        # it overwrites has been launched (_issue_released_fills). False: only through the
-        # depth horizon at each probe, as before (kept for the A/B in bench/profile_stream.py).
-        # Depth 0, the no-prefetch reference, issues each copy at its own probe.
+        # it overwrites has been launched (_issue_released_fills), not only through the depth
+        # horizon at each probe. Depth 0, the no-prefetch reference, issues each copy at its
+        # own probe.
         self.issue_on_release = self.schedule.prefetch_depth >= 1
 
     def _issue_fill(self, q: int) -> None:

@@ -1,10 +1,12 @@
-"""The out overload that stands in for a functional custom op: what the pass defines so that
-ExecuTorch can lower the op, and what the runtime runs when its process lacks the overload."""
+"""Operators that the passes put into a program and the runtime recognises in it: the probe,
+and the out overload that stands in for a functional custom op (what the pass defines so that
+ExecuTorch can lower the op, and what the runtime runs when its process lacks the overload)."""
 
 from __future__ import annotations
 
 import torch
 
+PROBE_OPERATOR = "hostswap::probe"  # every weight use is read through it
 OUT_OVERLOAD = "out"
 
 

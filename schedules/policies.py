@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from hostswap.schedules.floor import StreamSequence, aligned, lru_requirement, probe_ends, ring_is_safe, ring_placement, ring_requirement
-from hostswap.schedules.weight_schedule import WeightSchedule
+
+if TYPE_CHECKING:  # annotations only: the schedule's rendering methods import this module
+    from hostswap.schedules.weight_schedule import WeightSchedule
 
 
 class BudgetError(ValueError):
@@ -180,18 +183,15 @@ def _stream_sequence(schedule: WeightSchedule, kept: set[int]) -> tuple[StreamSe
     return seq, probes
 
 
-def _spread_streamed(schedule: WeightSchedule, sizes: list[int], kept: set[int], pinned: set[int], align: str = "end") -> set[int]:
+def _spread_streamed(schedule: WeightSchedule, sizes: list[int], kept: set[int], pinned: set[int]) -> set[int]:
     """``kept`` with, in every class of equal-sized weights, the same number streamed, but those
     evenly spaced in first-access order. Resident bytes are unchanged.
 
-    ``align="end"`` (Bresenham, s of n are the members where floor(i*s/n) steps): the last
-    member of a class is always streamed and the first is resident unless all are streamed.
-    After the last copy of a forward ends, only the kernels behind it are left to run, with the
-    copy engine idle: ending on a late streamed weight keeps that tail short. ``"centred"``
-    (round instead of floor) was the rule before; kept for comparisons (bench/profile_stream.py).
+    Streamed are the s of n members where floor(i*s/n) steps (Bresenham): the last member of a
+    class is always streamed and the first is resident unless all are streamed. After the last
+    copy of a forward ends, only the kernels behind it are left to run, with the copy engine
+    idle: ending on a late streamed weight keeps that tail short.
     """
-    if align not in ("end", "centred"):
-        raise ValueError(f"align must be 'end' or 'centred', got {align!r}")
     first_access: dict[int, int] = {}
     for p, w in enumerate(schedule.probe_weight):
         first_access.setdefault(w, p)
@@ -202,9 +202,8 @@ def _spread_streamed(schedule: WeightSchedule, sizes: list[int], kept: set[int],
     spread = set(kept) | set(w for w in range(len(sizes)) if w not in first_access)
     for members in classes.values():
         n, s = len(members), sum(1 for w in members if w not in kept)
-        half = n if align == "centred" else 0
         for i, w in enumerate(members):
-            if (2 * (i + 1) * s + half) // (2 * n) == (2 * i * s + half) // (2 * n):
+            if ((i + 1) * s) // n == (i * s) // n:
                 spread.add(w)
             else:
                 spread.discard(w)
@@ -246,7 +245,7 @@ def _keep_greedily(schedule: WeightSchedule, sizes: list[int], kept: set[int], b
     return seq, ring
 
 
-def plan_layout(schedule: WeightSchedule, budget_bytes: int, run_ahead: bool = True) -> PlannedLayout:
+def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
     """Keep as many weight bytes resident as the budget allows beyond what streaming needs.
 
     Run-ahead at depth 0. With no prefetch, the smallest safe ring holds exactly the weights of
@@ -257,10 +256,10 @@ def plan_layout(schedule: WeightSchedule, budget_bytes: int, run_ahead: bool = T
     ring placed as depth 1 places it (safe for depth 0 too: its windows are subsets) lets the
     copy engine run one weight ahead. That layout is taken when the budget allows it and its
     ring is no larger than what the depth-0 floor reserves for streaming, so bytes streamed
-    stay within total - (budget - floor). ``run_ahead=False``: the smallest ring, for A/B.
+    stay within total - (budget - floor). ``_plan_layout`` alone plans the smallest ring.
     """
     check_budget(schedule, budget_bytes)
-    if run_ahead and schedule.prefetch_depth == 0:
+    if schedule.prefetch_depth == 0:
         ahead = dataclasses.replace(schedule, prefetch_depth=1)
         if budget_bytes >= ahead.floor_bytes:
             layout = _plan_layout(ahead, budget_bytes)

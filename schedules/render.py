@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tabulate import tabulate
 
 from hostswap.schedules.policies import lru_streamed_bytes, mb_ceil, plan_layout
-from hostswap.schedules.weight_schedule import WeightSchedule
+
+if TYPE_CHECKING:  # annotations only: the schedule's rendering methods import this module
+    from hostswap.schedules.weight_schedule import WeightSchedule
 
 MB = 2**20
 

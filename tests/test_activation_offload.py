@@ -1,7 +1,6 @@
 """Activation offload pass: same loss and gradients bit for bit, schedule, validation, graph order."""
 
 import copy
-import warnings
 
 import pytest
 import torch

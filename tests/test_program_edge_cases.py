@@ -180,10 +180,13 @@ def test_custom_op_without_out_variant_runs_bitwise(tmp_path):
         assert torch.equal(m(x), expected)
 
 
+_test_library = torch.library.Library("hostswap_test", "FRAGMENT")
+_test_library.define("halve(Tensor x) -> Tensor")
+_test_library.impl("halve", lambda x: x / 2, "CompositeExplicitAutograd")
+
+
 def test_functional_op_runs_as_its_out_variant_where_that_is_not_registered():
     """The runtime's own stand-in, for a process that never lowered the op."""
-    torch.library.define("hostswap_test::halve", "(Tensor x) -> Tensor")
-    torch.library.impl("hostswap_test::halve", "CompositeExplicitAutograd", lambda x: x / 2)
     op = resolve_operator("hostswap_test::halve", "out")
     assert isinstance(op, FunctionalAsOut)
     assert [a.name for a in op._schema.arguments] == ["x", "out"] and op._schema.arguments[1].kwarg_only
@@ -201,3 +204,37 @@ def test_custom_op_that_cannot_have_an_out_variant_is_refused_naming_op_and_modu
     with pytest.raises(hostswap.OutVariantError, match=r"custom op hostswap_test::split_pair.default, used by module 'block', .* returns a List\[Tensor\]"):
         hostswap.save(ep, tmp_path / "m")
     assert not list(tmp_path.iterdir()), "nothing is written for a refused program"
+
+
+def test_permuted_weight_read_through_its_strides_is_refused(tmp_path):
+    class ViewsTransposed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 3).t())
+
+        def forward(self, x):
+            return x * self.w.t().view(12).sum()
+
+    ep = torch.export.export(ViewsTransposed(), (torch.randn(2),), strict=False)
+    before = ep.state_dict["w"]
+    with pytest.raises(hostswap.WeightOffloadError, match=r"weight 'w' is not contiguous \(stride \(1, 3\)\) and 'view' .* views it through its strides"):
+        hostswap.apply_weight_offload(ep)
+    assert ep.state_dict["w"] is before and not any(is_probe(n) for n in ep.graph.nodes)  # left as it was
+
+
+def test_custom_op_with_an_argument_named_out_is_refused(tmp_path):
+    _test_library.define("takes_out(Tensor x, Tensor out) -> Tensor")
+    _test_library.impl("takes_out", lambda x, out: x + out, "CompositeExplicitAutograd")
+    _test_library._register_fake("takes_out", lambda x, out: torch.empty_like(x))
+
+    class UsesIt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            return torch.ops.hostswap_test.takes_out(x, self.w)
+
+    ep = hostswap.apply_weight_offload(torch.export.export(UsesIt(), (torch.randn(3),), strict=False))
+    with pytest.raises(hostswap.OutVariantError, match="has an argument named 'out'"):
+        hostswap.save(ep, tmp_path / "m")

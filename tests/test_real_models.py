@@ -3,9 +3,10 @@
 Every architecture of tests/real_models.py is exported as a user would (``strict=False``),
 normally and under ``torch.no_grad()``, passed through ``apply_weight_offload``, saved, and
 run at the floor, at a seeded random budget between floor and total, and at the total,
-under both pool policies. Outputs are compared with eager PyTorch on the same inputs:
-bitwise, or, where lowering decomposes an op, bitwise with the lowered edge program and
-within 1e-5 of eager. The README's support table is rendered from the same list.
+under both pool policies. Outputs are compared with eager PyTorch on the same inputs: bitwise,
+or, for an architecture marked as one where lowering decomposes an op, bitwise with the
+lowered edge program and within 1e-5 of eager. The README's support table is rendered from
+the same list.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ class ExportedCase:
         for i, (got, want) in enumerate(zip(outputs, self.expected)):
             got = got.cpu()
             assert got.shape == want.shape and got.dtype == want.dtype, f"output {i}: {got.shape} {got.dtype} vs {want.shape} {want.dtype}"
-            if not torch.equal(got, want):
-                # lowering decomposed an op: bitwise against the lowered program, close to eager
+            if BY_NAME[self.name].bitwise_to_eager:
+                assert torch.equal(got, want), f"output {i} of {self.name} ({self.mode}) differs from eager PyTorch"
+            else:
+                # lowering decomposes an op: bitwise against the lowered program, close to eager
                 assert torch.equal(got, self.edge_expected()[i]), f"output {i} differs from the lowered program"
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -163,8 +166,9 @@ def test_matrix_on_gpu(exported, name, mode, budget, policy):
     cuda_graph = policy == "planned" and budget == "floor"  # the captured forward's outputs are the caller's too
     if cuda_graph and name in HOST_SYNCING:
         with hostswap.runtime.Module(case.pte, data_path=case.ptd, weight_offload_budget_mb=case.budget_mb(budget), device="cuda", cuda_graph=True) as m:
-            with pytest.raises(ProgramError, match="cannot be captured as a CUDA graph .* synchronizes with the host"):
-                m(*[t.cuda() for t in case.inputs])
+            for _ in range(2):  # refused for good: the pool was left mid-forward
+                with pytest.raises(ProgramError, match="cannot be captured as a CUDA graph .*capturing stream.* synchronizes with the host"):
+                    m(*[t.cuda() for t in case.inputs])
         cuda_graph = False
     with hostswap.runtime.Module(case.pte, data_path=case.ptd, weight_offload_budget_mb=case.budget_mb(budget), device="cuda", policy=policy, cuda_graph=cuda_graph) as m:
         inputs = [t.cuda() for t in case.inputs]

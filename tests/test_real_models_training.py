@@ -65,3 +65,22 @@ def test_backend_says_when_it_offloads_less_than_asked(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error", hostswap.OffloadCoverageWarning)
         _step(model, full, ids, steps=1)
+
+
+def test_named_layer_list_with_a_graph_break():
+    """GPT-2's loss compiles as a graph of its own that holds no block: with layers= named,
+    it compiles without offload instead of being refused."""
+    model, (ids,), _ = build(BY_NAME["GPT-2"])
+    backend = hostswap.activation_offload_backend(model_layers=2, num_layers=1, compiler="eager", min_tensor_size_to_offload=0, layers="h")
+    _step(model, backend, ids, steps=1)
+    assert backend.stats["graphs_without_layers"] >= 1 and backend.stats["offloaded_bytes"] > 0
+    assert backend.groups, "the groups reported are those of the graph holding the layers"
+
+
+def test_model_without_a_layer_list_is_said_to_offload_nothing():
+    model = torch.nn.Linear(8, 8)
+    backend = hostswap.activation_offload_backend(model_layers=2, num_layers=1, compiler="eager")
+    torch._dynamo.reset()
+    with pytest.warns(hostswap.OffloadCoverageWarning, match="holds no block of a repeated layer list"):
+        torch.compile(model, backend=backend)(torch.randn(2, 8)).sum().backward()
+    assert backend.stats["offloaded_bytes"] == 0 and backend.stats["graphs_without_layers"] == 1

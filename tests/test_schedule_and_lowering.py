@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import os
 
 import pytest
 import torch
@@ -203,28 +202,19 @@ def test_spread_streamed_keeps_bytes_and_spaces_each_size_class_evenly():
     order = sorted(range(len(sizes)), key=s.probe_weight.index)
     # the worst case for overlap: everything of the first half resident, the second half streamed
     kept = set(order[: len(order) // 2])
-    for align in ("end", "centred"):
-        spread = _spread_streamed(s, sizes, kept, set(), align=align)
-        assert sum(sizes[w] for w in spread) == sum(sizes[w] for w in kept)
-        for size in set(sizes):
-            members = [w for w in order if sizes[w] == size]
-            streamed = [i for i, w in enumerate(members) if w not in spread]
-            assert len(streamed) == sum(1 for w in members if w not in kept)
-            if len(streamed) > 1:
-                gaps = [b - a for a, b in zip(streamed, streamed[1:])]
-                assert max(gaps) - min(gaps) <= 1, (align, size, streamed)
-            if align == "end" and 0 < len(streamed) < len(members):
-                # the forward ends on a streamed weight of the class (a short tail after the
-                # last copy) and starts on a resident one
-                assert streamed[-1] == len(members) - 1 and streamed[0] > 0, (size, streamed)
-
-
-def test_error_spread_alignment_unknown():
-    from hostswap.schedules.policies import _spread_streamed
-
-    s = _meta_llama_schedule(1)
-    with pytest.raises(ValueError, match="align must be 'end' or 'centred', got 'middle'"):
-        _spread_streamed(s, [aligned(b) for b in s.weight_bytes], set(), set(), align="middle")
+    spread = _spread_streamed(s, sizes, kept, set())
+    assert sum(sizes[w] for w in spread) == sum(sizes[w] for w in kept)
+    for size in set(sizes):
+        members = [w for w in order if sizes[w] == size]
+        streamed = [i for i, w in enumerate(members) if w not in spread]
+        assert len(streamed) == sum(1 for w in members if w not in kept)
+        if len(streamed) > 1:
+            gaps = [b - a for a, b in zip(streamed, streamed[1:])]
+            assert max(gaps) - min(gaps) <= 1, (size, streamed)
+        if 0 < len(streamed) < len(members):
+            # the forward ends on a streamed weight of the class (a short tail after the
+            # last copy) and starts on a resident one
+            assert streamed[-1] == len(members) - 1 and streamed[0] > 0, (size, streamed)
 
 
 @pytest.mark.parametrize("depth", [1, 4])
@@ -248,14 +238,14 @@ def test_depth_zero_plans_a_ring_that_runs_one_weight_ahead_when_the_floor_allow
     larger than what the depth-0 floor reserves for streaming: issue 4's byte target holds
     against the depth-0 floor. Where that ring does not fit (at the floor), the smallest ring."""
     from hostswap.schedules.floor import ring_is_safe
-    from hostswap.schedules.policies import _stream_sequence
+    from hostswap.schedules.policies import _plan_layout, _stream_sequence
 
     s = dataclasses.replace(_meta_llama_schedule(9), prefetch_depth=0)
     total, floor = s.total_bytes, s.floor
     ahead = []
     for budget in (s.floor_bytes, int(0.25 * total), int(0.5 * total), int(0.75 * total)):
         layout = plan_layout(s, budget)
-        smallest = plan_layout(s, budget, run_ahead=False)
+        smallest = _plan_layout(s, budget)  # the smallest ring
         seq, _ = _stream_sequence(s, set(layout.resident))
         assert ring_is_safe(seq, 0, layout.ring_bytes)
         assert layout.resident_bytes + layout.ring_bytes <= budget
@@ -269,7 +259,7 @@ def test_depth_zero_plans_a_ring_that_runs_one_weight_ahead_when_the_floor_allow
     # at the floor no such ring fits; at half and three quarters of the weights one does
     assert s.floor_bytes not in ahead and int(0.5 * total) in ahead and int(0.75 * total) in ahead
     # the smallest ring at 75 %: every copy waits for the kernel just before the one it feeds
-    smallest = plan_layout(s, int(0.75 * total), run_ahead=False)
+    smallest = _plan_layout(s, int(0.75 * total))
     seq, _ = _stream_sequence(s, set(smallest.resident))
     assert not ring_is_safe(seq, 1, smallest.ring_bytes)
 
