@@ -486,7 +486,7 @@ class Bench:
                         self.log(self.result["notes"][-1])
                         return
                     self.run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph=graph)
-        # the seed's question: what one allocation costs in steady state, warmed or not
+        # what one allocation costs in steady state, warmed or not
         floor_name, floor = self.budgets()[0]
         if "decode" in self.inputs:
             self.run_hostswap("decode", floor_name, floor, "lru d1 unwarmed", "lru", 1, warm_pool=False)

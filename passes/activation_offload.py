@@ -246,7 +246,7 @@ class ActivationOffloadPass:
                     first_of_layer.setdefault(layer, node)
         # A boundary at every layer, whether or not something happens there: the graphs of
         # num_layers=0 and of any dictionary then differ only in the offload and reload nodes,
-        # so compilers fuse the same kernels and A/B runs compare like with like.
+        # so compilers fuse the same kernels and comparisons of the two see like with like.
         released_at: dict[int, list[torch.fx.Node]] = {}
         for g in groups:
             released_at.setdefault(self.schedule.finish_point(g.layer), []).append(g.base)
@@ -336,7 +336,7 @@ def _compile_forward_keeping_offloaded_buffers(gm, example_inputs, **kwargs):
 class ActivationOffloadBackend:
     """A ``torch.compile`` backend that offloads activations by the synchronization dictionary.
 
-    ``num_layers=0`` compiles the same graphs without offload, so A/B runs differ only in it.
+    ``num_layers=0`` compiles the same graphs without offload, so a comparison of the two differs only in it.
     """
 
     def __init__(self, model_layers: int, num_layers: int | None = None, *, synchronization_dict: dict | None = None, manual: bool = False,

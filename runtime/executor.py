@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -89,6 +90,50 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
 def _regions_overlap(a: tuple[int, int, int] | None, b: tuple[int, int, int] | None) -> bool:
     """Two (memory id, start, end) arena regions share a byte."""
     return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+class Kernel(NamedTuple):
+    """An operator call. ``view_op`` set: the call binds its result to a view of its first
+    argument instead of writing an out tensor."""
+
+    tag: str  # "kernel"
+    op: Callable
+    positional: list[int]  # value ids
+    keyword: dict[str, int]  # argument name -> value id
+    ret_ids: list[int]
+    view_op: Callable | None
+    index: int  # instruction index in the program
+    scratch: dict[str, torch.dtype]  # zero-element out arguments given a fresh tensor per call
+    constant_keyword: dict[str, object]  # arguments fixed at load
+
+
+class Probe(NamedTuple):
+    """Bind ``ret_id`` to the pool's device tensor of weight ``fqn``."""
+
+    tag: str  # "probe"
+    probe_id: int
+    fqn: str
+    ret_id: int
+
+
+class Move(NamedTuple):
+    tag: str  # "move"
+    source: int
+    target: int
+
+
+class JumpFalse(NamedTuple):
+    tag: str  # "jump_false"
+    condition: int
+    destination: int
+
+
+class Free(NamedTuple):
+    tag: str  # "free"
+    value: int
+
+
+Instruction = Kernel | Probe | Move | JumpFalse | Free
 
 
 @dataclasses.dataclass
@@ -229,11 +274,11 @@ class MethodExecutor:
             delegate = self.plan.delegates[call.delegate_index]
             raise ProgramError(f"method '{self.name}' instruction {index} calls delegate backend '{delegate.id}'; hostswap runs non-delegated programs only")
         if kind == "MoveCall":
-            return ("move", call.move_from, call.move_to)
+            return Move("move", call.move_from, call.move_to)
         if kind == "JumpFalseCall":
-            return ("jump_false", call.cond_value_index, call.destination_instruction)
+            return JumpFalse("jump_false", call.cond_value_index, call.destination_instruction)
         if kind == "FreeCall":
-            return ("free", call.value_index)
+            return Free("free", call.value_index)
         raise ProgramError(f"method '{self.name}' instruction {index} is a {kind}, which the executor does not handle")
 
     def _compile_kernel(self, index: int, call):
@@ -252,11 +297,11 @@ class MethodExecutor:
             weight_value = self.plan.values[arg_ids[0]].val
             fqn = weight_value.extra_tensor_info.fully_qualified_name
             probe_id = self.plan.values[arg_ids[1]].val.int_val
-            return ("probe", probe_id, fqn, ret_ids[0])
+            return Probe("probe", probe_id, fqn, ret_ids[0])
         if op_meta.name == ET_VIEW_OPERATOR:
             source, size, out = call.args
             self.reads[-1].update([source, size])
-            return ("kernel", op, [source, size], {}, [out], op, index, {}, {})
+            return Kernel("kernel", op, [source, size], {}, [out], op, index, {}, {})
         positional, keyword = [], {}
         for arg_schema, value_id in zip(schema.arguments, arg_ids):
             if arg_schema.kwarg_only:
@@ -298,7 +343,7 @@ class MethodExecutor:
             op = DIM_ORDER_OUT_OPS[op_meta.name]
             accepted = op.accepted if op is _copy_into else {a.name for a in op._schema.arguments}
             keyword = {name: value_id for name, value_id in keyword.items() if name in accepted}
-        return ("kernel", op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword)
+        return Kernel("kernel", op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword)
 
     # --- copy elision -------------------------------------------------------------------------
     def _replan_with_views(self) -> int | None:
@@ -312,7 +357,7 @@ class MethodExecutor:
         as views, or None to keep ExecuTorch's plan (jumps or moves, or a planned value whose
         aliasing is not understood).
         """
-        if any(ins[0] in ("jump_false", "move") for ins in self.instructions):
+        if any(ins.tag in ("jump_false", "move") for ins in self.instructions):
             return None
         n = len(self.instructions)
         inputs, outputs = set(self.plan.inputs), set(self.plan.outputs)
@@ -423,7 +468,7 @@ class MethodExecutor:
         as read at the end), and no view folded into memory planning reads ``Y``'s own bytes.
         Programs with jumps or moves keep every copy.
         """
-        if any(ins[0] in ("jump_false", "move") for ins in self.instructions):
+        if any(ins.tag in ("jump_false", "move") for ins in self.instructions):
             return 0
         n = len(self.instructions)
         last_read: dict[int, int] = {}
@@ -479,11 +524,11 @@ class MethodExecutor:
     }
 
     def _view_of_copy(self, ins):
-        op = ins[1]
+        op = ins.op
         if op is _copy_into or op._schema.name in ("aten::_to_copy", "aten::clone"):  # casts and clones
             # a cast to the dtype it already has, of a contiguous tensor, is the tensor itself
-            x, out = ins[2][0], ins[3].get("out")
-            if ins[8].get("memory_format") in (None, torch.contiguous_format, torch.preserve_format) and out is not None and x in self.regions and self.values[x].dtype == self.values[out].dtype:
+            x, out = ins.positional[0], ins.keyword.get("out")
+            if ins.constant_keyword.get("memory_format") in (None, torch.contiguous_format, torch.preserve_format) and out is not None and x in self.regions and self.values[x].dtype == self.values[out].dtype:
                 return (_identity, True, True)
             return None
         if op._schema.name in self._VIEW_COPIES:
@@ -498,22 +543,22 @@ class MethodExecutor:
         """(pc, source, output, view op, keeps contiguity, needs a contiguous source) of every
         copy kernel that could run as a view; the callers decide which may."""
         for pc, ins in enumerate(self.instructions):
-            if ins[0] != "kernel" or ins[5] is not None:
+            if ins.tag != "kernel" or ins.view_op is not None:
                 continue
             view = self._view_of_copy(ins)
-            y = ins[3].get("out")
+            y = ins.keyword.get("out")
             if view is not None and y is not None:
-                yield (pc, ins[2][0], y, *view)
+                yield (pc, ins.positional[0], y, *view)
 
     def _run_as_view(self, pc: int, view_op) -> None:
         """Rewrite copy kernel ``pc`` to bind its output to ``view_op`` of its source."""
         ins = self.instructions[pc]
         self.writes[pc] = set()
-        self.instructions[pc] = ("kernel", ins[1], ins[2][:1] + self._view_args(ins), {}, ins[4], view_op, ins[6], {}, {})
+        self.instructions[pc] = Kernel("kernel", ins.op, ins.positional[:1] + self._view_args(ins), {}, ins.ret_ids, view_op, ins.index, {}, {})
 
     def _view_args(self, ins) -> list[int]:
         """Positional arguments of the view op: the copy's positional arguments after self."""
-        return [] if ins[1] is _copy_into else list(ins[2][1:])
+        return [] if ins.op is _copy_into else list(ins.positional[1:])
 
     def _get(self, value_id):
         v = self.values[value_id]
@@ -568,7 +613,7 @@ class MethodExecutor:
     _straight_line = None
 
     def _generate(self, on_kernel, hooked):
-        if any(ins[0] == "jump_false" for ins in self.instructions):
+        if any(ins.tag == "jump_false" for ins in self.instructions):
             return None
         namespace: dict = {"_empty": torch.empty, "_device": self.device, "_acquire": self.probe_handler, "_hook": on_kernel}
         lines = ["def _run(V):"]
@@ -581,7 +626,7 @@ class MethodExecutor:
             return f"V[{value_id}]"
 
         for pc, ins in enumerate(self.instructions):
-            tag = ins[0]
+            tag = ins.tag
             if tag == "kernel":
                 _, op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword = ins
                 target = view_op if view_op is not None else op
@@ -608,7 +653,7 @@ class MethodExecutor:
                 namespace[f"_fqn{pc}"] = fqn
                 lines.append(f"    V[{ret_id}] = _acquire({probe_id}, _fqn{pc})")
             elif tag == "move":
-                lines.append(f"    V[{ins[2]}] = V[{ins[1]}]")
+                lines.append(f"    V[{ins.target}] = V[{ins.source}]")
         lines.append("    return None")
         code = compile("\n".join(lines), f"<hostswap method {self.name}>", "exec")
         exec(code, namespace)
@@ -619,7 +664,7 @@ class MethodExecutor:
         pc, n = 0, len(instructions)
         while pc < n:
             ins = instructions[pc]
-            tag = ins[0]
+            tag = ins.tag
             if tag == "kernel":
                 _, op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword = ins
                 args = [self._get(i) for i in positional]
@@ -642,9 +687,9 @@ class MethodExecutor:
                 _, probe_id, fqn, ret_id = ins
                 values[ret_id] = self.probe_handler(probe_id, fqn)
             elif tag == "move":
-                values[ins[2]] = values[ins[1]]
+                values[ins.target] = values[ins.source]
             elif tag == "jump_false":
-                if not bool(values[ins[1]]):
-                    pc = ins[2]
+                if not bool(values[ins.condition]):
+                    pc = ins.destination
                     continue
             pc += 1

@@ -42,9 +42,9 @@ def _instruction_kernels(executor: MethodExecutor) -> list[tuple[int, set[int]]]
     derived: dict[int, set[int]] = {}
     kernels = []
     for ins in executor.instructions:
-        if ins[0] == "probe":
-            derived[ins[3]] = {ins[1]}
-        elif ins[0] == "kernel":
+        if ins.tag == "probe":
+            derived[ins.ret_id] = {ins.probe_id}
+        elif ins.tag == "kernel":
             _, op, positional, keyword, ret_ids, view_op, index, _scratch, _constants = ins
             read: set[int] = set()
             for value_id in list(positional) + list(keyword.values()):

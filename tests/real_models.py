@@ -146,6 +146,82 @@ def _resnet():
     return T.ResNetModel(T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_channels=3))
 
 
+def _opt():
+    import transformers as T
+
+    return T.OPTForCausalLM(T.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                                        max_position_embeddings=64, word_embed_proj_dim=64, use_cache=False))
+
+
+def _gpt_neox():
+    import transformers as T
+
+    return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**_decoder_common()))
+
+
+def _falcon():
+    import transformers as T
+
+    return T.FalconForCausalLM(T.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, use_cache=False))
+
+
+def _phi():
+    import transformers as T
+
+    return T.PhiForCausalLM(T.PhiConfig(**_decoder_common()))
+
+
+def _olmo():
+    import transformers as T
+
+    return T.OlmoForCausalLM(T.OlmoConfig(**_decoder_common()))
+
+
+def _gemma3():
+    import transformers as T
+
+    return T.Gemma3ForCausalLM(T.Gemma3TextConfig(**_decoder_common(num_key_value_heads=2, head_dim=16)))
+
+
+def _granite():
+    import transformers as T
+
+    return T.GraniteForCausalLM(T.GraniteConfig(**_decoder_common()))
+
+
+def _bart():
+    import transformers as T
+
+    return T.BartForConditionalGeneration(T.BartConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64, use_cache=False,
+    ))
+
+
+def _distilbert():
+    import transformers as T
+
+    return T.DistilBertModel(T.DistilBertConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=128))
+
+
+def _clip_text():
+    import transformers as T
+
+    return T.CLIPTextModel(T.CLIPTextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4))
+
+
+def _swin():
+    import transformers as T
+
+    return T.SwinModel(T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4))
+
+
+def _convnext():
+    import transformers as T
+
+    return T.ConvNextModel(T.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2))
+
+
 ARCHITECTURES = [
     Architecture("GPT-2", "GPT2LMHeadModel", "tied LM head", _gpt2, _ids),
     Architecture("Llama", "LlamaForCausalLM", "GQA, rotary", _llama, _ids),
@@ -161,6 +237,18 @@ ARCHITECTURES = [
     Architecture("ViT", "ViTModel", "vision encoder", _vit, _pixels),
     Architecture("Whisper encoder", "WhisperEncoder", "audio encoder, conv stem", _whisper_encoder, _mel),
     Architecture("ResNet", "ResNetModel", "convolutions, batch norm", _resnet, _pixels),
+    Architecture("OPT", "OPTForCausalLM", "learned positions, tied head", _opt, _ids),
+    Architecture("GPT-NeoX", "GPTNeoXForCausalLM", "parallel attention and MLP, fused qkv", _gpt_neox, _ids),
+    Architecture("Falcon", "FalconForCausalLM", "multi-query attention, parallel block", _falcon, _ids),
+    Architecture("Phi", "PhiForCausalLM", "partial rotary, parallel block", _phi, _ids),
+    Architecture("OLMo", "OlmoForCausalLM", "non-parametric layer norm", _olmo, _ids),
+    Architecture("Gemma3", "Gemma3ForCausalLM", "q/k norm, local/global layers", _gemma3, _ids),
+    Architecture("Granite", "GraniteForCausalLM", "scaled residuals and logits", _granite, _ids),
+    Architecture("BART", "BartForConditionalGeneration", "encoder-decoder, a constant created in forward", _bart, _ids),
+    Architecture("DistilBERT", "DistilBertModel", "encoder", _distilbert, _ids),
+    Architecture("CLIP text", "CLIPTextModel", "causal text encoder", _clip_text, _ids),
+    Architecture("Swin", "SwinModel", "windowed attention, relative position bias", _swin, _pixels),
+    Architecture("ConvNeXt", "ConvNextModel", "depthwise convolutions, layer scale", _convnext, _pixels, bitwise_to_eager=False),
 ]
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 

@@ -180,7 +180,7 @@ def test_num_layers_zero_compiles_the_same_graphs_without_offload():
     two = hostswap.activation_offload_backend(model_layers=4, num_layers=2, compiler="eager", min_tensor_size_to_offload=0)
     _steps(Stack(MLPBlock), two, x, steps=1)
     for a, b in ((zero.forward_graph, two.forward_graph), (zero.backward_graph, two.backward_graph)):
-        assert _compute_targets(a) == _compute_targets(b)  # A/B differ only in offload and reload
+        assert _compute_targets(a) == _compute_targets(b)  # they differ only in offload and reload
 
 
 def test_small_tensors_and_marked_tensors_stay():

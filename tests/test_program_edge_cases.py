@@ -238,3 +238,37 @@ def test_custom_op_with_an_argument_named_out_is_refused(tmp_path):
     ep = hostswap.apply_weight_offload(torch.export.export(UsesIt(), (torch.randn(3),), strict=False))
     with pytest.raises(hostswap.OutVariantError, match="has an argument named 'out'"):
         hostswap.save(ep, tmp_path / "m")
+
+
+_BIG = [float(i) for i in range(300_000)]  # 1.2 MB as float32
+
+
+class CreatesConstants(torch.nn.Module):
+    def __init__(self, big: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.big = big
+
+    def forward(self, x):
+        y = self.lin(x) * torch.tensor(3.0)  # a tensor created in forward: a lifted constant
+        return y + torch.tensor(_BIG)[:4].sum() if self.big else y
+
+
+def test_constant_created_in_forward_stays_in_the_program(tmp_path):
+    model = CreatesConstants(big=False).eval()
+    x = torch.randn(2, 4)
+    ep = torch.export.export(model, (x,), strict=False)
+    lifted = [s.target for s in ep.graph_signature.input_specs if s.target and "lifted_tensor" in s.target]
+    assert lifted, "export lifted the tensor created in forward"
+    ep = hostswap.apply_weight_offload(ep)
+    pte, ptd = hostswap.save(ep, tmp_path / "m")
+    schedule = hostswap.schedules.load_weight_schedule(pte)
+    assert not set(lifted) & set(schedule.fqns)  # inline in the .pte, not streamed
+    with hostswap.runtime.Module(pte, ptd, weight_offload_budget_mb=schedule.floor_bytes / MB, device="cpu") as m:
+        assert torch.equal(m(x), model(x))
+
+
+def test_large_constant_created_in_forward_is_refused():
+    ep = torch.export.export(CreatesConstants(big=True).eval(), (torch.randn(2, 4),), strict=False)
+    with pytest.raises(hostswap.WeightOffloadError, match=r"tensor constant '.*lifted_tensor.*' \(1200000 bytes\) is created inside forward"):
+        hostswap.apply_weight_offload(ep)

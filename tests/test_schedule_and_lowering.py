@@ -167,7 +167,7 @@ def test_inspect_cli_bad_file(tmp_path, capsys):
 
 
 def test_planned_keeps_resident_all_but_what_streaming_needs():
-    """Issue 4's target on the benchmark's model (weights on the meta device: no data)."""
+    """The streaming-bytes target on the benchmark's model (weights on the meta device: no data)."""
     import dataclasses
 
     from hostswap.models import llama_decoder
@@ -220,9 +220,9 @@ def test_spread_streamed_keeps_bytes_and_spaces_each_size_class_evenly():
 @pytest.mark.parametrize("depth", [1, 4])
 def test_planned_streams_in_every_layer_not_in_a_block(depth):
     """Below the total, every decoder layer after the first streams something: no stretch of
-    resident layers leaves the copy stream idle while a later stretch is copy-bound (issue 4's
-    d4 at 75 %). The first may stay resident (its kernels run while the first copies land),
-    and the last streams (after the last copy only its end and the head are left to run)."""
+    resident layers leaves the copy stream idle while a later stretch is copy-bound. The first
+    may stay resident (its kernels run while the first copies land), and the last streams
+    (after the last copy only its end and the head are left to run)."""
     s = dataclasses.replace(_meta_llama_schedule(9), prefetch_depth=depth)
     for fraction in (0.5, 0.75):
         layout = plan_layout(s, int(fraction * s.total_bytes))
@@ -235,7 +235,7 @@ def test_depth_zero_plans_a_ring_that_runs_one_weight_ahead_when_the_floor_allow
     """Depth 0's smallest ring holds just two consecutive kernels' weights, so a copy cannot
     start before the kernel ahead of the one it feeds has run (policies.plan_layout). Where the
     budget allows, the plan is safe at depth 1 (each copy may run a weight ahead), its ring no
-    larger than what the depth-0 floor reserves for streaming: issue 4's byte target holds
+    larger than what the depth-0 floor reserves for streaming: the byte target holds
     against the depth-0 floor. Where that ring does not fit (at the floor), the smallest ring."""
     from hostswap.schedules.floor import ring_is_safe
     from hostswap.schedules.policies import _plan_layout, _stream_sequence
