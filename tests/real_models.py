@@ -146,6 +146,20 @@ def _resnet():
     return T.ResNetModel(T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_channels=3))
 
 
+def _qwen2_moe():
+    import transformers as T
+
+    return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**_decoder_common(
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+    )))
+
+
+def _stablelm():
+    import transformers as T
+
+    return T.StableLmForCausalLM(T.StableLmConfig(**_decoder_common(num_key_value_heads=4)))
+
+
 def _opt():
     import transformers as T
 
@@ -237,6 +251,8 @@ ARCHITECTURES = [
     Architecture("ViT", "ViTModel", "vision encoder", _vit, _pixels),
     Architecture("Whisper encoder", "WhisperEncoder", "audio encoder, conv stem", _whisper_encoder, _mel),
     Architecture("ResNet", "ResNetModel", "convolutions, batch norm", _resnet, _pixels),
+    Architecture("Qwen2-MoE", "Qwen2MoeForCausalLM", "MoE with a shared expert (a custom op)", _qwen2_moe, _ids),
+    Architecture("StableLM", "StableLmForCausalLM", "partial rotary, layer norm", _stablelm, _ids),
     Architecture("OPT", "OPTForCausalLM", "learned positions, tied head", _opt, _ids),
     Architecture("GPT-NeoX", "GPTNeoXForCausalLM", "parallel attention and MLP, fused qkv", _gpt_neox, _ids),
     Architecture("Falcon", "FalconForCausalLM", "multi-query attention, parallel block", _falcon, _ids),
