@@ -176,13 +176,13 @@ class ActivationOffloadPass:
     def __init__(self, schedule: ActivationSchedule, synchronizer: OffloadSynchronizer, layers: str | None, min_tensor_size_to_offload: int):
         self.schedule, self.synchronizer = schedule, synchronizer
         self.layers, self.min_bytes = layers, min_tensor_size_to_offload
-        self.graphs_without_layers = 0
+        self.found_layers = False  # whether the last graph passed to call held a block
 
     def call(self, forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, num_fwd_outputs: int) -> list[SavedGroup]:
         layer_map = LayerMap(forward.graph, self.layers)
         n = self.schedule.model_layers
-        if layer_map.num_layers == 0:
-            self.graphs_without_layers += 1
+        self.found_layers = layer_map.num_layers > 0
+        if not self.found_layers:
             return []
         if layer_map.num_layers != n:
             raise ActivationOffloadError(f"model_layers={n}, but the compiled model has {layer_map.num_layers} blocks in '{layer_map.prefix}'")
@@ -399,7 +399,7 @@ class ActivationOffloadBackend:
         offload_pass = ActivationOffloadPass(self.schedule, self.synchronizer, self.layers, self.min_bytes)
         groups = offload_pass.call(forward, backward, kwargs["num_fwd_outputs"])
         self.compiled_graphs += 1
-        if offload_pass.graphs_without_layers:
+        if not offload_pass.found_layers:
             self.graphs_without_layers += 1
             if self.graphs_with_layers == 0:
                 warnings.warn(

@@ -79,3 +79,18 @@ def view_chain_root(node: torch.fx.Node) -> torch.fx.Node | None:
     while node is not None and is_view_like(node):
         node = first_tensor_input(node)
     return node
+
+
+def views_and_readers(node: torch.fx.Node) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
+    """The view-like nodes that chains of views from ``node`` pass through, and the other
+    nodes that read ``node`` at the end of those chains (directly or through views)."""
+    views, readers = [], set()
+    frontier = list(node.users)
+    while frontier:
+        user = frontier.pop()
+        if is_view_like(user):
+            views.append(user)
+            frontier.extend(user.users)
+        else:
+            readers.add(user)
+    return views, readers

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch.fx
 
-from hostswap.passes.graph_facts import is_probe, is_view_like, underlying_op
+from hostswap.passes.graph_facts import is_probe, underlying_op, views_and_readers
 from hostswap.schedules.weight_schedule import ScheduleError, WeightSchedule
 
 
@@ -31,14 +31,7 @@ def schedule_from_graph(
         probe_id = node.args[1]
         if probe_id != expected_id:
             raise ScheduleError(f"probe ids are not dense and in execution order: found {probe_id} at position {expected_id}")
-        readers: set[torch.fx.Node] = set()
-        frontier = list(node.users)
-        while frontier:
-            user = frontier.pop()
-            if is_view_like(user):
-                frontier.extend(user.users)
-            else:
-                readers.add(user)
+        _, readers = views_and_readers(node)
         fqn = fqn_of_placeholder[node.args[0].name]
         if len(readers) != 1:
             names = sorted(r.name for r in readers)

@@ -12,7 +12,7 @@ from torch.export.graph_signature import InputKind
 
 from hostswap.passes import probe_op
 from hostswap.passes.fused_attention import KeepFusedAttentionPass
-from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, reads_no_data, underlying_op, view_chain_root
+from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, reads_no_data, underlying_op, view_chain_root, views_and_readers
 from hostswap.passes.schedule_builder import schedule_from_graph
 from hostswap.schedules.weight_schedule import WeightSchedule
 
@@ -88,27 +88,24 @@ STRIDE_DEPENDENT_VIEWS = frozenset({"aten::view", "aten::_unsafe_view", "aten::v
 
 def _stride_dependent_reader(placeholder: torch.fx.Node) -> torch.fx.Node | None:
     """A view of ``placeholder`` (through a chain of views) that depends on its strides."""
-    frontier = list(placeholder.users)
-    while frontier:
-        node = frontier.pop()
-        if not is_view_like(node):
-            continue
-        op = underlying_op(node.target)
-        if op is not None and op._schema.name in STRIDE_DEPENDENT_VIEWS:
-            return node
-        frontier.extend(node.users)
-    return None
+    views, _ = views_and_readers(placeholder)
+    return next((v for v in views if (op := underlying_op(v.target)) is not None and op._schema.name in STRIDE_DEPENDENT_VIEWS), None)
+
+
+def _permuted_weights(ep: ExportedProgram, by_placeholder: dict[str, str]):
+    """(placeholder, FQN, tensor) of every weight that is not contiguous."""
+    for node in ep.graph.nodes:
+        fqn = by_placeholder.get(node.name) if node.op == "placeholder" else None
+        if fqn is not None and not weight_tensor(ep, fqn).is_contiguous():
+            yield node, fqn, weight_tensor(ep, fqn)
 
 
 def _check_contiguous_storage_is_safe(ep: ExportedProgram, by_placeholder: dict[str, str]) -> None:
-    for node in ep.graph.nodes:
-        fqn = by_placeholder.get(node.name) if node.op == "placeholder" else None
-        if fqn is None or weight_tensor(ep, fqn).is_contiguous():
-            continue
+    for node, fqn, tensor in _permuted_weights(ep, by_placeholder):
         reader = _stride_dependent_reader(node)
         if reader is not None:
             raise WeightOffloadError(
-                f"weight '{fqn}' is not contiguous (stride {tuple(weight_tensor(ep, fqn).stride())}) and '{reader.name}' "
+                f"weight '{fqn}' is not contiguous (stride {tuple(tensor.stride())}) and '{reader.name}' "
                 f"({reader.target}) views it through its strides; make it contiguous with .contiguous() before export"
             )
 
@@ -119,13 +116,7 @@ def _make_contiguous(ep: ExportedProgram, by_placeholder: dict[str, str]) -> Non
     The ``.ptd`` holds each weight as a contiguous run of its own bytes; the values, and so
     every kernel's result, are unchanged. The placeholder's metadata follows.
     """
-    for node in ep.graph.nodes:
-        fqn = by_placeholder.get(node.name) if node.op == "placeholder" else None
-        if fqn is None:
-            continue
-        tensor = weight_tensor(ep, fqn)
-        if tensor.is_contiguous():
-            continue
+    for node, fqn, tensor in list(_permuted_weights(ep, by_placeholder)):
         if fqn in ep.state_dict:
             data = tensor.data.contiguous() if isinstance(tensor, torch.nn.Parameter) else tensor.contiguous()
             ep.state_dict[fqn] = torch.nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else data
@@ -253,9 +244,10 @@ def _validate(ep: ExportedProgram, prefetch_depth: int, pin: Iterable[str]) -> t
     pin = tuple(dict.fromkeys(pin))
     for name, fqn in _input_weights(ep).items():
         t = weight_tensor(ep, fqn)
-        if INLINE_CONSTANT_MARK in name and t.numel() * t.element_size() > MAX_INLINE_CONSTANT_BYTES:
+        nbytes = t.numel() * t.element_size()
+        if INLINE_CONSTANT_MARK in name and nbytes > MAX_INLINE_CONSTANT_BYTES:
             raise WeightOffloadError(
-                f"tensor constant '{fqn}' ({t.numel() * t.element_size()} bytes) is created inside forward; ExecuTorch keeps such "
+                f"tensor constant '{fqn}' ({nbytes} bytes) is created inside forward; ExecuTorch keeps such "
                 "constants in the program, on the device outside the budget. Register it as a buffer of the module instead"
             )
     by_placeholder = weight_placeholders(ep)

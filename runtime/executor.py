@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from hostswap.schedules.custom_ops import OUT_OVERLOAD, PROBE_OPERATOR, out_variant_schema, run_into_outs
-from hostswap.schedules.pte_program import SCALAR_EVALUES, evalue_scalar, torch_dtype
+from hostswap.schedules.pte_program import SCALAR_EVALUES, evalue_scalar, tensor_nbytes, torch_dtype
 
 
 def _copy_into(self: torch.Tensor, *, out: torch.Tensor, non_blocking: bool = False, memory_format=None) -> torch.Tensor:
@@ -34,7 +34,6 @@ DIM_ORDER_OUT_OPS = {
     "dim_order_ops::_clone_dim_order": _copy_into,
     "dim_order_ops::_empty_dim_order": torch.ops.aten.empty.out,
 }
-
 
 
 class ProgramError(ValueError):
@@ -147,10 +146,7 @@ def _tensor_from_arena(t, arenas: dict[int, torch.Tensor], at: tuple[int, int] |
     info = t.allocation_info
     memory_id, offset = at if at is not None else (info.memory_id, info.memory_offset_low + (info.memory_offset_high << 32))
     dtype = torch_dtype(t.scalar_type)
-    numel = 1
-    for s in t.sizes:
-        numel *= s
-    raw = arenas[memory_id][offset : offset + numel * dtype.itemsize]
+    raw = arenas[memory_id][offset : offset + tensor_nbytes(t)]
     return _shaped(raw.view(dtype), t)
 
 
@@ -186,7 +182,7 @@ class MethodExecutor:
         for i, value in enumerate(plan.values):
             self.values[i] = self._initial_value(i, value, program, weights)
         self.operators = [resolve_operator(op.name, op.overload) for op in plan.operators]
-        self.instructions = []
+        self.instructions: list[Instruction] = []
         for chain_index, chain in enumerate(plan.chains):
             if chain_index > 0:
                 raise ProgramError(f"method '{self.name}' has {len(plan.chains)} chains; only one is supported")
@@ -244,10 +240,7 @@ class MethodExecutor:
         tensor is the first ``numel x itemsize`` bytes of its slot, which must hold them.
         """
         dtype = torch_dtype(t.scalar_type)
-        numel = 1
-        for s in t.sizes:
-            numel *= s
-        nbytes = numel * dtype.itemsize
+        nbytes = tensor_nbytes(t)
         index = t.data_buffer_idx
         if not program.constant_buffer or index >= len(program.constant_buffer):
             raise ProgramError(f"method '{self.name}': constant tensor {index} has no data in the program")
