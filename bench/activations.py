@@ -75,11 +75,11 @@ class Bench:
         g = torch.Generator("cuda").manual_seed(1)
         self.x = torch.randn(args.batch, args.seq, args.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
         self.rows, self.references = [], {}
-        stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
+        from weights import result_path, source_digest
+
         os.makedirs(args.out, exist_ok=True)
-        self.path = os.path.join(args.out, f"activations_{stamp}.json")
+        self.path = result_path(args.out, "activations", torch.device("cuda"), args.part)
         props = torch.cuda.get_device_properties(0)
-        from weights import source_digest
 
         self.result = {"environment": {"gpu": props.name, "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "source_sha256": source_digest()},
                        "args": vars(args), "rows": self.rows}
@@ -218,6 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--trace-all", action="store_true", help="one traced step after every hostswap configuration")
     p.add_argument("--sync-dict", action="append", default=[], help='JSON {layer: [offload_fwd, offload_num, reload_fwd, reload_num]}; repeatable; adds a traced hostswap row')
     p.add_argument("--only", type=lambda v: v.split(","), default=[], help="run only configurations whose names contain one of these")
+    p.add_argument("--part", help="suffix of the result file, for a run split over several processes (activations_<device>_<part>.json)")
     args = p.parse_args(argv)
     b = Bench(args)
     n = args.layers

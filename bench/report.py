@@ -1,20 +1,44 @@
-"""Markdown tables, target checks and a plot from bench/weights.py's JSON files.
+"""Renders every benchmark's latest results: docs/benchmarks.md, the plots and the README's tables.
 
-    python bench/report.py bench/results/weights_decode_*.json bench/results/weights_prefill_*.json \
-        --plot bench/results/weights.png
+    python bench/report.py            # reads bench/results/<benchmark>_<device>[_<part>].json
+    python bench/report.py --check    # exit 1 when a rendered file is out of date
+
+Each benchmark's files of one device are one run (a run split with --part gives several
+files, read as one table). docs/benchmarks.md is written whole; in README.md only the text
+between ``<!-- report:<benchmark> -->`` and ``<!-- /report:<benchmark> -->`` is replaced.
+
+Weights: each cell is the median of the forwards and, in brackets, its ratio to the physical
+bound max(plain PyTorch all-resident, bytes streamed per forward / pinned H2D bandwidth
+measured in the same run).
+
+Activations, transfer-bound step: offloads finish in the forward and reloads start in the backward, so the
+copies to host and back cannot overlap one another; and nothing can be copied before layer 0's
+forward produced it, nor can layer 0's backward start before its reload. So
+``bound = max(no-offload step, bytes / D2H + bytes / H2D + no-offload step / n)``, with the
+last term one layer's forward and backward.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import json
+import os
+import re
+import statistics
+import sys
 
 from tabulate import tabulate
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
 
 BUDGET_ORDER = ["floor", "25%", "50%", "75%", "100%"]
 
 
-def load(paths: list[str]) -> tuple[list[dict], list[dict]]:
+def load_weights(paths: list[str]) -> tuple[list[dict], list[dict]]:
     results = [json.load(open(p)) for p in paths]
     rows = [dict(row, pinned_bw=r["pinned_h2d_bytes_per_s"]) for r in results for row in r["rows"]]
     return results, rows
@@ -99,7 +123,7 @@ def targets(rows: list[dict], model: dict) -> list[tuple[str, bool, str]]:
     return out
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot_weights(rows: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,27 +156,168 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("json", nargs="+")
-    p.add_argument("--plot")
-    args = p.parse_args(argv)
-    results, rows = load(args.json)
+def weights_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
+    """(summary and latency tables, the same with the target checks) for the README and
+    docs/benchmarks.md; draws the plot."""
+    results, rows = load_weights(paths)
     env = results[0]["environment"]
     model = results[0]["model"]
-    print(f"{env.get('gpu')}, torch {env['torch']}, accelerate {env.get('accelerate')}; "
-          f"{model['layers']}-layer {model.get('class', 'Llama-style decoder')}, {model['weight_bytes'] / 2**30:.2f} GiB of bf16 weights; "
-          f"pinned H2D {', '.join('%.1f' % (r['pinned_h2d_bytes_per_s'] / 1e9) for r in results)} GB/s, "
-          f"registered .ptd {', '.join('%.1f' % (r.get('registered_h2d_bytes_per_s', 0) / 1e9) for r in results)} GB/s (one figure per run)\n")
+    parts = [f"{env.get('gpu')}, torch {env['torch']}, accelerate {env.get('accelerate')}; "
+             f"{model['layers']}-layer {model.get('class', 'Llama-style decoder')}, {model['weight_bytes'] / 2**30:.2f} GiB of bf16 weights; "
+             f"pinned H2D {', '.join('%.1f' % (r['pinned_h2d_bytes_per_s'] / 1e9) for r in results)} GB/s, "
+             f"registered .ptd {', '.join('%.1f' % (r.get('registered_h2d_bytes_per_s', 0) / 1e9) for r in results)} GB/s"]
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        print(f"**{workload}**: median ms per forward (ratio to the physical bound)\n")
-        print(latency_table(rows, workload))
-        print()
-    print("| target | met | measured |\n|---|---|---|")
-    for name, met, detail in targets(rows, model):
-        print(f"| {name} | {'yes' if met else 'no'} | {detail} |")
-    if args.plot:
-        plot(rows, args.plot)
+        parts.append(f"**{workload}**: median ms per forward (ratio to the physical bound)\n\n" + latency_table(rows, workload))
+    checks = "| target | met | measured |\n|---|---|---|\n" + "\n".join(
+        f"| {name} | {'yes' if met else 'no'} | {detail} |" for name, met, detail in targets(rows, model))
+    if plot_path:
+        plot_weights(rows, plot_path)
+    summary = "\n\n".join(parts)
+    return summary, summary + "\n\n" + checks
+
+
+def load_activations(paths: list[str]) -> tuple[dict, list[dict], dict]:
+    results = [json.load(open(p)) for p in paths]
+    rows, seen = [], set()
+    for r in results:
+        for row in r["rows"]:
+            if row["config"] not in seen:
+                seen.add(row["config"])
+                rows.append(row)
+    bw = {d: [r[k] for r in results for k in (f"pinned_{d}_bytes_per_s", f"pinned_{d}_bytes_per_s_end") if r.get(k)] for d in ("d2h", "h2d")}
+    return results[0], rows, bw
+
+
+def transfer_bound(base: dict, theory: float, layers: int, d2h: float, h2d: float) -> float:
+    return max(base["step_s"], theory / d2h + theory / h2d + base["step_s"] / layers)
+
+
+def activations_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
+    """(summary and table, the same) for the README and docs/benchmarks.md; draws the plot."""
+    first, all_rows, bw = load_activations(paths)
+    a, env = first["args"], first["environment"]
+    d2h, h2d = statistics.mean(bw["d2h"]), statistics.mean(bw["h2d"])
+    rows = {x["config"]: x for x in all_rows}
+    base = rows["no offload (hostswap k=0)"]
+    n = a["layers"]
+    header = (f"{env['gpu']}, torch {env['torch']}: {n} decoder blocks (hidden {a['hidden']}, SwiGLU {a['intermediate']}, "
+          f"SDPA), bf16, batch {a['batch']} x {a['seq']} tokens; median of {a['steps']} steps; pinned D2H {d2h / 1e9:.1f} GB/s "
+          f"({min(bw['d2h']) / 1e9:.1f}-{max(bw['d2h']) / 1e9:.1f}), H2D {h2d / 1e9:.1f} GB/s ({min(bw['h2d']) / 1e9:.1f}-{max(bw['h2d']) / 1e9:.1f}), "
+          f"{len(bw['d2h'])} measurements")
+    table = []
+    for x in all_rows:
+        if "error" in x:
+            table.append([x["config"], "", "", "", "", "", "", x["error"].splitlines()[0][:70]])
+            continue
+        theory = x.get("theoretical_saving_bytes") or 0
+        hostswap = x["config"].startswith("hostswap") or x["config"].startswith("no offload (hostswap")
+        math = "math attention" in x["config"]
+        own_base = rows.get("no offload (hostswap k=0), math attention") if math else base
+        saved = own_base["peak_bytes"] - x["peak_bytes"] if hostswap and own_base else None
+        bound = transfer_bound(own_base, theory, n, d2h, h2d) if hostswap and theory and own_base else None
+        note = f"peak after {x['peak_after_point']}" if x.get("peak_after_point") else ""
+        table.append([
+            x["config"], f"{x['step_s'] * 1e3:.1f}", f"{x['peak_bytes'] / 2**30:.2f}", f"{theory / 2**30:.2f}" if theory else "",
+            f"{saved / theory:.2f}" if saved is not None and theory else "", f"{x['step_s'] / bound:.2f}" if bound else "",
+            {True: "yes", False: "no", None: "(reference)"}[x["bitwise"]] + f" vs {x['bitwise_vs']}", note,
+        ])
+    text = header + "\n\n" + tabulate(table, headers=["configuration", "step ms", "peak GiB", "theoretical saving GiB", "saved / theory", "step / transfer-bound", "bitwise", "note"], tablefmt="github")
+    if plot_path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for pattern, label in ((r"hostswap k=(\d+)", "hostswap (default schedule)"), (r"hostswap k=(\d+) reload_ahead=1", "hostswap reload_ahead=1")):
+            pts = []
+            for x in all_rows:
+                m = re.fullmatch(pattern, x["config"])
+                if m and "error" not in x:
+                    pts.append((int(m.group(1)), x["step_s"] * 1e3, x["peak_bytes"] / 2**30))
+            pts = sorted([(0, base["step_s"] * 1e3, base["peak_bytes"] / 2**30)] + pts)
+            ax1.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        for name, marker in (("save_on_cpu(pin_memory) first", "s"), ("reload_ahead=2", "v"), ("hostswap custom dict", "^"), ("checkpoint others", "D"), ("PyTorch AOT activation offloading", "x")):
+            for x in all_rows:
+                if name in x["config"] and "error" not in x and "math" not in x["config"]:
+                    k = n // 2
+                    ax1.plot([k], [x["peak_bytes"] / 2**30], marker, label=x["config"])
+                    ax2.plot([k], [x["step_s"] * 1e3], marker, label=x["config"])
+        ks = sorted({int(m.group(1)) for x in all_rows if (m := re.fullmatch(r"hostswap k=(\d+)", x["config"])) and "error" not in x})
+        per_k = {k: rows[f"hostswap k={k}"]["theoretical_saving_bytes"] for k in ks}
+        ax1.plot([0] + ks, [base["peak_bytes"] / 2**30] + [(base["peak_bytes"] - per_k[k]) / 2**30 for k in ks], "k:", label="no-offload peak - theoretical saving")
+        ax2.plot([0] + ks, [base["step_s"] * 1e3] + [transfer_bound(base, per_k[k], n, d2h, h2d) * 1e3 for k in ks], "k:", label="transfer-bound step")
+        ax1.set_xlabel("offloaded layers k")
+        ax1.set_ylabel("peak GPU memory of a step (GiB)")
+        ax2.set_xlabel("offloaded layers k")
+        ax2.set_ylabel("step time (ms)")
+        ax1.legend(fontsize=6)
+        ax2.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(plot_path, dpi=110)
+    return text, text
+
+
+
+DOC_HEAD = """# Benchmarks
+
+Generated by `python bench/report.py` from `bench/results/*.json`; do not edit by hand.
+Speed is quoted only as ratios within one run: against all-resident, against the physical
+bound, and against the peer a user would pick instead.
+
+| benchmark | command | what it measures |
+|---|---|---|
+| weights | `python bench/weights.py --layers 12` | weight streaming: a transformers `LlamaForCausalLM` (`--model own`: the built-in decoder) in decode and prefill, at the floor and 25/50/75/100 % of the weight bytes, for every pool configuration, against plain PyTorch, the bound and accelerate (`dispatch_model`, or `cpu_offload` where no module fits) |
+| activations | `python bench/activations.py --layers 8` | activation offload: a training step of decoder blocks with k of n layers offloaded, against no offload, `save_on_cpu` and PyTorch's AOTAutograd activation offloading |
+
+Each command takes `--help`; results go to `bench/results/<benchmark>_<device>.json`.
+"""
+
+SECTIONS = {"weights": weights_section, "activations": activations_section}
+TITLES = {"weights": "Weight streaming", "activations": "Activation offload"}
+
+
+def result_sets(benchmark: str) -> dict[str, list[str]]:
+    """device -> the result files of ``benchmark`` on it, parts in name order."""
+    sets = collections.defaultdict(list)
+    for path in sorted(glob.glob(os.path.join(RESULTS, f"{benchmark}_*.json"))):
+        device = os.path.basename(path)[len(benchmark) + 1 :].removesuffix(".json").split("_")[0]
+        sets[device].append(path)
+    return dict(sets)
+
+
+def render(draw_plots: bool = True) -> dict[str, str]:
+    """Path -> new contents of docs/benchmarks.md and README.md; the plots are drawn here."""
+    doc = [DOC_HEAD]
+    readme_path = os.path.join(ROOT, "README.md")
+    readme = open(readme_path).read()
+    for benchmark, section in SECTIONS.items():
+        for device, paths in result_sets(benchmark).items():
+            plot = os.path.join(RESULTS, f"{benchmark}_{device}.png")
+            short, full = section(paths, plot if draw_plots else None)
+            names = ", ".join(f"`bench/results/{os.path.basename(p)}`" for p in paths)
+            doc.append(f"## {TITLES[benchmark]} ({device})\n\nFrom {names}.\n\n{full}\n\n![{benchmark}]({os.path.relpath(plot, os.path.join(ROOT, 'docs'))})\n")
+            marker = re.compile(rf"(<!-- report:{benchmark} -->\n).*?(<!-- /report:{benchmark} -->)", re.S)
+            readme = marker.sub(lambda m: m.group(1) + short + f"\n\n![{benchmark}]({os.path.relpath(plot, ROOT)})\n" + m.group(2), readme)
+    return {os.path.join(ROOT, "docs", "benchmarks.md"): "\n".join(doc), readme_path: readme}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="only report whether docs/benchmarks.md and the README are up to date")
+    args = p.parse_args(argv)
+    stale = []
+    for path, text in render(draw_plots=not args.check).items():
+        if open(path).read() != text:
+            stale.append(os.path.relpath(path, ROOT))
+            if not args.check:
+                with open(path, "w") as f:
+                    f.write(text)
+    if args.check and stale:
+        print("out of date: " + ", ".join(stale), file=sys.stderr)
+        return 1
+    print(("rewrote: " + ", ".join(stale)) if stale else "up to date")
     return 0
 
 

@@ -19,6 +19,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import platform
 import statistics
 import subprocess
@@ -243,6 +244,21 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def device_slug(device: torch.device) -> str:
+    """A short lower-case name of the device, for result file names ("h100", "cpu")."""
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device)
+    found = re.search(r"\b([A-Z]+\d{2,4}[A-Z]?)\b", name)
+    return (found.group(1) if found else re.sub(r"\W+", "-", name)).lower()
+
+
+def result_path(out: str, benchmark: str, device: torch.device, part: str | None = None) -> str:
+    """``out/<benchmark>_<device>[_<part>].json``: one file per benchmark and device (and part,
+    for a run split over several processes with --only)."""
+    return os.path.join(out, f"{benchmark}_{device_slug(device)}{'_' + part if part else ''}.json")
+
+
 # --- the run ------------------------------------------------------------------------------------
 class Bench:
     def __init__(self, args):
@@ -251,8 +267,7 @@ class Bench:
         self.t0 = time.perf_counter()
         os.makedirs(args.out, exist_ok=True)
         os.makedirs(args.workdir, exist_ok=True)
-        stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
-        self.path = os.path.join(args.out, f"weights_{'quick_' if args.quick else ''}{'_'.join(args.workloads)}_{stamp}.json")
+        self.path = result_path(args.out, "weights", self.device, args.part)
         self.result = {"environment": environment(self.device), "args": vars(args), "rows": [], "load": [], "notes": []}
 
     def log(self, msg: str) -> None:
@@ -591,6 +606,7 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", type=lambda v: v.split(","), default=["decode", "prefill"], help="comma-separated subset of decode,prefill")
     p.add_argument("--only", type=lambda v: v.split(","), default=[], help="run only hostswap configurations whose names contain one of these")
     p.add_argument("--skip", default="", help="comma-separated: accelerate,load,budgets")
+    p.add_argument("--part", help="suffix of the result file, for a run split over several processes (weights_<device>_<part>.json)")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     bench = Bench(args)

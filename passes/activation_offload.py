@@ -30,7 +30,7 @@ import warnings
 import torch
 import torch.fx
 
-from hostswap.passes.graph_facts import returns_alias
+from hostswap.passes.graph_facts import is_aliasing_view
 from hostswap.runtime.activation_offload import OffloadSynchronizer, is_dense
 from hostswap.schedules.sync_dict import ActivationSchedule, LayerRecord, SyncDictError, default_sync_dict, validate_sync_dict
 
@@ -68,12 +68,6 @@ class SavedGroup:
     saved: list[torch.fx.Node]
     nbytes: int
     dense: bool
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    """An aliasing view (not graph_facts.is_view_like, which also counts ``*_copy`` ops: here
-    a copy is a tensor of its own)."""
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and returns_alias(node.target)
 
 
 def _tensor_val(node) -> torch.Tensor | None:
@@ -138,7 +132,7 @@ def saved_groups(forward: torch.fx.GraphModule, num_fwd_outputs: int, layer_map:
         base, marked = node, False
         while True:
             marked |= base.op == "call_function" and base.target is NOT_OFFLOAD
-            if not _is_view(base):
+            if not is_aliasing_view(base):
                 break
             base = base.args[0]
         layer = layer_map.layer(base)
@@ -319,9 +313,9 @@ def _compile_forward_keeping_offloaded_buffers(gm, example_inputs, **kwargs):
     activation until its release, so every offloaded buffer must be used by the graph until
     then: the release boundary takes them as ``keep`` arguments. Where some release is not in
     the forward (manual mode, or a dictionary releasing in backward), reuse is turned off and
-    freeing is left to the allocator, which sees the synchronizer's reference. Found on an
-    H100: with reuse on and no ``keep``, gradients differed (the copies read overwritten
-    bytes); copies on the CPU are synchronous, so CPU tests cannot see it.
+    freeing is left to the allocator, which sees the synchronizer's reference. With reuse on
+    and no ``keep``, a copy on the GPU would read overwritten bytes (copies on the CPU are
+    synchronous, so only GPU tests can see it).
     """
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner

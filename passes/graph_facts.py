@@ -6,6 +6,7 @@ import torch
 import torch.fx
 
 from hostswap.schedules.custom_ops import PROBE_OPERATOR
+from hostswap.schedules.op_facts import is_view_copy
 
 
 def underlying_op(target) -> torch._ops.OpOverload | None:
@@ -49,6 +50,12 @@ def returns_alias(op: torch._ops.OpOverload) -> bool:
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
+def is_aliasing_view(node: torch.fx.Node) -> bool:
+    """An op whose result aliases its input (not ``is_view_like``, which also counts ``*_copy``
+    ops: for saved activations a copy is a tensor of its own)."""
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and returns_alias(node.target)
+
+
 def is_view_like(node: torch.fx.Node) -> bool:
     """Ops that only reinterpret their first input's data: aliasing views and ``*_copy`` views.
 
@@ -63,7 +70,7 @@ def is_view_like(node: torch.fx.Node) -> bool:
     returns = op._schema.returns
     if len(returns) != 1 or str(returns[0].type) != "Tensor":
         return False
-    if torch.Tag.view_copy in op.tags or returns_alias(op):
+    if is_view_copy(op) or returns_alias(op):
         return True
     return op._schema.name == "aten::_unsafe_view"
 

@@ -9,8 +9,11 @@ import time
 
 import torch
 
-from hostswap.runtime.executor import MethodExecutor, ProgramError, _ListRef
-from hostswap.runtime.pool import PoolCreationError, WeightPool
+from hostswap.runtime.executor import MethodExecutor
+from hostswap.runtime.instructions import ListRef, ProgramError
+from hostswap.runtime.lru_pool import LruPool
+from hostswap.runtime.planned_pool import PlannedPool
+from hostswap.runtime.pool import PoolCreationError
 from hostswap.runtime.ptd import PtdError, PtdFile
 from hostswap.schedules.policies import check_budget
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, torch_dtype
@@ -33,6 +36,10 @@ _REPLAY_NOT_COUNTED = {
 }
 
 
+# The weight pool of each policy (runtime/pool.py has the interface they share).
+POOLS = {"planned": PlannedPool, "lru": LruPool}
+
+
 class ConcurrentExecutionError(RuntimeError):
     """Two threads tried to run one loaded Module at the same time."""
 
@@ -49,7 +56,7 @@ def _instruction_kernels(executor: MethodExecutor) -> list[tuple[int, set[int]]]
             read: set[int] = set()
             for value_id in list(positional) + list(keyword.values()):
                 v = executor.values[value_id]
-                ids = v.indices if isinstance(v, _ListRef) else [value_id]
+                ids = v.indices if isinstance(v, ListRef) else [value_id]
                 for j in ids:
                     read |= derived.get(j, set())
             if not read:
@@ -86,6 +93,10 @@ class Module:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise PoolCreationError("device='cuda' was asked for but torch.cuda.is_available() is False")
+        if policy not in POOLS:
+            raise ValueError(f"policy must be one of {tuple(POOLS)}, got {policy!r}")
+        if cuda_graph and not (POOLS[policy].capturable and self.device.type == "cuda"):
+            raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
         self.pte_path = os.fspath(pte_path)
         self.program = read_program(self.pte_path)
         self.method_name, self.schedule = decode_program(self.program, self.pte_path)
@@ -107,10 +118,10 @@ class Module:
             if self.device.type == "cuda":
                 self.ptd.register_with_cuda()
             host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
-            self.pool = WeightPool(self.schedule, host, self.budget_bytes, self.device, policy=policy, warm=warm_pool)
+            self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
             self._executors: dict[str, MethodExecutor] = {}
             plan = plan_by_name(self.program, self.method_name)
-            self._executors[self.method_name] = MethodExecutor(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
+            self._executors[self.method_name] = MethodExecutor.load(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
             self._kernel_of_instruction = self._map_kernels(self._executors[self.method_name])
             self._hooked = frozenset(self._kernel_of_instruction)
         except BaseException:
@@ -118,8 +129,6 @@ class Module:
             raise
         self.policy = policy
         self.cuda_graph = cuda_graph
-        if cuda_graph and (policy != "planned" or self.device.type != "cuda"):
-            raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
         self._graph = None
         self._capture_error: ProgramError | None = None
         self._lock = threading.Lock()
@@ -185,7 +194,7 @@ class Module:
                 raise ProgramError(f"{self.pte_path} has no method '{name}' (methods: {[p.name for p in self.program.execution_plan]})")
             if not plan.inputs and not any(chain.instructions for chain in plan.chains):
                 return constant_method_outputs(self.program, name)  # a constant method
-            self._executors[name] = MethodExecutor(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
+            self._executors[name] = MethodExecutor.load(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
         executor = self._executors[name]
         if name != self.method_name:
             executor.bind_inputs(inputs)

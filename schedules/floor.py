@@ -5,7 +5,7 @@ K_j reads; probes p_0..p_{N-1} in execution order, all probes of K_j before K_j;
 index of the first probe after K_j; d the prefetch depth; size(w) a weight's bytes rounded up
 to ALIGNMENT (what an allocation of it takes).
 
-Runtime contract (both policies, see runtime/pool.py). When the executor reaches probe p it
+Runtime contract (both policies, see runtime/pool.py and the pools beside it). When the executor reaches probe p it
 makes p's weight resident and then starts copies of the weights of probes p+1..p+d. A weight
 is *protected* (may not be evicted or overwritten) from the moment its copy is issued until
 the kernel after its reader has been launched: K_{j-1}'s weights stay while K_j's probes and

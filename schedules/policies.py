@@ -1,6 +1,6 @@
 """Pool decisions of the two runtime policies as plain data, shared by the runtime and ``inspect``.
 
-The runtime pool (runtime/pool.py) executes these decisions with real memory and streams;
+The runtime pools (runtime/planned_pool.py, runtime/lru_pool.py) execute these decisions with real memory and streams;
 ``hostswap inspect --budget-mb`` runs the same objects without memory to report what each
 forward would stream. Keeping one implementation means the report cannot drift from the
 runtime.
@@ -47,7 +47,7 @@ class Action:
 
 
 class LruPolicy:
-    """The RFC policy: per-weight allocations, LRU victims, prefetch of the next d probes."""
+    """Per-weight allocations, least-recently-used victims, prefetch of the next d probes."""
 
     def __init__(self, schedule: WeightSchedule, budget_bytes: int):
         check_budget(schedule, budget_bytes)
@@ -164,7 +164,7 @@ class PlannedLayout:
     streamed_bytes: int  # bytes copied host-to-device per forward
     # The forward's first fills that overwrite nothing the same forward read before them, each
     # with the last kernel of a whole forward that reads the bytes it overwrites (-1: none). The
-    # runtime may issue them at the end of one forward for the next (pool.py, carried fills).
+    # runtime may issue them at the end of one forward for the next (runtime/planned_pool.py, carried fills).
     carry_waits_for: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
@@ -250,8 +250,7 @@ def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
 
     Run-ahead at depth 0. With no prefetch, the smallest safe ring holds exactly the weights of
     two consecutive kernels: each copy must wait for the kernel before the one it feeds, so
-    across a stretch of resident kernels the copy engine gets one weight ahead and then idles
-    (on the H100 bench, 1.6-1.8 ms per prefill forward at 75 %, 1.11-1.16 x the bound). The
+    across a stretch of resident kernels the copy engine gets one weight ahead and then idles. The
     runtime still issues each copy at its own probe, but the host runs ahead of the GPU, so a
     ring placed as depth 1 places it (safe for depth 0 too: its windows are subsets) lets the
     copy engine run one weight ahead. That layout is taken when the budget allows it and its

@@ -1,7 +1,7 @@
 """The layer synchronization dictionary: validation, the default schedule, tables and a timeline.
 
 ``{layer i: (offload_fwd, offload_num, reload_fwd, reload_num)}``, layers 0..n-1 in forward
-order (DESIGN.md, from the Transformer Engine seed). Layer i is offloaded iff it is a key. Its
+order, as Transformer Engine's CPU offload schedules them. Layer i is offloaded iff it is a key. Its
 offload finishes, and its GPU memory is released, when layer ``offload_num`` begins its
 forward (``offload_fwd``) or backward pass; its reload starts when layer ``reload_num`` begins
 its forward (``reload_fwd``) or backward pass.
@@ -40,7 +40,7 @@ def default_sync_dict(model_layers: int, num_layers: int, reload_ahead: int | No
     The default reloads layer i when layer n-k+i-1 begins its backward pass, as early as the
     n-k bound allows. The weight gradients made in the meantime then add to the peak.
     ``reload_ahead=r`` reloads layer i instead when layer i+r begins its backward pass, so
-    that the peak stays near the forward's (measured in bench/activations.py).
+    that the peak stays near the forward's.
     """
     n, k = model_layers, num_layers
     if reload_ahead is not None and (isinstance(reload_ahead, bool) or not isinstance(reload_ahead, int) or reload_ahead < 1):

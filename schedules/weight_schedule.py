@@ -72,7 +72,7 @@ class WeightSchedule:
             and self.pin == other.pin
         )
 
-    # Rendering lives in schedules/render.py; these are the conveniences DESIGN.md names.
+    # Rendering lives in schedules/render.py; these are conveniences over it.
     def table(self, budget_bytes: int | None = None) -> str:
         from hostswap.schedules.render import render_tables
 

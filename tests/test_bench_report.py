@@ -42,3 +42,16 @@ def test_depth_0_not_run_leaves_its_row_out_and_an_unmeasured_target_fails():
     assert not any(name.startswith("depth 0") for name, _ in names)
     only_d0 = {name: met for name, met, _ in targets([_row("planned d0", 0, 1.02)], {"weight_bytes": 10})}
     assert any(name.startswith("latency <= 1.10") and not met for name, met in only_d0.items())
+
+
+def test_rendered_results_are_up_to_date():
+    """docs/benchmarks.md and the README's result tables are what bench/report.py renders from
+    bench/results: never edited by hand, never left behind a new result file."""
+    stale = [path for path, text in _report.render(draw_plots=False).items() if pathlib.Path(path).read_text() != text]
+    assert not stale, f"run python bench/report.py: {stale}"
+
+
+def test_result_files_are_named_by_benchmark_and_device():
+    names = sorted(p.name for p in (pathlib.Path(__file__).parents[1] / "bench" / "results").glob("*.json"))
+    assert names, "no benchmark results"
+    assert all(n.split("_")[0] in _report.SECTIONS for n in names), names

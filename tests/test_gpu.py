@@ -116,7 +116,7 @@ def test_cuda_graph_carries_fills_between_replays(lowered_by_name, monkeypatch, 
     them at its start (pool.prepare_capture). Forced: every carry-able fill is carried. Replays
     back to back with no synchronisation, inputs alternating, launched from two streams:
     every output is bitwise the all-resident one, and every replay copies the plan's bytes."""
-    from hostswap.runtime.pool import WeightPool
+    from hostswap.runtime.planned_pool import PlannedPool
 
     demo = lowered_by_name("demo_transformer")
     s = demo.schedule
@@ -125,7 +125,7 @@ def test_cuda_graph_carries_fills_between_replays(lowered_by_name, monkeypatch, 
     expected = [resident(x).clone() for x in inputs]
     resident.close()
     if forced:
-        monkeypatch.setattr(WeightPool, "_decide_carry", lambda self: setattr(self, "_carry_count", len(self._carry_order)))
+        monkeypatch.setattr(PlannedPool, "_decide_carry", lambda self: setattr(self, "_carry_count", len(self._carry_order)))
     m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cuda", policy="planned", cuda_graph=True)
     try:
         m(inputs[0])  # capture
@@ -153,23 +153,22 @@ def test_cuda_graph_carries_fills_between_replays(lowered_by_name, monkeypatch, 
 
 def test_cuda_graph_captures_with_stall_timings_unread(lowered_by_name, monkeypatch):
     """Stall timing events recorded by eager forwards and not yet read must not be queried
-    while the graph is captured (a query invalidates the capture). A version of the pool that
-    read them at begin_forward failed every cuda_graph capture below the total on the bench's
-    model (reverted; see the README). A wait on a long copy leaves such a pair."""
-    from hostswap.runtime.pool import WeightPool
+    while the graph is captured (a query invalidates the capture, and the forward would fail).
+    A wait on a long copy leaves such a pair."""
+    from hostswap.runtime.planned_pool import PlannedPool
 
     demo = lowered_by_name("demo_transformer")
     s = demo.schedule
     source = torch.empty(256 * MB, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(256 * MB, dtype=torch.uint8, device="cuda")
-    prepare = WeightPool.prepare_capture
+    prepare = PlannedPool.prepare_capture
 
     def prepare_then_stall(pool):  # between the eager warm-ups and the capture
         prepare(pool)
         pool.streams.compute_waits(pool.streams.copy(target, source))
         assert pool.streams._stall_pairs, "the wait on a 256 MiB copy did not stall"
 
-    monkeypatch.setattr(WeightPool, "prepare_capture", prepare_then_stall)
+    monkeypatch.setattr(PlannedPool, "prepare_capture", prepare_then_stall)
     m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cuda", policy="planned", cuda_graph=True)
     try:
         y = m(demo.args[0].cuda())  # warm-ups, prepare_capture, capture, first replay
@@ -181,7 +180,7 @@ def test_cuda_graph_captures_with_stall_timings_unread(lowered_by_name, monkeypa
 
 
 def test_refused_input_leaves_planned_forwards_intact(lowered_by_name):
-    """The first ring fills are issued before the inputs are bound (runtime/pool.py
+    """The first ring fills are issued before the inputs are bound (runtime/planned_pool.py
     begin_forward); an input the program refuses is refused before that, so the module keeps
     streaming exactly its plan and its outputs stay bitwise."""
     demo = lowered_by_name("demo_transformer")
@@ -204,12 +203,12 @@ def test_refused_input_leaves_planned_forwards_intact(lowered_by_name):
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("forced", [True, False])
 def test_carried_fills_stay_bitwise(lowered_by_name, monkeypatch, depth, forced):
-    """Fills issued at the end of a forward for the next (pool.py, _carry_fills) overwrite ring
+    """Fills issued at the end of a forward for the next (runtime/planned_pool.py, _carry_fills) overwrite ring
     bytes the finishing forward's last kernels still read, after waiting for them. Forced: every
     carry-able fill is carried at every forward, kernels of the forward still queued; else the
     pool decides from the measured tail. Outputs stay bitwise equal to all-resident, and in
     steady state a forward copies exactly the plan's bytes."""
-    from hostswap.runtime.pool import WeightPool
+    from hostswap.runtime.planned_pool import PlannedPool
 
     demo = lowered_by_name("demo_transformer")
     s = demo.schedule
@@ -218,7 +217,7 @@ def test_carried_fills_stay_bitwise(lowered_by_name, monkeypatch, depth, forced)
     expected = resident(*args)
     resident.close()
     if forced:
-        monkeypatch.setattr(WeightPool, "_decide_carry", lambda self: setattr(self, "_carry_count", len(self._carry_order)))
+        monkeypatch.setattr(PlannedPool, "_decide_carry", lambda self: setattr(self, "_carry_count", len(self._carry_order)))
     m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cuda", policy="planned", prefetch_depth=depth)
     try:
         if forced:

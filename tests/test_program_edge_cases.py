@@ -10,7 +10,8 @@ import torch
 
 import hostswap
 from hostswap.passes.graph_facts import is_probe, reads_no_data
-from hostswap.runtime.executor import FunctionalAsOut, MethodExecutor, ProgramError, resolve_operator
+from hostswap.runtime.instructions import FunctionalAsOut, ProgramError, resolve_operator
+from hostswap.runtime.method_loader import LoadedMethod
 from hostswap.schedules.pte_program import plan_by_name, read_program
 
 MB = 2**20
@@ -77,12 +78,11 @@ def test_constant_read_only_within_its_slot(every_constant):
     inline = [v.val for v in plan.values if type(v.val).__name__ == "Tensor" and v.val.data_buffer_idx > 0 and v.val.allocation_info is None
               and (v.val.extra_tensor_info is None or v.val.extra_tensor_info.location.name != "EXTERNAL")]
     assert inline, "lowering lifted the scalar into an inline constant"
-    executor = MethodExecutor(program, plan, torch.device("cpu"), weights=lambda fqn: None, probe_handler=lambda p, f: None)
-    del executor  # every slot holds its constant
+    LoadedMethod(program, plan, torch.device("cpu"), weights=lambda fqn: None)  # every slot holds its constant
     t = inline[0]
     program.constant_buffer[t.data_buffer_idx].storage = b"\0"
     with pytest.raises(ProgramError, match=rf"constant tensor {t.data_buffer_idx} of shape .* needs \d+ bytes, its slot of the constant buffer holds 1"):
-        MethodExecutor(program, plan, torch.device("cpu"), weights=lambda fqn: None, probe_handler=lambda p, f: None)
+        LoadedMethod(program, plan, torch.device("cpu"), weights=lambda fqn: None)
 
 
 class CastsItsBuffer(torch.nn.Module):

@@ -12,6 +12,7 @@ import hostswap
 from hostswap.runtime import (
     BudgetError,
     ConcurrentExecutionError,
+    LruPool,
     Module,
     ProgramError,
     PtdError,
@@ -198,14 +199,12 @@ def test_depth_zero_run_ahead_layout_stays_bitwise(lowered):
         assert ran_ahead, "the demo transformer has budgets where depth 0 runs ahead"
 
 
-def test_error_ring_fill_ahead_of_the_kernel_it_must_wait_for(lowered_by_name, monkeypatch):
+def test_error_ring_fill_ahead_of_the_kernel_it_must_wait_for(lowered_by_name):
     # A horizon past what the ring's windows allow would make a fill wait on an event that
     # still holds the previous forward's record; the pool refuses instead of racing.
-    import hostswap.runtime.pool as pool_module
-
     demo = lowered_by_name("demo_transformer")
-    monkeypatch.setattr(pool_module, "issue_horizon", lambda schedule, layout: [schedule.num_probes - 1] * schedule.num_probes)
     m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=demo.schedule.floor_bytes / MB, device="cpu", policy="planned")
+    m.pool._issue_through = [demo.schedule.num_probes - 1] * demo.schedule.num_probes
     with pytest.raises(ScheduleDivergenceError, match=r"ring fill for probe \d+ \('[\w.]+'\) must wait for kernel \d+, but only kernels up to -1 have been launched"):
         m(*demo.args)
     m.close()
@@ -388,9 +387,9 @@ def test_error_cuda_requested_without_cuda(lowered_by_name):
 def test_error_delegate_call_names_backend():
     from types import SimpleNamespace
 
-    from hostswap.runtime.executor import MethodExecutor
+    from hostswap.runtime.method_loader import LoadedMethod
 
-    ex = MethodExecutor.__new__(MethodExecutor)
+    ex = LoadedMethod.__new__(LoadedMethod)
     ex.name, ex.reads, ex.writes = "forward", [], []
     ex.plan = SimpleNamespace(delegates=[SimpleNamespace(id="CudaBackend")])
 
@@ -460,7 +459,7 @@ def test_prefetch_depth_override_recomputes_the_floor(lowered_by_name):
     assert m.schedule.prefetch_depth == 4
     assert torch.equal(m(*demo.args), demo.expected)
     m.close()
-    with pytest.raises(BudgetError, match=f"prefetch_depth=4"):
+    with pytest.raises(BudgetError, match="prefetch_depth=4"):
         Module(demo.pte, demo.ptd, weight_offload_budget_mb=(deep.floor_bytes - 1) / 2**20, device="cpu", prefetch_depth=4)
 
 
@@ -471,22 +470,29 @@ def test_error_bad_prefetch_depth_override(lowered_by_name, bad):
         Module(demo.pte, demo.ptd, weight_offload_budget_mb=10, device="cpu", prefetch_depth=bad)
 
 
+def _executor_with_copies(m, planner=None):
+    """``m``'s forward loaded again with every copy kept, or with only ``planner``'s views."""
+    from hostswap.runtime.executor import MethodExecutor
+    from hostswap.runtime.method_loader import LoadedMethod
+    from hostswap.schedules.pte_program import plan_by_name
+
+    method = LoadedMethod(m.program, plan_by_name(m.program, "forward"), m.device, weights=m._unprobed_weight)
+    return MethodExecutor(method, m.pool.acquire, planner(method) if planner else 0)
+
+
 @pytest.mark.parametrize("model", ["demo_transformer", "convnet", "tied"])
 def test_copy_elision_changes_no_bit(lowered_by_name, model):
-    from hostswap.runtime.executor import MethodExecutor
-    from hostswap.schedules.pte_program import plan_by_name
+    from hostswap.runtime.view_planning import elide_copies
 
     demo = lowered_by_name(model)
     m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=100, device="cpu")
     elided = m._executors["forward"].elided_copies
     with_elision = m(*demo.args).clone()
-    plain = MethodExecutor(m.program, plan_by_name(m.program, "forward"), m.device, weights=m._unprobed_weight, probe_handler=m.pool.acquire, elide_copies=False)
-    assert plain.elided_copies == 0
-    m._executors["forward"] = plain
+    m._executors["forward"] = _executor_with_copies(m)
     assert torch.equal(m(*demo.args), with_elision)
     assert torch.equal(with_elision, demo.expected)
     # ExecuTorch's own plan (no re-planning) elides only copies whose source it leaves alone
-    kept_plan = MethodExecutor(m.program, plan_by_name(m.program, "forward"), m.device, weights=m._unprobed_weight, probe_handler=m.pool.acquire, replan=False)
+    kept_plan = _executor_with_copies(m, elide_copies)
     m._executors["forward"] = kept_plan
     assert torch.equal(m(*demo.args), with_elision)
     assert elided >= kept_plan.elided_copies
@@ -500,9 +506,6 @@ def test_copy_elision_changes_no_bit(lowered_by_name, model):
 
 def test_copy_elision_on_a_llama_decoder_changes_no_bit(tmp_path):
     from hostswap.models import llama_decoder
-    from hostswap.runtime.executor import MethodExecutor
-    from hostswap.schedules.pte_program import plan_by_name
-
     model = llama_decoder(2, hidden=64, intermediate=96, vocab=128, heads=4, max_seq=16, dtype=torch.float32)
     tokens = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (tokens,))), tmp_path / "llama")
@@ -514,7 +517,7 @@ def test_copy_elision_on_a_llama_decoder_changes_no_bit(tmp_path):
             if ins[0] == "kernel" and ins[5] is None and getattr(ins[1], "_schema", None) is not None and ins[1]._schema.name.endswith("_copy")]
     assert kept == []
     y = m(tokens).clone()
-    m._executors["forward"] = MethodExecutor(m.program, plan_by_name(m.program, "forward"), m.device, weights=m._unprobed_weight, probe_handler=m.pool.acquire, elide_copies=False)
+    m._executors["forward"] = _executor_with_copies(m)
     assert torch.equal(m(tokens), y)
     with torch.no_grad():
         # eager reads some operands through views where the .pte copies them: other CPU
@@ -565,7 +568,7 @@ class FirstFitArena:
 def test_lru_evicts_past_the_byte_count_when_the_allocator_fragments(lowered_by_name, monkeypatch):
     """Below the total budget a first-fit pool refuses sizes the byte count admits; lru must
     evict further LRU victims until the allocation succeeds, and stay bitwise correct."""
-    monkeypatch.setattr(hostswap.runtime.pool, "_HostAllocator", FirstFitArena)
+    monkeypatch.setattr(LruPool, "host_allocator_type", FirstFitArena)
     demo = lowered_by_name("demo_transformer")
     s = demo.schedule
     total = sum(aligned(b) for b in s.weight_bytes)
@@ -592,7 +595,7 @@ def test_lru_evicts_past_the_byte_count_when_the_allocator_fragments(lowered_by_
 def test_lru_names_the_weight_when_fragmentation_leaves_nothing_to_evict(lowered_by_name, monkeypatch):
     """ConvNet at its floor: the current kernel's small weights split a first-fit pool so that
     no hole holds its largest weight. A clear error names it and points to 'planned'."""
-    monkeypatch.setattr(hostswap.runtime.pool, "_HostAllocator", FirstFitArena)
+    monkeypatch.setattr(LruPool, "host_allocator_type", FirstFitArena)
     conv = lowered_by_name("convnet")
     m = Module(conv.pte, conv.ptd, weight_offload_budget_mb=conv.schedule.floor_bytes / MB, device="cpu", policy="lru")
     with pytest.raises(hostswap.runtime.PoolCreationError, match=r"refused 73728 bytes for 'features.6.weight' at probe \d+ .*fragmented.*policy='planned'"):
@@ -617,3 +620,15 @@ def test_error_input_of_wrong_shape_loses_nothing(lowered_by_name):
         assert torch.equal(m(*demo.args), first)
     finally:
         m.close()
+
+
+def test_error_unknown_policy_and_uncapturable_graph_refused_before_loading(tmp_path):
+    """A policy name that is not a pool, or cuda_graph=True with a pool that cannot be captured,
+    is refused naming the argument before any file is read."""
+    missing = tmp_path / "missing.pte"
+    with pytest.raises(ValueError, match=r"policy must be one of \('planned', 'lru'\), got 'fifo'"):
+        Module(missing, weight_offload_budget_mb=10, device="cpu", policy="fifo")
+    with pytest.raises(ValueError, match="cuda_graph=True needs policy='planned' on a CUDA device"):
+        Module(missing, weight_offload_budget_mb=10, device="cpu", policy="lru", cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph=True needs policy='planned' on a CUDA device"):
+        Module(missing, weight_offload_budget_mb=10, device="cpu", cuda_graph=True)
