@@ -108,42 +108,65 @@ def lru_requirement(seq: StreamSequence, prefetch_depth: int) -> tuple[int, int]
     return best, best_j
 
 
-def ring_placement(seq: StreamSequence, ring_size: int) -> list[int] | None:
-    """Offset of every streamed probe's weight in a ring of ``ring_size`` bytes, or None if a
-    weight does not fit at all. Reuse: a weight still intact in the ring is not placed again."""
+@dataclasses.dataclass(frozen=True)
+class RingPlacement:
+    """Where each streamed probe's weight sits in the ring, and which copy it reads.
+
+    Indices are positions in the stream sequence. ``source[i] == i`` for a fill (the weight is
+    copied to ``offsets[i]``); otherwise ``source[i]`` is the earlier fill whose bytes, still
+    intact, probe i reads. ``overwrites[i]`` lists, for a fill, the earlier fills whose bytes
+    it overwrites.
+    """
+
+    offsets: list[int]
+    source: list[int]
+    overwrites: dict[int, list[int]]
+
+
+def ring_placement(seq: StreamSequence, ring_size: int) -> RingPlacement | None:
+    """Place every streamed probe's weight in a ring of ``ring_size`` bytes, or None if a
+    weight does not fit at all. Reuse: a weight still intact in the ring is not placed again.
+    The one simulation of the ring: the floor's safety check and the planned layout read it."""
     offsets: list[int] = []
+    source: list[int] = []
+    overwrites: dict[int, list[int]] = {}
     cursor = 0
-    # weight id -> (offset, placement serial); a weight is intact while nothing placed after
+    # weight id -> index of the fill holding it; a weight is intact while nothing placed after
     # it overlapped its bytes.
     live: dict[int, int] = {}
-    occupants: list[tuple[int, int, int]] = []  # (start, end, weight) of live placements
-    for w in seq.probe_weight:
+    occupants: list[tuple[int, int, int]] = []  # (start, end, fill index) of live placements
+    for i, w in enumerate(seq.probe_weight):
         size = seq.sizes[w]
         if size > ring_size:
             return None
         if w in live:
-            offsets.append(live[w])
+            offsets.append(offsets[live[w]])
+            source.append(live[w])
             continue
         if cursor + size > ring_size:
             cursor = 0
         start, end = cursor, cursor + size
-        survivors = []
-        for (s, e, other) in occupants:
+        survivors, overwritten = [], []
+        for (s, e, fill) in occupants:
             if s < end and start < e:
-                live.pop(other, None)
+                live.pop(seq.probe_weight[fill], None)
+                overwritten.append(fill)
             else:
-                survivors.append((s, e, other))
-        occupants = survivors + [(start, end, w)]
-        live[w] = start
+                survivors.append((s, e, fill))
+        occupants = survivors + [(start, end, i)]
+        live[w] = i
         offsets.append(start)
+        source.append(i)
+        overwrites[i] = overwritten
         cursor = end
-    return offsets
+    return RingPlacement(offsets, source, overwrites)
 
 
 def ring_is_safe(seq: StreamSequence, prefetch_depth: int, ring_size: int) -> bool:
-    offsets = ring_placement(seq, ring_size)
-    if offsets is None:
+    placement = ring_placement(seq, ring_size)
+    if placement is None:
         return False
+    offsets = placement.offsets
     # The offset each weight has at kernel j is the one of its latest probe at or before the
     # window's last member; members of a window are placed between end_{j-2} and end_j + d.
     ends = probe_ends(seq)

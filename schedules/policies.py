@@ -293,27 +293,24 @@ def _plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
     if kept_bytes + smallest <= budget_bytes:
         ring = smallest
     seq, probes = _stream_sequence(schedule, kept)
-    offsets = ring_placement(seq, ring) if seq.probe_weight else []
+    placement = ring_placement(seq, ring) if seq.probe_weight else None
+    offsets = placement.offsets if placement else []
     resident_offsets, cursor = {}, 0
     for w in sorted(kept):
         resident_offsets[w] = cursor
         cursor += sizes[w]
     fill_offset, reuse_offset, fill_waits_for = {}, {}, {}
-    # Live ring placements: [start, end, weight, last reader kernel]. Replays ring_placement's
-    # decisions to find, for each fill, the readers whose bytes it overwrites.
-    occupants: list[list[int]] = []
+    # A fill waits for the last kernel that read any of the fills whose bytes it overwrites.
+    last_reader: dict[int, int] = {}  # fill index -> last kernel so far that read its copy
     streamed = 0
-    for p, off in zip(probes, offsets):
+    for i, (p, off) in enumerate(zip(probes, offsets)):
         w, kernel = schedule.probe_weight[p], schedule.probe_kernel[p]
-        same = next((o for o in occupants if o[0] == off and o[2] == w), None)
-        if same is not None:
+        source = placement.source[i]
+        last_reader[source] = kernel
+        if source != i:
             reuse_offset[p] = off
-            same[3] = kernel
             continue
-        end = off + sizes[w]
-        overwritten = [o for o in occupants if o[0] < end and off < o[1]]
-        fill_waits_for[p] = max((o[3] for o in overwritten), default=-1)
-        occupants = [o for o in occupants if not (o[0] < end and off < o[1])] + [[off, end, w, kernel]]
+        fill_waits_for[p] = max((last_reader[f] for f in placement.overwrites[i]), default=-1)
         fill_offset[p] = off
         streamed += schedule.weight_bytes[w]
     # Every ring read of a forward overlapping a carried fill's bytes must be over before the

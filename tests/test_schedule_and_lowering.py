@@ -278,7 +278,7 @@ def test_carried_fills_wait_for_every_reader_of_their_bytes(depth):
     for fraction in (0.5, 0.75, 0.9):
         layout = plan_layout(s, max(s.floor_bytes, int(fraction * s.total_bytes)))
         seq, probes = _stream_sequence(s, set(layout.resident))
-        offsets = ring_placement(seq, layout.ring_bytes) if probes else []
+        offsets = ring_placement(seq, layout.ring_bytes).offsets if probes else []
         fills = sorted(layout.fill_offset)
         carry = sorted(layout.carry_waits_for)
         assert carry == fills[: len(carry)]
