@@ -52,7 +52,7 @@ def _set_view_spec_dynamism(spec, dynamism) -> None:
     spec.shape_dynamism = dynamism
 
 
-def _make_memory_planning_pass():
+def _make_memory_planning_pass(share_mutable_buffers: bool = False):
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.schema import TensorShapeDynamism
 
@@ -84,7 +84,7 @@ def _make_memory_planning_pass():
                     _set_view_spec_dynamism(spec, TensorShapeDynamism.DYNAMIC_UNBOUND)
                     unplanned.add(id(spec))
 
-    return ProbeAwareMemoryPlanningPass()
+    return ProbeAwareMemoryPlanningPass(share_mutable_buffers=share_mutable_buffers)
 
 
 def emitted_probe_sequence(program, method: str = METHOD) -> list[tuple[int, str]]:
@@ -102,53 +102,73 @@ def emitted_probe_sequence(program, method: str = METHOD) -> list[tuple[int, str
     return sequence
 
 
-def to_executorch(ep: ExportedProgram, *, progress=None):
-    """Lower a program returned by ``apply_weight_offload`` to an ExecutorchProgramManager.
+def to_executorch(programs: ExportedProgram | dict[str, ExportedProgram], *, progress=None):
+    """Lower programs returned by ``apply_weight_offload`` to one ExecutorchProgramManager.
 
-    The schedule is rebuilt on the lowered graph (decompositions change the kernels, e.g.
-    ``linear`` becomes ``permute_copy`` + ``addmm``) and checked against the emitted
-    instructions, so what the ``.pte`` carries describes what the runtime will execute.
+    ``programs`` is one program (the method ``forward``) or method name -> program; the
+    methods of one program read the same weights and may share mutable buffers (state such
+    as a KV cache, kept across method calls). Each method's schedule is rebuilt on the
+    lowered graph (decompositions change the kernels, e.g. ``linear`` becomes
+    ``permute_copy`` + ``addmm``) and checked against the emitted instructions, so what the
+    ``.pte`` carries describes what the runtime will execute.
     """
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 
-    weights = get_weight_schedule(ep).fqns  # raises a clear error for a program the pass did not touch
-    options: WeightOffloadOptions = ep.graph_module.meta[OPTIONS_META_KEY]
+    if isinstance(programs, ExportedProgram):
+        programs = {METHOD: programs}
+    weights, options = {}, {}
+    for name, ep in programs.items():
+        weights[name] = get_weight_schedule(ep).fqns  # raises a clear error for a program the pass did not touch
+        options[name] = ep.graph_module.meta[OPTIONS_META_KEY]
     say = progress or (lambda _msg: None)
     say("lowering to the edge dialect")
     # silu stays one kernel, as in eager PyTorch (the edge dialect would run sigmoid and mul)
-    edge = to_edge_transform_and_lower(ep, compile_config=EdgeCompileConfig(_check_ir_validity=False, preserve_ops=list(PRESERVED_OPS)))
-    reprobe(edge.exported_program(METHOD), weights)
-    CustomOpOutVariantPass().call(edge.exported_program(METHOD).graph_module)
-    schedule = schedule_with_options(edge.exported_program(METHOD), options)
+    edge = to_edge_transform_and_lower(dict(programs), compile_config=EdgeCompileConfig(_check_ir_validity=False, preserve_ops=list(PRESERVED_OPS)))
+    schedules = {}
+    for name in programs:
+        lowered = edge.exported_program(name)
+        reprobe(lowered, weights[name])
+        CustomOpOutVariantPass().call(lowered.graph_module)
+        schedules[name] = schedule_with_options(lowered, options[name])
     # ExecutorchProgramManager emits EdgeProgramManager._config_methods as constant methods;
-    # the schedule is only known after lowering, so it is set here rather than at creation.
-    edge._config_methods = {**(edge._config_methods or {}), **serialization.encode(schedule, METHOD)}
+    # the schedules are only known after lowering, so they are set here rather than at creation.
+    edge._config_methods = {**(edge._config_methods or {}), **serialization.encode(schedules)}
     say("emitting the ExecuTorch program")
     manager = edge.to_executorch(
-        ExecutorchBackendConfig(external_constants=True, memory_planning_pass=_make_memory_planning_pass())
-    )
-    emitted = emitted_probe_sequence(manager.executorch_program, METHOD)
-    expected = list(enumerate(schedule.probe_fqns()))
-    if emitted != expected:
-        first = next((i for i, (a, b) in enumerate(zip(emitted, expected)) if a != b), min(len(emitted), len(expected)))
-        raise ScheduleError(
-            f"emitted program's probe sequence diverges from the lowered schedule at position {first}: "
-            f"{emitted[first] if first < len(emitted) else 'end'} vs {expected[first] if first < len(expected) else 'end'}"
+        ExecutorchBackendConfig(
+            external_constants=True,
+            memory_planning_pass=_make_memory_planning_pass(share_mutable_buffers=len(programs) > 1),
+            emit_mutable_buffer_names=True,
         )
-    manager.hostswap_schedule = schedule
-    manager.hostswap_edge_program = edge.exported_program(METHOD)  # same kernels as the .pte: the bitwise reference
+    )
+    for name, schedule in schedules.items():
+        emitted = emitted_probe_sequence(manager.executorch_program, name)
+        expected = list(enumerate(schedule.probe_fqns()))
+        if emitted != expected:
+            first = next((i for i, (a, b) in enumerate(zip(emitted, expected)) if a != b), min(len(emitted), len(expected)))
+            raise ScheduleError(
+                f"method '{name}': the emitted probe sequence diverges from the lowered schedule at position {first}: "
+                f"{emitted[first] if first < len(emitted) else 'end'} vs {expected[first] if first < len(expected) else 'end'}"
+            )
+    manager.hostswap_schedules = schedules
+    # same kernels as the .pte: the bitwise reference
+    manager.hostswap_edge_programs = {name: edge.exported_program(name) for name in programs}
+    if METHOD in schedules:
+        manager.hostswap_schedule = schedules[METHOD]
+        manager.hostswap_edge_program = manager.hostswap_edge_programs[METHOD]
     return manager
 
 
-def save(ep: ExportedProgram, path: str | os.PathLike, *, progress=None) -> tuple[str, str]:
-    """Lower ``ep`` and write ``<path>.pte`` and ``<path>.ptd``; returns both paths."""
+def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.PathLike, *, progress=None) -> tuple[str, str]:
+    """Lower ``programs`` (one, or method name -> program) and write ``<path>.pte`` and
+    ``<path>.ptd``; returns both paths."""
     path = os.fspath(path)
     for suffix in (".pte", ".ptd"):
         if path.endswith(suffix):
             path = path[: -len(suffix)]
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    manager = to_executorch(ep, progress=progress)
+    manager = to_executorch(programs, progress=progress)
     pte_path, ptd_path = path + ".pte", path + ".ptd"
     if progress:
         progress(f"writing {pte_path} and {ptd_path}")

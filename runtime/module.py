@@ -83,7 +83,9 @@ class Module:
 
     ``policy``: ``planned`` (default) or ``lru``. ``cuda_graph=True`` (planned, CUDA, static
     input shapes) captures the whole forward, copies included, at the first call; each replay
-    copies the next one's first fills in its own idle tail, as eager forwards do.
+    copies the next one's first fills in its own idle tail, as eager forwards do. A program
+    with several methods that read weights (``prefill`` and ``decode``) has one pool for all;
+    ``cuda_graph`` may then name the methods to capture, e.g. ``cuda_graph=("decode",)``.
     ``prefetch_depth`` overrides the depth recorded by the pass; the floor is recomputed
     for it (a deeper prefetch needs more headroom), so the budget check stays exact.
     """
@@ -95,15 +97,23 @@ class Module:
             raise PoolCreationError("device='cuda' was asked for but torch.cuda.is_available() is False")
         if policy not in POOLS:
             raise ValueError(f"policy must be one of {tuple(POOLS)}, got {policy!r}")
-        if cuda_graph and not (POOLS[policy].capturable and self.device.type == "cuda"):
+        if cuda_graph and not POOLS[policy].capturable:
             raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
         self.pte_path = os.fspath(pte_path)
         self.program = read_program(self.pte_path)
-        self.method_name, self.schedule = decode_program(self.program, self.pte_path)
+        self.schedules = decode_program(self.program, self.pte_path)
         if prefetch_depth is not None:
             if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
                 raise ValueError(f"prefetch_depth must be a non-negative int, got {prefetch_depth!r}")
-            self.schedule = dataclasses.replace(self.schedule, prefetch_depth=prefetch_depth)
+            self.schedules = {name: dataclasses.replace(s, prefetch_depth=prefetch_depth) for name, s in self.schedules.items()}
+        self.method_name = next(iter(self.schedules))  # what __call__ runs
+        self.schedule = _one_weight_order(self.schedules, self.pte_path)
+        graphed = set(self.schedules) if cuda_graph is True else set(cuda_graph or ())
+        unknown = graphed - set(self.schedules)
+        if unknown:
+            raise ValueError(f"cuda_graph names {sorted(unknown)}, which are not methods of {self.pte_path} that read weights ({list(self.schedules)})")
+        if graphed and self.device.type != "cuda":
+            raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
         self.budget_bytes = round(weight_offload_budget_mb * 2**20)
         check_budget(self.schedule, self.budget_bytes)
         if data_path is None:
@@ -120,62 +130,67 @@ class Module:
             host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
             self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
             self._executors: dict[str, MethodExecutor] = {}
-            plan = plan_by_name(self.program, self.method_name)
-            self._executors[self.method_name] = MethodExecutor.load(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
-            self._kernel_of_instruction = self._map_kernels(self._executors[self.method_name])
-            self._hooked = frozenset(self._kernel_of_instruction)
+            self._probed: dict[str, _ProbedMethod] = {}
+            for name in self.schedules:
+                executor = self._load_executor(plan_by_name(self.program, name))
+                method = _ProbedMethod(executor, self._map_kernels(name, executor), name in graphed)
+                method.on_kernel = lambda index, kernels=method.kernel_of_instruction: self.pool.kernel_launched(kernels[index])
+                self._probed[name] = method
+            if len(self._probed) > 1:
+                # Fills carried from one forward into the next assume the next is the same
+                # graph or eager path; with several methods the next call may be either.
+                self.pool.disable_carry()
         except BaseException:
             self.ptd.close()
             raise
         self.policy = policy
-        self.cuda_graph = cuda_graph
-        self._graph = None
-        self._capture_error: ProgramError | None = None
+        self.cuda_graph = bool(graphed)
         self._lock = threading.Lock()
         self.load_seconds = time.perf_counter() - t0
 
     # --- load-time checks --------------------------------------------------------------------
     def _check_weights(self) -> None:
-        plan = plan_by_name(self.program, self.method_name)
-        expected = external_weights(plan)
         for fqn in self.schedule.fqns:
             if fqn not in self.ptd.entries:
                 raise PtdError(f"{self.ptd.path} has no entry for weight '{fqn}' that {self.pte_path} expects")
-        for fqn, t in expected.items():
-            entry = self.ptd.entries.get(fqn)
-            if entry is None:
-                raise PtdError(f"{self.ptd.path} has no entry for weight '{fqn}' that {self.pte_path} expects")
-            want = (tuple(t.sizes), torch_dtype(t.scalar_type))
-            have = (entry.shape, entry.dtype)
-            if want != have:
-                raise PtdError(f"weight '{fqn}': the program expects shape {want[0]} {want[1]}, {self.ptd.path} holds shape {have[0]} {have[1]}")
+        for name in self.schedules:
+            for fqn, t in external_weights(plan_by_name(self.program, name)).items():
+                entry = self.ptd.entries.get(fqn)
+                if entry is None:
+                    raise PtdError(f"{self.ptd.path} has no entry for weight '{fqn}' that {self.pte_path} expects")
+                want = (tuple(t.sizes), torch_dtype(t.scalar_type))
+                have = (entry.shape, entry.dtype)
+                if want != have:
+                    raise PtdError(f"weight '{fqn}': the program expects shape {want[0]} {want[1]}, {self.ptd.path} holds shape {have[0]} {have[1]}")
 
     def _unprobed_weight(self, fqn: str):
         # External tensors that are probed are bound per call by the pool; the placeholder
         # value itself is never read by a kernel. Keep the host view for completeness.
         return self.ptd.host_tensor(fqn)
 
-    def _map_kernels(self, executor: MethodExecutor) -> dict[int, int]:
+    def _load_executor(self, plan) -> MethodExecutor:
+        executor = MethodExecutor.load(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
+        self._executors[plan.name] = executor
+        return executor
+
+    def _map_kernels(self, name: str, executor: MethodExecutor) -> dict[int, int]:
         kernels = _instruction_kernels(executor)
         if len(kernels) != self.schedule.num_kernels:
-            raise ProgramError(f"{self.pte_path}: the program has {len(kernels)} kernels reading probes, the schedule {self.schedule.num_kernels}")
+            raise ProgramError(f"{self.pte_path}: method '{name}' has {len(kernels)} kernels reading probes, its schedule {self.schedule.num_kernels}")
         mapping = {}
         for j, (index, probes) in enumerate(kernels):
             if any(self.schedule.probe_kernel[p] != j for p in probes):
-                raise ProgramError(f"{self.pte_path}: instruction {index} reads probes {sorted(probes)}, which the schedule gives to other kernels")
+                raise ProgramError(f"{self.pte_path}: method '{name}': instruction {index} reads probes {sorted(probes)}, which the schedule gives to other kernels")
             mapping[index] = j
         return mapping
 
     # --- running -------------------------------------------------------------------------------
-    def _on_kernel(self, instruction_index: int) -> None:
-        self.pool.kernel_launched(self._kernel_of_instruction[instruction_index])
-
-    def _run_forward(self, executor: MethodExecutor, inputs=None) -> None:
+    def _run_forward(self, method: "_ProbedMethod", inputs=None) -> None:
         """One forward; ``inputs`` are bound after the pool has started its first copies."""
         self.pool.begin_forward()
         if inputs is not None:
-            executor.bind_inputs(inputs)
-        executor.run(self._on_kernel, hooked=self._hooked)
+            method.executor.bind_inputs(inputs)
+        method.executor.run(method.on_kernel, hooked=method.hooked)
         self.pool.end_forward()
 
     def run_method(self, name: str = "forward", inputs=()):
@@ -188,28 +203,30 @@ class Module:
             self._lock.release()
 
     def _run_method(self, name, inputs):
-        if name not in self._executors:
-            plan = plan_by_name(self.program, name)
-            if plan is None:
-                raise ProgramError(f"{self.pte_path} has no method '{name}' (methods: {[p.name for p in self.program.execution_plan]})")
-            if not plan.inputs and not any(chain.instructions for chain in plan.chains):
-                return constant_method_outputs(self.program, name)  # a constant method
-            self._executors[name] = MethodExecutor.load(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
-        executor = self._executors[name]
-        if name != self.method_name:
+        method = self._probed.get(name)
+        if method is None:
+            if name not in self._executors:
+                plan = plan_by_name(self.program, name)
+                if plan is None:
+                    raise ProgramError(f"{self.pte_path} has no method '{name}' (methods: {[p.name for p in self.program.execution_plan]})")
+                if not plan.inputs and not any(chain.instructions for chain in plan.chains):
+                    return constant_method_outputs(self.program, name)  # a constant method
+                self._load_executor(plan)
+            executor = self._executors[name]
             executor.bind_inputs(inputs)
             executor.run()
             return executor.outputs()
-        if self.cuda_graph:
-            return self._run_graphed(executor, inputs)
-        executor.check_inputs(inputs)  # a refused input must not leave a forward half begun
-        self._run_forward(executor, inputs)
-        return executor.outputs()
+        if method.graphed:
+            return self._run_graphed(name, method, inputs)
+        method.executor.check_inputs(inputs)  # a refused input must not leave a forward half begun
+        self._run_forward(method, inputs)
+        return method.executor.outputs()
 
-    def _run_graphed(self, executor, inputs):
-        if self._capture_error is not None:
-            raise self._capture_error
-        if self._graph is None:
+    def _run_graphed(self, name: str, method: "_ProbedMethod", inputs):
+        if method.capture_error is not None:
+            raise method.capture_error
+        executor = method.executor
+        if method.graph is None:
             device_inputs = [i.to(self.device) if isinstance(i, torch.Tensor) else i for i in inputs]
             executor.check_inputs(device_inputs)  # before the first forward starts any copy
             side = torch.cuda.Stream(self.device)
@@ -219,50 +236,50 @@ class Module:
             # are bound for each: a forward may reuse an input's arena slot once it is read.
             for _ in range(2):
                 with torch.cuda.stream(side):
-                    self._run_forward(executor, device_inputs)
+                    self._run_forward(method, device_inputs)
                 torch.cuda.synchronize(self.device)
-            self._static_inputs = [executor.values[v] for v in executor.plan.inputs]
+            method.static_inputs = [executor.values[v] for v in executor.plan.inputs]
             torch.cuda.current_stream(self.device).wait_stream(side)
             self.pool.prepare_capture()
             before = dataclasses.replace(self.pool.stats)
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph):
-                    self._run_forward(executor)
+                    self._run_forward(method)
             except (RuntimeError, torch.AcceleratorError) as e:
                 if "captur" not in str(e).lower():
                     raise
                 self.pool.stats = before
-                # The pool is left mid-forward by the invalidated capture: this Module stays
+                # The pool is left mid-forward by the invalidated capture: this method stays
                 # refused, and the same error is raised at every later call.
-                self._capture_error = ProgramError(
-                    f"cuda_graph=True: {self.pte_path} cannot be captured as a CUDA graph ({type(e).__name__}: {str(e).splitlines()[0]}). "
+                method.capture_error = ProgramError(
+                    f"cuda_graph=True: method '{name}' of {self.pte_path} cannot be captured as a CUDA graph ({type(e).__name__}: {str(e).splitlines()[0]}). "
                     "Most likely a kernel of the program synchronizes with the host (a data-dependent shape or a .tolist(), "
                     "as MoE routing does); load it again with cuda_graph=False"
                 )
-                raise self._capture_error from e
-            self._graph = graph
-            self._graph_outputs = executor.outputs()
+                raise method.capture_error from e
+            method.graph = graph
+            method.graph_outputs = executor.outputs()
             # Capturing copies nothing; every replay does what the captured forward counted.
             after, self.pool.stats = self.pool.stats, before
-            self._replay_counts = {f: getattr(after, f) - getattr(before, f) for f in _REPLAY_COUNTED}
-            self._replayed = torch.cuda.Event()
-            self._replayed.record()
-        for static, given in zip(self._static_inputs, inputs):
+            method.replay_counts = {f: getattr(after, f) - getattr(before, f) for f in _REPLAY_COUNTED}
+            method.replayed = torch.cuda.Event()
+            method.replayed.record()
+        for static, given in zip(method.static_inputs, inputs):
             if isinstance(static, torch.Tensor) and static.shape != given.shape:
-                raise ProgramError(f"cuda_graph=True needs static input shapes: captured {tuple(static.shape)}, got {tuple(given.shape)}")
+                raise ProgramError(f"cuda_graph=True needs static input shapes: method '{name}' was captured with {tuple(static.shape)}, got {tuple(given.shape)}")
         # A replay reads the fills the previous one carried, and its inputs overwrite what the
         # previous one read: order it after that one even when the caller launches from
         # another stream.
-        torch.cuda.current_stream(self.device).wait_event(self._replayed)
-        for static, given in zip(self._static_inputs, inputs):
+        torch.cuda.current_stream(self.device).wait_event(method.replayed)
+        for static, given in zip(method.static_inputs, inputs):
             if isinstance(static, torch.Tensor):
                 static.copy_(given)
-        self._graph.replay()
-        self._replayed.record()
-        for f, n in self._replay_counts.items():
+        method.graph.replay()
+        method.replayed.record()
+        for f, n in method.replay_counts.items():
             setattr(self.pool.stats, f, getattr(self.pool.stats, f) + n)
-        return self._graph_outputs
+        return method.graph_outputs
 
     def __call__(self, *inputs):
         outputs = self.run_method(self.method_name, inputs)
@@ -271,7 +288,7 @@ class Module:
     @property
     def stats(self) -> dict:
         s = self.pool.collect_stats().as_dict()
-        s["activation_arena_bytes"] = self._executors[self.method_name].arena_bytes
+        s["activation_arena_bytes"] = max(m.executor.arena_bytes for m in self._probed.values())
         s["budget_bytes"] = self.budget_bytes
         s["policy"] = self.policy
         return s
@@ -291,4 +308,38 @@ class Module:
                 torch.cuda.synchronize(self.device)
             self.pool.close()
         self._executors = {}
+        self._probed = {}
         self.ptd.close()
+
+
+class _ProbedMethod:
+    """A method that reads streamed weights: its executor, the scheduled kernel of each of its
+    instructions that reads a weight, and its CUDA graph once captured."""
+
+    def __init__(self, executor: MethodExecutor, kernel_of_instruction: dict[int, int], graphed: bool):
+        self.executor = executor
+        self.kernel_of_instruction = kernel_of_instruction
+        self.hooked = frozenset(kernel_of_instruction)
+        self.graphed = graphed
+        self.on_kernel = None  # set by the Module: tells the pool which kernel was launched
+        self.graph = None
+        self.capture_error: ProgramError | None = None
+        self.static_inputs: list = []
+        self.graph_outputs: list = []
+        self.replay_counts: dict[str, int] = {}
+        self.replayed = None
+
+
+def _one_weight_order(schedules: dict, source: str):
+    """The schedule all probed methods share: one pool serves them, so they must read the
+    same weights in the same order (a program's prefill and decode do)."""
+    names = list(schedules)
+    first = schedules[names[0]]
+    for name in names[1:]:
+        other = schedules[name]
+        if not (other.same_order(first) and other.fqns == first.fqns and other.weight_bytes == first.weight_bytes):
+            raise ProgramError(
+                f"{source}: methods '{names[0]}' and '{name}' read their weights in different orders; "
+                "one weight pool serves methods that share one order"
+            )
+    return first

@@ -169,6 +169,10 @@ class PlannedPool(WeightPool):
             self._carried.append(q)
         torch.cuda.synchronize(self.device)
 
+    def disable_carry(self) -> None:
+        self._carry_count = 0
+        self._carry_frozen = True
+
     # --- fills carried into the next forward --------------------------------------------------
     def _decide_carry(self) -> None:
         """How many of the next forward's first fills to issue at the end of each forward.

@@ -94,6 +94,9 @@ class WeightPool:
         """Make the next forward capturable as a CUDA graph (planned pools on CUDA only)."""
         raise RuntimeError("prepare_capture is for the planned policy on CUDA")
 
+    def disable_carry(self) -> None:
+        """Issue no copy at the end of a forward for the next one (pools that do)."""
+
     def collect_stats(self) -> PoolStats:
         self.stats.stall_seconds += self.streams.collect_stalls()
         return self.stats

@@ -1,7 +1,7 @@
 """What the passes emit and the runtime consumes: schedules, floor, (de)serialization, rendering."""
 
 from hostswap.schedules.floor import Floor, compute_floor
-from hostswap.schedules.serialization import load_weight_schedule
+from hostswap.schedules.serialization import load_weight_schedule, load_weight_schedules
 from hostswap.schedules.weight_schedule import ScheduleError, WeightSchedule
 
-__all__ = ["Floor", "ScheduleError", "WeightSchedule", "compute_floor", "load_weight_schedule"]
+__all__ = ["Floor", "ScheduleError", "WeightSchedule", "compute_floor", "load_weight_schedule", "load_weight_schedules"]

@@ -13,34 +13,42 @@ from hostswap.schedules.weight_schedule import SCHEDULE_VERSION, ScheduleError, 
 
 PREFIX = "hostswap_"
 VERSION = PREFIX + "schedule_version"
-METHOD = PREFIX + "method"
-FQNS = PREFIX + "weight_fqns"
-PROBE_WEIGHT = PREFIX + "probe_weight"
-PROBE_KERNEL = PREFIX + "probe_kernel"
-KERNEL_OPS = PREFIX + "kernel_ops"
-PREFETCH_DEPTH = PREFIX + "prefetch_depth"
-PIN = PREFIX + "pin"
-FLOOR_BYTES = PREFIX + "floor_bytes"
-TOTAL_BYTES = PREFIX + "total_bytes"
+METHODS = PREFIX + "methods"
+# Per method m, the constant method PREFIX + m + "_" + field.
+FQNS = "weight_fqns"
+PROBE_WEIGHT = "probe_weight"
+PROBE_KERNEL = "probe_kernel"
+KERNEL_OPS = "kernel_ops"
+PREFETCH_DEPTH = "prefetch_depth"
+PIN = "pin"
+FLOOR_BYTES = "floor_bytes"
+TOTAL_BYTES = "total_bytes"
 
 
-def encode(schedule: WeightSchedule, method: str = "forward") -> dict[str, object]:
-    return {
-        VERSION: SCHEDULE_VERSION,
-        METHOD: method,
-        FQNS: list(schedule.fqns),
-        PROBE_WEIGHT: list(schedule.probe_weight),
-        PROBE_KERNEL: list(schedule.probe_kernel),
-        KERNEL_OPS: list(schedule.kernel_ops),
-        PREFETCH_DEPTH: schedule.prefetch_depth,
-        PIN: list(schedule.pin),
-        FLOOR_BYTES: schedule.floor_bytes,
-        TOTAL_BYTES: schedule.total_bytes,
-    }
+def _key(method: str, field: str) -> str:
+    return f"{PREFIX}{method}_{field}"
 
 
-def decode_program(program, source: str = "<program>") -> tuple[str, WeightSchedule]:
-    """(method name, schedule) from a deserialized program; checks it against the program."""
+def encode(schedules: dict[str, WeightSchedule]) -> dict[str, object]:
+    """Constant methods carrying the schedule of every probed method of a program."""
+    out: dict[str, object] = {VERSION: SCHEDULE_VERSION, METHODS: list(schedules)}
+    for method, schedule in schedules.items():
+        out.update({
+            _key(method, FQNS): list(schedule.fqns),
+            _key(method, PROBE_WEIGHT): list(schedule.probe_weight),
+            _key(method, PROBE_KERNEL): list(schedule.probe_kernel),
+            _key(method, KERNEL_OPS): list(schedule.kernel_ops),
+            _key(method, PREFETCH_DEPTH): schedule.prefetch_depth,
+            _key(method, PIN): list(schedule.pin),
+            _key(method, FLOOR_BYTES): schedule.floor_bytes,
+            _key(method, TOTAL_BYTES): schedule.total_bytes,
+        })
+    return out
+
+
+def decode_program(program, source: str = "<program>") -> dict[str, WeightSchedule]:
+    """Method name -> schedule, for every probed method of a deserialized program; each is
+    checked against the program."""
     version = constant_method_outputs(program, VERSION)
     if version is None:
         raise ScheduleError(f"{source} was not produced by hostswap.apply_weight_offload (it has no {VERSION} method)")
@@ -53,37 +61,52 @@ def decode_program(program, source: str = "<program>") -> tuple[str, WeightSched
             raise ScheduleError(f"{source} lacks the constant method {name}")
         return out
 
-    (method,) = get(METHOD)
+    return {method: _decode_method(program, source, method, get) for method in get(METHODS)}
+
+
+def _decode_method(program, source: str, method: str, get) -> WeightSchedule:
     plan = plan_by_name(program, method)
     if plan is None:
         raise ScheduleError(f"{source}: the schedule is for method '{method}', which the program does not have")
-    fqns = get(FQNS)
+    fqns = get(_key(method, FQNS))
     weights = external_weights(plan)
     missing = [f for f in fqns if f not in weights]
     if missing:
         raise ScheduleError(f"{source}: scheduled weight '{missing[0]}' is not an external constant of method '{method}'")
-    (prefetch_depth,) = get(PREFETCH_DEPTH)
+    (prefetch_depth,) = get(_key(method, PREFETCH_DEPTH))
     schedule = WeightSchedule(
         fqns=tuple(fqns),
         weight_bytes=tuple(tensor_nbytes(weights[f]) for f in fqns),
-        probe_weight=tuple(get(PROBE_WEIGHT)),
-        probe_kernel=tuple(get(PROBE_KERNEL)),
-        kernel_ops=tuple(get(KERNEL_OPS)),
+        probe_weight=tuple(get(_key(method, PROBE_WEIGHT))),
+        probe_kernel=tuple(get(_key(method, PROBE_KERNEL))),
+        kernel_ops=tuple(get(_key(method, KERNEL_OPS))),
         prefetch_depth=prefetch_depth,
-        pin=tuple(get(PIN)),
+        pin=tuple(get(_key(method, PIN))),
     )
     if len(schedule.probe_weight) != len(schedule.probe_kernel):
-        raise ScheduleError(f"{source}: {PROBE_WEIGHT} and {PROBE_KERNEL} differ in length")
-    (stored_floor,) = get(FLOOR_BYTES)
+        raise ScheduleError(f"{source}: method '{method}': probe_weight and probe_kernel differ in length")
+    (stored_floor,) = get(_key(method, FLOOR_BYTES))
     if stored_floor != schedule.floor_bytes:
         raise ScheduleError(
-            f"{source}: stored floor {stored_floor} bytes differs from {schedule.floor_bytes} recomputed "
+            f"{source}: method '{method}': stored floor {stored_floor} bytes differs from {schedule.floor_bytes} recomputed "
             "from the program's weights; the file is inconsistent"
         )
-    return method, schedule
+    return schedule
 
 
-def load_weight_schedule(pte: str | os.PathLike | bytes) -> WeightSchedule:
-    """Read the schedule that ``hostswap.save`` stored in a ``.pte``."""
+def load_weight_schedules(pte: str | os.PathLike | bytes) -> dict[str, WeightSchedule]:
+    """Method name -> the schedule that ``hostswap.save`` stored for it in a ``.pte``."""
     source = "<bytes>" if isinstance(pte, (bytes, bytearray)) else os.fspath(pte)
-    return decode_program(read_program(pte), source)[1]
+    return decode_program(read_program(pte), source)
+
+
+def load_weight_schedule(pte: str | os.PathLike | bytes, method: str | None = None) -> WeightSchedule:
+    """The schedule of ``method`` (default: the program's only probed method) in a ``.pte``."""
+    schedules = load_weight_schedules(pte)
+    if method is None:
+        if len(schedules) != 1:
+            raise ScheduleError(f"the program has schedules for methods {list(schedules)}; name one")
+        return next(iter(schedules.values()))
+    if method not in schedules:
+        raise ScheduleError(f"the program has no schedule for method '{method}' (it has {list(schedules)})")
+    return schedules[method]

@@ -7,7 +7,7 @@ import functools
 
 from hostswap.schedules.floor import Floor, compute_floor
 
-SCHEDULE_VERSION = 1
+SCHEDULE_VERSION = 2
 
 
 class ScheduleError(ValueError):

@@ -240,8 +240,8 @@ def test_error_prepare_capture_off_planned_cuda(lowered_by_name):
 def test_constant_methods_readable_and_several_methods(lowered_by_name):
     demo = lowered_by_name("demo_transformer")
     m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=100, device="cpu")
-    assert m.run_method("hostswap_floor_bytes", []) == [demo.schedule.floor_bytes]
-    assert m.run_method("hostswap_weight_fqns", []) == list(demo.schedule.fqns)
+    assert m.run_method("hostswap_forward_floor_bytes", []) == [demo.schedule.floor_bytes]
+    assert m.run_method("hostswap_forward_weight_fqns", []) == list(demo.schedule.fqns)
     assert "forward" in m.method_names() and len(m.method_names()) > 5
     with pytest.raises(ProgramError, match="no method 'nope'"):
         m.run_method("nope", [])
@@ -444,7 +444,7 @@ def test_generated_code_equals_interpreter(lowered_by_name, model):
     assert executor._straight_line[1] is not None  # the generated function ran
     executor.bind_inputs(list(demo.args))  # the arena may have reused the input's bytes
     m.pool.begin_forward()
-    executor._interpret(m._on_kernel, m._hooked)
+    executor._interpret(m._probed[m.method_name].on_kernel, m._probed[m.method_name].hooked)
     m.pool.end_forward()
     assert torch.equal(executor.outputs()[0], generated)
     assert torch.equal(generated, demo.expected)
@@ -622,13 +622,14 @@ def test_error_input_of_wrong_shape_loses_nothing(lowered_by_name):
         m.close()
 
 
-def test_error_unknown_policy_and_uncapturable_graph_refused_before_loading(tmp_path):
+def test_error_unknown_policy_and_uncapturable_graph_refused_before_loading(tmp_path, lowered_by_name):
     """A policy name that is not a pool, or cuda_graph=True with a pool that cannot be captured,
-    is refused naming the argument before any file is read."""
+    is refused naming the argument before any file is read; off CUDA, before the weights are."""
     missing = tmp_path / "missing.pte"
     with pytest.raises(ValueError, match=r"policy must be one of \('planned', 'lru'\), got 'fifo'"):
         Module(missing, weight_offload_budget_mb=10, device="cpu", policy="fifo")
     with pytest.raises(ValueError, match="cuda_graph=True needs policy='planned' on a CUDA device"):
         Module(missing, weight_offload_budget_mb=10, device="cpu", policy="lru", cuda_graph=True)
+    demo = lowered_by_name("demo_transformer")
     with pytest.raises(ValueError, match="cuda_graph=True needs policy='planned' on a CUDA device"):
-        Module(missing, weight_offload_budget_mb=10, device="cpu", cuda_graph=True)
+        Module(demo.pte, tmp_path / "missing.ptd", weight_offload_budget_mb=10, device="cpu", cuda_graph=True)
