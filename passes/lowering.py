@@ -102,7 +102,7 @@ def emitted_probe_sequence(program, method: str = METHOD) -> list[tuple[int, str
     return sequence
 
 
-def to_executorch(programs: ExportedProgram | dict[str, ExportedProgram], *, progress=None):
+def to_executorch(programs: ExportedProgram | dict[str, ExportedProgram], *, constant_methods: dict | None = None, progress=None):
     """Lower programs returned by ``apply_weight_offload`` to one ExecutorchProgramManager.
 
     ``programs`` is one program (the method ``forward``) or method name -> program; the
@@ -110,7 +110,8 @@ def to_executorch(programs: ExportedProgram | dict[str, ExportedProgram], *, pro
     as a KV cache, kept across method calls). Each method's schedule is rebuilt on the
     lowered graph (decompositions change the kernels, e.g. ``linear`` becomes
     ``permute_copy`` + ``addmm``) and checked against the emitted instructions, so what the
-    ``.pte`` carries describes what the runtime will execute.
+    ``.pte`` carries describes what the runtime will execute. ``constant_methods`` (name ->
+    a scalar or a flat list) are stored beside the schedules.
     """
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 
@@ -132,13 +133,17 @@ def to_executorch(programs: ExportedProgram | dict[str, ExportedProgram], *, pro
         schedules[name] = schedule_with_options(lowered, options[name])
     # ExecutorchProgramManager emits EdgeProgramManager._config_methods as constant methods;
     # the schedules are only known after lowering, so they are set here rather than at creation.
-    edge._config_methods = {**(edge._config_methods or {}), **serialization.encode(schedules)}
+    edge._config_methods = {**(edge._config_methods or {}), **(constant_methods or {}), **serialization.encode(schedules)}
     say("emitting the ExecuTorch program")
     manager = edge.to_executorch(
         ExecutorchBackendConfig(
             external_constants=True,
-            memory_planning_pass=_make_memory_planning_pass(share_mutable_buffers=len(programs) > 1),
+            # State the methods mutate (a KV cache) gets a memory id of its own, at the same
+            # offsets in every method: the runtime allocates it once and the methods share it.
+            memory_planning_pass=_make_memory_planning_pass(share_mutable_buffers=True),
             emit_mutable_buffer_names=True,
+            # state updates (the cache write of each layer) in place, not a copy of the whole buffer
+            run_reinplace_pass=True,
         )
     )
     for name, schedule in schedules.items():
@@ -159,7 +164,7 @@ def to_executorch(programs: ExportedProgram | dict[str, ExportedProgram], *, pro
     return manager
 
 
-def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.PathLike, *, progress=None) -> tuple[str, str]:
+def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.PathLike, *, constant_methods: dict | None = None, progress=None) -> tuple[str, str]:
     """Lower ``programs`` (one, or method name -> program) and write ``<path>.pte`` and
     ``<path>.ptd``; returns both paths."""
     path = os.fspath(path)
@@ -168,7 +173,7 @@ def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.
             path = path[: -len(suffix)]
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    manager = to_executorch(programs, progress=progress)
+    manager = to_executorch(programs, constant_methods=constant_methods, progress=progress)
     pte_path, ptd_path = path + ".pte", path + ".ptd"
     if progress:
         progress(f"writing {pte_path} and {ptd_path}")

@@ -49,10 +49,19 @@ def _input_weights(ep: ExportedProgram) -> dict[str, str]:
     }
 
 
+def state_buffers(ep: ExportedProgram) -> set[str]:
+    """FQNs of the buffers the program mutates (functionally, or in place in a graph export
+    left unfunctionalised): its state (a KV cache), kept on the device across calls and
+    never streamed."""
+    buffers = {spec.arg.name: spec.target for spec in ep.graph_signature.input_specs if spec.kind == InputKind.BUFFER}
+    return set(ep.graph_signature.buffers_to_mutate.values()) | _written_in_place(ep, buffers)
+
+
 def weight_placeholders(ep: ExportedProgram) -> dict[str, str]:
     """Placeholder name -> FQN of the weights hostswap streams: parameters, buffers and tensor
-    constants, less the constants ExecuTorch keeps inline."""
-    return {name: fqn for name, fqn in _input_weights(ep).items() if INLINE_CONSTANT_MARK not in name}
+    constants, less the constants ExecuTorch keeps inline and the program's state."""
+    state = state_buffers(ep)
+    return {name: fqn for name, fqn in _input_weights(ep).items() if INLINE_CONSTANT_MARK not in name and fqn not in state}
 
 
 def weight_tensor(ep: ExportedProgram, fqn: str) -> torch.Tensor:
@@ -257,11 +266,19 @@ def _validate(ep: ExportedProgram, prefetch_depth: int, pin: Iterable[str]) -> t
     for fqn in pin:
         if fqn not in fqns:
             raise WeightOffloadError(f"pin names '{fqn}', which is not a weight of this program (weights: {sorted(fqns)[:8]}...)")
-    mutated = set(ep.graph_signature.buffers_to_mutate.values()) | _written_in_place(ep, by_placeholder)
+    written = _written_in_place(ep, by_placeholder)
     for fqn in sorted(fqns):
-        if fqn in mutated:
-            raise WeightOffloadError(f"buffer '{fqn}' is mutated by the program; hostswap streams read-only weights")
+        if fqn in written:
+            raise WeightOffloadError(f"weight '{fqn}' is written in place by the program; hostswap streams read-only weights")
         _check_streamable(fqn, weight_tensor(ep, fqn))
+    for fqn in sorted(state_buffers(ep)):
+        # The runtime keeps state in device memory it zeroes at load: any other start would be lost.
+        t = weight_tensor(ep, fqn)
+        if t.numel() and bool(t.detach().ne(0).any()):
+            raise WeightOffloadError(
+                f"buffer '{fqn}' is program state (the program mutates it) and starts nonzero; hostswap starts "
+                "program state at zero on the device. Zero it before export, or make it an input"
+            )
     _check_contiguous_storage_is_safe(ep, by_placeholder)
     return by_placeholder, pin
 

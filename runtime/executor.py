@@ -30,9 +30,10 @@ class MethodExecutor:
         self.elided_copies = elided_copies
 
     @classmethod
-    def load(cls, program, plan, device: torch.device, weights: Callable[[str], torch.Tensor] | None, probe_handler=None) -> "MethodExecutor":
-        """Method ``plan`` of ``program`` loaded on ``device``, its view-like copies run as views."""
-        method = LoadedMethod(program, plan, device, weights)
+    def load(cls, program, plan, device: torch.device, weights: Callable[[str], torch.Tensor] | None, probe_handler=None, state: dict[int, torch.Tensor] | None = None) -> "MethodExecutor":
+        """Method ``plan`` of ``program`` loaded on ``device``, its view-like copies run as
+        views; ``state``: the program's state arenas (method_loader.state_memory_ids)."""
+        method = LoadedMethod(program, plan, device, weights, state)
         elided = plan_views(method)
         return cls(method, probe_handler, elided)
 

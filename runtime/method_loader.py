@@ -40,6 +40,28 @@ def _shaped(flat: torch.Tensor, t) -> torch.Tensor:
     return flat.view(physical).permute([list(t.dim_order).index(i) for i in range(len(t.sizes))])
 
 
+def _state_tensors(plan):
+    """The planned tensors of ``plan`` that are program state (buffers it mutates, emitted
+    with their names)."""
+    for value in plan.values:
+        t = value.val
+        if type(t).__name__ != "Tensor" or t.allocation_info is None:
+            continue
+        info = t.extra_tensor_info
+        if info is not None and info.fully_qualified_name and info.location.name != "EXTERNAL":
+            yield t
+
+
+def state_memory_ids(plan) -> dict[int, int]:
+    """Memory id -> bytes, of the arenas where ``plan`` keeps program state."""
+    return {t.allocation_info.memory_id: plan.non_const_buffer_sizes[t.allocation_info.memory_id] for t in _state_tensors(plan)}
+
+
+def state_buffer_names(plan) -> dict[str, int]:
+    """FQN -> bytes of each state buffer of ``plan``."""
+    return {t.extra_tensor_info.fully_qualified_name: tensor_nbytes(t) for t in _state_tensors(plan)}
+
+
 class LoadedMethod:
     """One method of a program with every value and instruction resolved at load.
 
@@ -49,15 +71,23 @@ class LoadedMethod:
     and arenas before the method runs.
     """
 
-    def __init__(self, program, plan, device: torch.device, weights: Callable[[str], torch.Tensor] | None):
+    def __init__(self, program, plan, device: torch.device, weights: Callable[[str], torch.Tensor] | None, state: dict[int, torch.Tensor] | None = None):
         register_executorch_ops()
         self.plan, self.device, self.name = plan, device, plan.name
+        # Memory ids holding program state (state_memory_ids) come from ``state``: one tensor
+        # per id for every method of the program, kept across calls.
+        self.state_ids = frozenset(state or ())
+        for memory_id in state_memory_ids(plan):
+            if memory_id not in self.state_ids:
+                raise ProgramError(f"method '{self.name}' keeps program state in memory id {memory_id}, which was not allocated")
+            if (state[memory_id].numel() < plan.non_const_buffer_sizes[memory_id]):
+                raise ProgramError(f"method '{self.name}' needs {plan.non_const_buffer_sizes[memory_id]} bytes of state in memory id {memory_id}, {state[memory_id].numel()} were allocated")
         self.arenas = {
-            memory_id: torch.empty(size, dtype=torch.uint8, device=device)
+            memory_id: (state[memory_id] if memory_id in self.state_ids else torch.empty(size, dtype=torch.uint8, device=device))
             for memory_id, size in enumerate(plan.non_const_buffer_sizes)
             if size > 0
         }
-        self.arena_bytes = sum(plan.non_const_buffer_sizes)
+        self.arena_bytes = sum(size for memory_id, size in enumerate(plan.non_const_buffer_sizes) if memory_id not in self.state_ids)
         self.values: list = [None] * len(plan.values)
         self.unplanned: set[int] = set()
         self.regions: dict[int, tuple[int, int, int]] = {}  # planned value -> (memory id, start, end)

@@ -11,6 +11,7 @@ import torch
 
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.instructions import ListRef, ProgramError
+from hostswap.runtime.method_loader import state_memory_ids
 from hostswap.runtime.lru_pool import LruPool
 from hostswap.runtime.planned_pool import PlannedPool
 from hostswap.runtime.pool import PoolCreationError
@@ -131,6 +132,7 @@ class Module:
             self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
             self._executors: dict[str, MethodExecutor] = {}
             self._probed: dict[str, _ProbedMethod] = {}
+            self.state = self._allocate_state()
             for name in self.schedules:
                 executor = self._load_executor(plan_by_name(self.program, name))
                 method = _ProbedMethod(executor, self._map_kernels(name, executor), name in graphed)
@@ -169,9 +171,22 @@ class Module:
         return self.ptd.host_tensor(fqn)
 
     def _load_executor(self, plan) -> MethodExecutor:
-        executor = MethodExecutor.load(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire)
+        executor = MethodExecutor.load(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire, state=self.state)
         self._executors[plan.name] = executor
         return executor
+
+    def _allocate_state(self) -> dict[int, torch.Tensor]:
+        """Program state (buffers the methods mutate, a KV cache): one zeroed device tensor per
+        memory id, shared by every method and kept across calls."""
+        sizes: dict[int, int] = {}
+        for plan in self.program.execution_plan:
+            for memory_id, nbytes in state_memory_ids(plan).items():
+                sizes[memory_id] = max(sizes.get(memory_id, 0), nbytes)
+        return {memory_id: torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for memory_id, nbytes in sizes.items()}
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.numel() for t in self.state.values())
 
     def _map_kernels(self, name: str, executor: MethodExecutor) -> dict[int, int]:
         kernels = _instruction_kernels(executor)
@@ -289,6 +304,7 @@ class Module:
     def stats(self) -> dict:
         s = self.pool.collect_stats().as_dict()
         s["activation_arena_bytes"] = max(m.executor.arena_bytes for m in self._probed.values())
+        s["state_bytes"] = self.state_bytes
         s["budget_bytes"] = self.budget_bytes
         s["policy"] = self.policy
         return s

@@ -70,7 +70,9 @@ def replan_with_views(m: LoadedMethod) -> int | None:
             write_pcs.setdefault(v, []).append(pc)
         for v in m.reads[pc]:
             read_pcs.setdefault(v, []).append(pc)
-    planned = [v for v in m.regions if v in m.meta]
+    # program state keeps its place: it outlives the call
+    planned = [v for v in m.regions if v in m.meta and m.regions[v][0] not in m.state_ids]
+    is_planned = set(planned)
     # Values no instruction writes are views ExecuTorch folded into planning: find the
     # written value whose bytes they read (the last one written into them before).
     folded_base: dict[int, int] = {}
@@ -93,7 +95,7 @@ def replan_with_views(m: LoadedMethod) -> int | None:
     contiguous = dict(m.contiguous)
     views: dict[int, object] = {}  # pc -> the view op its copy runs as
     for pc, x, y, view_op, keeps_contiguity, needs_contiguous in _copies_viewable(m):
-        if x not in m.meta or y not in m.meta or y in inputs or write_pcs.get(y) != [pc] or y in folded_of:
+        if x not in is_planned or y not in is_planned or y in inputs or write_pcs.get(y) != [pc] or y in folded_of:
             continue
         if needs_contiguous and not contiguous.get(x, False):
             continue
@@ -142,7 +144,7 @@ def replan_with_views(m: LoadedMethod) -> int | None:
         placed.append((offset, offset + sizes[o], first, last))
     total = max((b for _, b, _, _ in placed), default=0)
     arena = torch.empty(total, dtype=torch.uint8, device=m.device)
-    m.arenas = {0: arena}
+    m.arenas = {**{i: a for i, a in m.arenas.items() if i in m.state_ids}, 0: arena}
     m.arena_bytes = total
     new_regions = {}
     for v in planned:
@@ -195,7 +197,7 @@ def elide_copies(m: LoadedMethod) -> int:
 
     elided = 0
     for pc, x, y, view_op, keeps_contiguity, needs_contiguous in _copies_viewable(m):
-        if x not in m.regions or y not in m.regions or y in inputs or write_count.get(y, 0) != 1:
+        if x not in m.regions or y not in m.regions or y in inputs or write_count.get(y, 0) != 1 or m.regions[y][0] in m.state_ids:
             continue
         if needs_contiguous and not contiguous.get(x, False):
             continue

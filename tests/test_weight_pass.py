@@ -164,18 +164,37 @@ def test_error_no_weights():
         hostswap.apply_weight_offload(_export(NoWeights(), (torch.randn(2),)))
 
 
-def test_error_mutated_buffer():
-    class Counter(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("count", torch.zeros(1))
+class Counter(torch.nn.Module):
+    """A linear layer and a buffer it mutates (program state)."""
 
-        def forward(self, x):
-            self.count.add_(1)
-            return x + self.count
+    def __init__(self, start: float = 0.0):
+        super().__init__()
+        self.register_buffer("count", torch.full((1,), start))
+        self.lin = torch.nn.Linear(4, 4)
 
-    with pytest.raises(WeightOffloadError, match="'count' is mutated"):
-        hostswap.apply_weight_offload(_export(Counter(), (torch.randn(2),)))
+    def forward(self, x):
+        self.count.add_(1)
+        return self.lin(x) + self.count
+
+
+def test_mutated_buffer_is_state_kept_across_calls(tmp_path):
+    """A buffer the program mutates is state: not streamed, zeroed at load, kept on the device
+    and updated by every call, as eager PyTorch keeps it."""
+    from hostswap.runtime import Module
+
+    model, x = Counter(), torch.randn(2, 4)
+    ep = hostswap.apply_weight_offload(_export(model, (x,)))
+    assert hostswap.get_weight_schedule(ep).fqns == ("lin.weight", "lin.bias")
+    pte, ptd = hostswap.save(ep, tmp_path / "counter")
+    with Module(pte, ptd, weight_offload_budget_mb=1, device="cpu") as m:
+        assert m.stats["state_bytes"] >= 4
+        for _ in range(3):
+            assert torch.equal(m(x), model(x))
+
+
+def test_error_state_that_starts_nonzero():
+    with pytest.raises(WeightOffloadError, match="buffer 'count' is program state .* starts nonzero"):
+        hostswap.apply_weight_offload(_export(Counter(start=5.0), (torch.randn(2, 4),)))
 
 
 def test_error_weight_returned():

@@ -1,0 +1,289 @@
+"""Streamed text generation with a transformers causal LM: one program, a KV cache on the GPU.
+
+``export`` turns a transformers ``*ForCausalLM`` into one ExecuTorch program with two methods
+that read the same ``.ptd``: ``prefill`` (a chunk of ``prefill_chunk`` tokens) and
+``decode`` (one token). The KV cache is program state: a static cache of ``max_seq_len``
+positions that both methods update, kept on the device across calls and outside the weight
+budget. ``Generator`` loads the program with one weight pool for both methods and generates
+greedily, as transformers' ``generate(do_sample=False)`` does with the same static cache.
+
+Prefill takes fixed chunks, not a dynamic length: the runtime plans every activation at load
+for fixed shapes, and a fixed shape can be captured in a CUDA graph. A prompt is prefilled
+chunk by chunk; its last chunk is padded, and the padding's cache slots, all after the last
+prompt token, are masked out and then overwritten by decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+PREFIX = "hostswap_llm_"
+MAX_SEQ_LEN = PREFIX + "max_seq_len"
+PREFILL_CHUNK = PREFIX + "prefill_chunk"
+EOS_TOKEN_IDS = PREFIX + "eos_token_ids"
+PREFILL, DECODE = "prefill", "decode"
+
+
+class GenerationError(ValueError):
+    """A model, program or request that generation cannot serve; the message names it."""
+
+
+def _static_cache_wrapper(model, max_seq_len: int):
+    """transformers' exportable decoder with a static cache of ``max_seq_len`` positions."""
+    from transformers import GenerationConfig
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    if not hasattr(model, "generation_config") or not hasattr(model, "config"):
+        raise GenerationError(f"hostswap.llm.export takes a transformers causal LM (a *ForCausalLM), got {type(model).__name__}")
+    model.eval()
+    model.config.use_cache = True
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        model.set_attn_implementation("sdpa")
+    config = model.generation_config
+    model.generation_config = GenerationConfig(
+        use_cache=True, cache_implementation="static", max_length=max_seq_len,
+        cache_config={"batch_size": 1, "max_cache_len": max_seq_len},
+        eos_token_id=config.eos_token_id, bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
+    )
+    try:
+        wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_seq_len)
+    except (ValueError, AssertionError, TypeError, AttributeError) as e:
+        raise GenerationError(f"{type(model).__name__} has no static-cache export in transformers: {e}") from e
+    return wrapper
+
+
+def _eos_ids(model) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int = 128, prefetch_depth: int = 1,
+           progress: Callable[[str], None] | None = None) -> tuple[str, str]:
+    """Write ``<path>.pte`` (methods ``prefill`` and ``decode``, their schedules, the KV cache
+    as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths."""
+    from hostswap.passes import apply_weight_offload, save
+    from hostswap.passes.weight_offload import state_buffers, weight_tensor
+
+    for name, value in (("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GenerationError(f"{name} must be a positive int, got {value!r}")
+    if prefill_chunk > max_seq_len:
+        raise GenerationError(f"prefill_chunk={prefill_chunk} is longer than max_seq_len={max_seq_len}")
+    say = progress or (lambda _msg: None)
+    wrapper = _static_cache_wrapper(model, max_seq_len)
+    programs = {}
+    for name, length in ((PREFILL, prefill_chunk), (DECODE, 1)):
+        say(f"exporting {name} ({length} token{'s' if length > 1 else ''})")
+        ids = torch.zeros(1, length, dtype=torch.long)
+        with torch.no_grad():
+            ep = wrapper.export(input_ids=ids, cache_position=torch.arange(length, dtype=torch.long))
+            # The cache is program state, which the runtime starts at zero (the programs hold
+            # the wrapper's cache tensors themselves).
+            for fqn in state_buffers(ep):
+                weight_tensor(ep, fqn).zero_()
+        programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth)
+    eos = _eos_ids(model)
+    constants = {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, **({EOS_TOKEN_IDS: eos} if eos else {})}
+    return save(programs, path, constant_methods=constants, progress=say)
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """What the last ``generate`` call measured (host wall time, synchronised)."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0  # every decode step after the first token
+    bytes_streamed_prefill: int = 0
+    bytes_streamed_decode: int = 0
+
+    @property
+    def ms_per_token(self) -> float | None:
+        steps = self.new_tokens - 1
+        return self.decode_seconds / steps * 1e3 if steps > 0 else None
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        steps = self.new_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else None
+
+    @property
+    def bytes_streamed_per_token(self) -> float | None:
+        steps = self.new_tokens - 1
+        return self.bytes_streamed_decode / steps if steps > 0 else None
+
+
+class Generator:
+    """A program written by ``hostswap.llm.export``, loaded for greedy generation.
+
+    One pool serves both methods within ``weight_offload_budget_mb``; the KV cache and the
+    activation arenas live on the device beside it. ``cuda_graph`` (default: on CUDA with the
+    planned policy) captures decode, whose shapes are static, as a CUDA graph; prefill runs
+    eagerly. Other keywords go to ``hostswap.runtime.Module``.
+    """
+
+    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned",
+                 cuda_graph: bool | None = None, **module_options):
+        from hostswap.runtime import Module
+
+        device = torch.device(device)
+        if cuda_graph is None:
+            cuda_graph = device.type == "cuda" and policy == "planned"
+        self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=device,
+                             policy=policy, cuda_graph=(DECODE,) if cuda_graph else False, **module_options)
+        try:
+            missing = [m for m in (PREFILL, DECODE) if m not in self.module.schedules]
+            if missing:
+                raise GenerationError(f"{pte_path} has no method {missing[0]!r} that reads weights: write it with hostswap.llm.export")
+            self.max_seq_len = self._constant(MAX_SEQ_LEN)
+            self.prefill_chunk = self._constant(PREFILL_CHUNK)
+            self.eos_token_ids = frozenset(self.module.run_method(EOS_TOKEN_IDS, []) if EOS_TOKEN_IDS in self.module.method_names() else [])
+        except BaseException:
+            self.module.close()
+            raise
+        self.device = device
+        self.last = GenerationStats()
+
+    def _constant(self, name: str) -> int:
+        if name not in self.module.method_names():
+            raise GenerationError(f"{self.module.pte_path} lacks {name}: write it with hostswap.llm.export")
+        (value,) = self.module.run_method(name, [])
+        return int(value)
+
+    def _step(self, method: str, ids: torch.Tensor, position: int) -> torch.Tensor:
+        positions = torch.arange(position, position + ids.shape[1], dtype=torch.long)
+        (logits,) = self.module.run_method(method, [ids, positions])
+        return logits
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: int | list[int] | None = None,
+                 on_token: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Greedy tokens after ``input_ids`` ([1, n] or [n]); returns prompt + new tokens as
+        [1, n + new], as transformers' ``generate`` does. Stops after ``max_new_tokens`` or at an
+        end-of-sequence token (the program's, or ``eos_token_id``). ``on_token`` sees each new
+        token as it comes."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise GenerationError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+        ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            raise GenerationError(f"input_ids must hold one sequence ([1, n] or [n]), got shape {tuple(input_ids.shape)}")
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise GenerationError(f"input_ids must be integer token ids, got {ids.dtype}")
+        prompt = ids.shape[1]
+        if prompt < 1:
+            raise GenerationError("input_ids is empty: give at least one prompt token")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if prompt + max_new_tokens > self.max_seq_len:
+            raise GenerationError(
+                f"prompt ({prompt} tokens) + max_new_tokens ({max_new_tokens}) = {prompt + max_new_tokens} exceeds the "
+                f"program's max_seq_len={self.max_seq_len}; export with a larger max_seq_len"
+            )
+        eos = self.eos_token_ids if eos_token_id is None else frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        ids = ids.to(torch.long).cpu()
+        stats = GenerationStats(prompt_tokens=prompt)
+        pool = self.module.pool.stats
+        self._sync()
+        t0, bytes0 = time.perf_counter(), pool.bytes_h2d
+        last = self._prefill(ids)
+        token = int(last.argmax())
+        self._sync()
+        t1, bytes1 = time.perf_counter(), self.module.pool.stats.bytes_h2d
+        stats.prefill_seconds, stats.bytes_streamed_prefill = t1 - t0, bytes1 - bytes0
+        new = [token]
+        if on_token:
+            on_token(token)
+        position = prompt
+        while len(new) < max_new_tokens and token not in eos:
+            logits = self._step(DECODE, torch.tensor([[token]], dtype=torch.long), position)
+            position += 1
+            token = int(logits[0, -1].argmax())
+            new.append(token)
+            if on_token:
+                on_token(token)
+        self._sync()
+        stats.decode_seconds = time.perf_counter() - t1
+        stats.bytes_streamed_decode = self.module.pool.stats.bytes_h2d - bytes1
+        stats.new_tokens = len(new)
+        self.last = stats
+        return torch.cat([ids, torch.tensor([new], dtype=torch.long)], dim=1)
+
+    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Run the prompt through the cache; the logits after its last token."""
+        chunk, prompt = self.prefill_chunk, ids.shape[1]
+        position, last = 0, None
+        while position < prompt:
+            n = min(chunk, prompt - position)
+            if position + chunk <= self.max_seq_len:
+                piece = ids[:, position : position + n]
+                if n < chunk:  # padded: the padding's cache slots come after the prompt
+                    piece = torch.cat([piece, piece[:, -1:].expand(1, chunk - n)], dim=1)
+                last = self._step(PREFILL, piece, position)[0, n - 1]
+            else:  # a chunk would run past the cache: the rest token by token
+                for i in range(n):
+                    last = self._step(DECODE, ids[:, position + i : position + i + 1], position + i)[0, -1]
+            position += n
+        return last
+
+    @property
+    def stats(self) -> dict:
+        """The last generation's timings and the module's memory and pool counters."""
+        s = self.last
+        module = self.module.stats
+        return {
+            "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
+            "prefill_ms": s.prefill_seconds * 1e3, "ms_per_token": s.ms_per_token, "tokens_per_s": s.tokens_per_second,
+            "bytes_streamed_per_token": s.bytes_streamed_per_token, "kv_cache_bytes": module["state_bytes"],
+            "activation_arena_bytes": module["activation_arena_bytes"], "weight_budget_bytes": module["budget_bytes"],
+            "hits": module["hits"], "misses": module["misses"], "bytes_h2d": module["bytes_h2d"],
+        }
+
+    def summary(self) -> str:
+        s = self.stats
+        ms = f"{s['ms_per_token']:.2f} ms/token, {s['tokens_per_s']:.1f} tokens/s" if s["ms_per_token"] is not None else "one token"
+        per_token = s["bytes_streamed_per_token"]
+        return (f"prefill {s['prefill_ms']:.1f} ms ({s['prompt_tokens']} tokens), {ms}, {s['new_tokens']} new tokens; "
+                f"streamed {per_token / 2**20 if per_token is not None else 0:.1f} MiB/token; GPU memory: weights "
+                f"{s['weight_budget_bytes'] / 2**20:.1f} MiB, KV cache {s['kv_cache_bytes'] / 2**20:.1f} MiB, "
+                f"activations {s['activation_arena_bytes'] / 2**20:.1f} MiB")
+
+    def close(self) -> None:
+        self.module.close()
+
+    def __enter__(self) -> "Generator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def print_tokens(decode: Callable[[list[int]], str] | None = None, stream=None) -> Callable[[int], None]:
+    """An ``on_token`` callback that writes each token to ``stream`` as it comes: its text with
+    ``decode`` (a tokenizer's), else its id."""
+    stream = stream or sys.stdout
+    seen: list[int] = []
+    printed = [""]
+
+    def on_token(token: int) -> None:
+        if decode is None:
+            stream.write(f"{token} ")
+        else:
+            seen.append(token)
+            text = decode(seen)
+            stream.write(text[len(printed[0]):])
+            printed[0] = text
+        stream.flush()
+
+    return on_token
