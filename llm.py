@@ -69,7 +69,17 @@ def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: i
            progress: Callable[[str], None] | None = None) -> tuple[str, str]:
     """Write ``<path>.pte`` (methods ``prefill`` and ``decode``, their schedules, the KV cache
     as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths."""
-    from hostswap.passes import apply_weight_offload, save
+    from hostswap.passes import save
+
+    programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth, progress=progress)
+    return save(programs, path, constant_methods=constants, progress=progress)
+
+
+def export_programs(model, *, max_seq_len: int, prefill_chunk: int = 128, prefetch_depth: int = 1,
+                    progress: Callable[[str], None] | None = None) -> tuple[dict, dict]:
+    """The probed ``prefill`` and ``decode`` programs of ``export``, and the constant methods
+    that describe them, before lowering."""
+    from hostswap.passes import apply_weight_offload
     from hostswap.passes.weight_offload import state_buffers, weight_tensor
 
     for name, value in (("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk)):
@@ -91,8 +101,7 @@ def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: i
                 weight_tensor(ep, fqn).zero_()
         programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth)
     eos = _eos_ids(model)
-    constants = {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, **({EOS_TOKEN_IDS: eos} if eos else {})}
-    return save(programs, path, constant_methods=constants, progress=say)
+    return programs, {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, **({EOS_TOKEN_IDS: eos} if eos else {})}
 
 
 @dataclasses.dataclass

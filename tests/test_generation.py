@@ -1,0 +1,154 @@
+"""Streamed generation (hostswap.llm) on transformers decoder LMs: tiny random configs saved with
+``save_pretrained`` and loaded back, as a user would, against transformers' own ``generate``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import hostswap
+import hostswap.llm as llm
+from hostswap.passes.weight_offload import state_buffers, weight_tensor
+from hostswap.schedules import load_weight_schedules
+
+from real_models import BY_NAME, VOCAB, build
+
+MB = 2**20
+MAX_SEQ_LEN = 30  # not a multiple of the chunk: a prompt ending near it runs its rest token by token
+CHUNK = 4
+# the decoder LMs of the support table that generation supports (Gemma3: local/global layers)
+GENERATION_ARCHITECTURES = ["Llama", "Qwen2", "Qwen3", "Mistral", "Phi-3", "Gemma", "GPT-2", "Gemma3"]
+
+
+class Exported:
+    def __init__(self, name: str, directory):
+        from transformers import AutoModelForCausalLM
+
+        build(BY_NAME[name])[0].save_pretrained(directory)
+        self.directory = directory
+        self.model = AutoModelForCausalLM.from_pretrained(directory).eval()
+        self.programs, constants = llm.export_programs(self.model, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+        # the programs as exported, before lowering: the bitwise reference of what hostswap runs
+        self.reference = {name: ep.module() for name, ep in self.programs.items()}
+        self.pte, self.ptd = hostswap.save(self.programs, os.path.join(directory, "model"), constant_methods=constants)
+        self.floor = max(s.floor_bytes for s in load_weight_schedules(self.pte).values())
+        self.total = load_weight_schedules(self.pte)["decode"].total_bytes
+
+    def reset_reference_cache(self) -> None:
+        for ep in self.programs.values():
+            for fqn in state_buffers(ep):
+                weight_tensor(ep, fqn).zero_()
+
+    def transformers_tokens(self, prompt: torch.Tensor, new: int) -> torch.Tensor:
+        """transformers' greedy generate with the same static cache, from a fresh load."""
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        model = AutoModelForCausalLM.from_pretrained(self.directory).eval()
+        model.generation_config = GenerationConfig(
+            cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": MAX_SEQ_LEN},
+            do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0,
+        )
+        with torch.no_grad():
+            return model.generate(prompt)
+
+
+_exported: dict[str, Exported] = {}
+
+
+@pytest.fixture(scope="module", params=GENERATION_ARCHITECTURES)
+def exported(request, tmp_path_factory):
+    if request.param not in _exported:
+        _exported[request.param] = Exported(request.param, tmp_path_factory.mktemp(request.param.replace(" ", "_")))
+    return _exported[request.param]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """One architecture for the paths that do not depend on it."""
+    if "Llama" not in _exported:
+        _exported["Llama"] = Exported("Llama", tmp_path_factory.mktemp("Llama"))
+    return _exported["Llama"]
+
+
+def _prompt(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("policy,budget", [("planned", "floor"), ("lru", "total")])
+def test_greedy_tokens_equal_transformers_generate(exported, policy, budget):
+    """Prompt of 7 tokens (a full chunk and a padded one), 12 new tokens."""
+    prompt = _prompt(7)
+    expected = exported.transformers_tokens(prompt, 12)
+    mb = (exported.floor if budget == "floor" else exported.total) / MB
+    with llm.Generator(exported.pte, exported.ptd, weight_offload_budget_mb=mb, device="cpu", policy=policy) as g:
+        out = g.generate(prompt, 12, eos_token_id=[])
+        assert torch.equal(out, expected), (out.tolist(), expected.tolist())
+        again = g.generate(prompt, 12, eos_token_id=[])  # a second generation reuses the cache as it is
+        assert torch.equal(again, expected)
+        s = g.stats
+        assert s["new_tokens"] == 12 and s["prompt_tokens"] == 7 and s["kv_cache_bytes"] > 0
+        if policy == "planned":
+            # one pool for both methods: every call copies exactly the plan's streamed bytes
+            module = g.module.stats
+            assert module["bytes_h2d"] == module["forwards"] * g.module.pool.layout.streamed_bytes
+
+
+def test_logits_bitwise_equal_to_the_exported_program(exported):
+    """Each method's logits, step after step through the shared cache, are bitwise those of
+    the program torch.export traced (itself within 1e-6 of eager transformers)."""
+    ids = _prompt(CHUNK, seed=3)
+    exported.reset_reference_cache()
+    steps = [("prefill", ids, torch.arange(CHUNK)), ("decode", ids[:, :1], torch.tensor([CHUNK])), ("decode", ids[:, 1:2], torch.tensor([CHUNK + 1]))]
+    with torch.no_grad():
+        expected = [exported.reference[m](input_ids=x, cache_position=p) for m, x, p in steps]
+    with llm.Generator(exported.pte, exported.ptd, weight_offload_budget_mb=exported.floor / MB, device="cpu") as g:
+        for (method, x, p), want in zip(steps, expected):
+            (got,) = g.module.run_method(method, [x, p])
+            assert torch.equal(got, want), (method, (got - want).abs().max().item())
+
+
+def test_prompt_ending_near_max_seq_len_runs_its_rest_token_by_token(llama):
+    prompt = _prompt(MAX_SEQ_LEN - 1)  # 28 tokens in chunks; the 29th would need positions past the cache
+    expected = llama.transformers_tokens(prompt, 1)
+    with llm.Generator(llama.pte, llama.ptd, weight_offload_budget_mb=llama.floor / MB, device="cpu") as g:
+        assert torch.equal(g.generate(prompt, 1, eos_token_id=[]), expected)
+
+
+def test_stops_at_end_of_sequence(llama):
+    prompt = _prompt(7)
+    full = llama.transformers_tokens(prompt, 12)[0, 7:].tolist()
+    with llm.Generator(llama.pte, llama.ptd, weight_offload_budget_mb=llama.floor / MB, device="cpu") as g:
+        seen = []
+        out = g.generate(prompt, 12, eos_token_id=full[3], on_token=seen.append)
+        assert out[0, 7:].tolist() == full[: full.index(full[3]) + 1] == seen
+
+
+def test_errors_name_the_argument_before_any_work(llama):
+    with llm.Generator(llama.pte, llama.ptd, weight_offload_budget_mb=llama.floor / MB, device="cpu") as g:
+        with pytest.raises(llm.GenerationError, match=r"prompt \(20 tokens\) \+ max_new_tokens \(11\) = 31 exceeds the program's max_seq_len=30"):
+            g.generate(_prompt(20), 11)
+        with pytest.raises(llm.GenerationError, match="one sequence"):
+            g.generate(torch.zeros(2, 3, dtype=torch.long), 2)
+        with pytest.raises(llm.GenerationError, match="max_new_tokens must be a positive int, got 0"):
+            g.generate(_prompt(3), 0)
+        with pytest.raises(llm.GenerationError, match="integer token ids, got torch.float32"):
+            g.generate(torch.zeros(1, 3), 2)
+        with pytest.raises(llm.GenerationError, match="must be a tensor of token ids, got list"):
+            g.generate([1, 2, 3], 2)
+        with pytest.raises(llm.GenerationError, match="input_ids is empty"):
+            g.generate(torch.zeros(1, 0, dtype=torch.long), 2)
+        assert g.module.stats["forwards"] == 0  # nothing ran
+
+
+def test_errors_at_export_and_load(lowered_by_name, tmp_path):
+    with pytest.raises(llm.GenerationError, match="prefill_chunk=64 is longer than max_seq_len=32"):
+        llm.export(build(BY_NAME["Llama"])[0], tmp_path / "m", max_seq_len=32, prefill_chunk=64)
+    with pytest.raises(llm.GenerationError, match="max_seq_len must be a positive int, got 0"):
+        llm.export(build(BY_NAME["Llama"])[0], tmp_path / "m", max_seq_len=0)
+    with pytest.raises(llm.GenerationError, match="takes a transformers causal LM"):
+        llm.export(torch.nn.Linear(2, 2), tmp_path / "m", max_seq_len=8, prefill_chunk=4)
+    demo = lowered_by_name("demo_transformer")
+    with pytest.raises(llm.GenerationError, match="has no method 'prefill' that reads weights: write it with hostswap.llm.export"):
+        llm.Generator(demo.pte, demo.ptd, weight_offload_budget_mb=100, device="cpu")
