@@ -1,4 +1,4 @@
-"""The ``hostswap`` command: ``inspect`` an emitted schedule, run the ``demo``."""
+"""The ``hostswap`` command: export and run generation, inspect an emitted schedule, run the demo."""
 
 from __future__ import annotations
 
@@ -32,6 +32,99 @@ def _demo(args) -> int:
     return run_demo(out_dir=args.out, budget_factor=args.budget_factor, device=args.device)
 
 
+def _export_llm(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hostswap.llm as llm
+
+    def say(message: str) -> None:
+        print(f"[hostswap export-llm] {message}", file=sys.stderr, flush=True)
+
+    say(f"loading {args.checkpoint}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype) if args.dtype else "auto")
+    except (OSError, ValueError) as e:
+        print(f"hostswap export-llm: cannot load {args.checkpoint}: {e}", file=sys.stderr)
+        return 2
+    try:
+        pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say)
+    except llm.GenerationError as e:
+        print(f"hostswap export-llm: {e}", file=sys.stderr)
+        return 2
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(args.checkpoint).save_pretrained(args.out + ".tokenizer")
+        say(f"tokenizer saved to {args.out}.tokenizer")
+    except (OSError, ValueError):
+        say("the checkpoint has no tokenizer: give prompts with --prompt-ids")
+    print(f"{pte}\n{ptd}")
+    return 0
+
+
+def _pinned_bandwidth(device) -> float:
+    """Pinned host-to-device bytes per second on ``device``, from one 256 MiB copy after a warm-up."""
+    import torch
+
+    src = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return src.numel() / (start.elapsed_time(end) / 1e3)
+
+
+def _generate(args) -> int:
+    import os
+
+    import torch
+
+    import hostswap.llm as llm
+
+    base = args.program[:-4] if args.program.endswith(".pte") else args.program
+    tokenizer = None
+    if args.prompt_ids is None:
+        if args.prompt is None:
+            print("hostswap generate: give --prompt (with a tokenizer saved by export-llm) or --prompt-ids", file=sys.stderr)
+            return 2
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(base + ".tokenizer")
+        except (OSError, ValueError):
+            print(f"hostswap generate: no tokenizer at {base}.tokenizer: give --prompt-ids 1,2,3", file=sys.stderr)
+            return 2
+        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    else:
+        try:
+            ids = torch.tensor([[int(t) for t in args.prompt_ids.split(",") if t.strip()]], dtype=torch.long)
+        except ValueError:
+            print(f"hostswap generate: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
+            return 2
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        with llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=args.budget_mb, device=device, policy=args.policy) as g:
+            if tokenizer is not None:
+                print(args.prompt, end="", flush=True)
+            g.generate(ids, args.max_new_tokens, on_token=llm.print_tokens(tokenizer.decode if tokenizer else None))
+            print()
+            line = g.summary()
+            per_token = g.stats["bytes_streamed_per_token"]
+            if device.type == "cuda" and per_token:
+                bound = per_token / _pinned_bandwidth(device) * 1e3
+                line += f"; bound {bound:.2f} ms/token (streamed bytes / pinned H2D)"
+            print(line, file=sys.stderr)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"hostswap generate: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hostswap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,7 +134,23 @@ def main(argv=None) -> int:
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--plot", metavar="FILE", help="draw weight bytes per kernel with floor and budget lines (.png or .svg)")
     p.set_defaults(func=_inspect)
-    d = sub.add_parser("demo", help="export, pass, save and inspect a built-in transformer (then run it)")
+    e = sub.add_parser("export-llm", help="write a transformers causal LM as a prefill/decode program with a KV cache")
+    e.add_argument("checkpoint", help="a local transformers checkpoint folder (or a hub name)")
+    e.add_argument("--out", required=True, help="path prefix: writes <out>.pte, <out>.ptd and <out>.tokenizer/")
+    e.add_argument("--max-seq-len", type=int, required=True, help="KV cache positions: prompt plus new tokens")
+    e.add_argument("--prefill-chunk", type=int, default=128, help="tokens per prefill call (default 128)")
+    e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="load the weights in this dtype (default: the checkpoint's)")
+    e.set_defaults(func=_export_llm)
+    g = sub.add_parser("generate", help="stream greedy tokens from a program written by export-llm")
+    g.add_argument("program", help="the path prefix given to export-llm (or its .pte)")
+    g.add_argument("--budget-mb", type=float, required=True, help="GPU memory for weights (MB); below the floor it fails with the minimum")
+    g.add_argument("--prompt", help="text, encoded with the tokenizer export-llm saved")
+    g.add_argument("--prompt-ids", help="comma-separated token ids, for a program without a tokenizer")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--policy", choices=["planned", "lru"], default="planned")
+    g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    g.set_defaults(func=_generate)
+    d = sub.add_parser("demo", help="streamed generation with a built-in random-weight transformers Llama (no downloads)")
     d.add_argument("--out", default="out", help="folder for demo.pte / demo.ptd (default: out)")
     d.add_argument("--budget-factor", type=float, default=1.5, help="budget as a multiple of the floor (default 1.5)")
     d.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")

@@ -264,7 +264,7 @@ class Generator:
         ms = f"{s['ms_per_token']:.2f} ms/token, {s['tokens_per_s']:.1f} tokens/s" if s["ms_per_token"] is not None else "one token"
         per_token = s["bytes_streamed_per_token"]
         return (f"prefill {s['prefill_ms']:.1f} ms ({s['prompt_tokens']} tokens), {ms}, {s['new_tokens']} new tokens; "
-                f"streamed {per_token / 2**20 if per_token is not None else 0:.1f} MiB/token; GPU memory: weights "
+                f"streamed {per_token / 2**20 if per_token is not None else 0:.1f} MiB/token; device memory: weights "
                 f"{s['weight_budget_bytes'] / 2**20:.1f} MiB, KV cache {s['kv_cache_bytes'] / 2**20:.1f} MiB, "
                 f"activations {s['activation_arena_bytes'] / 2**20:.1f} MiB")
 
