@@ -80,7 +80,6 @@ def _pinned_bandwidth(device) -> float:
 
 
 def _generate(args) -> int:
-    import os
 
     import torch
 

@@ -235,3 +235,33 @@ def test_carried_fills_stay_bitwise(lowered_by_name, monkeypatch, depth, forced)
         print(f"depth {depth} forced={forced}: carried {after['fills_carried']} fills, {after['bytes_carried']} bytes")
     finally:
         m.close()
+
+
+def test_generation_on_cuda_equals_transformers_and_graphed_decode_is_bitwise_eager(tmp_path):
+    """A transformers Llama (fp32, random weights) saved and loaded back: greedy tokens on the
+    GPU at the floor are transformers' own (static cache, same GPU), and decode under a CUDA
+    graph gives bitwise the logits of eager decode."""
+    import hostswap.llm as llm
+    from hostswap.demo import demo_llama
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    demo_llama().save_pretrained(tmp_path / "ckpt")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    pte, ptd = llm.export(model, tmp_path / "llama", max_seq_len=96, prefill_chunk=16)
+    floor = max(s.floor_bytes for s in hostswap.schedules.load_weight_schedules(pte).values())
+    prompt = torch.randint(0, 4096, (1, 20), generator=torch.Generator().manual_seed(2))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval().cuda()
+    reference.generation_config = GenerationConfig(cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": 96},
+                                                   do_sample=False, max_new_tokens=64, min_new_tokens=64, pad_token_id=0)
+    with torch.no_grad():
+        expected = reference.generate(prompt.cuda()).cpu()
+    logits = {}
+    for graphed in (True, False):
+        with llm.Generator(pte, ptd, weight_offload_budget_mb=floor / MB, device="cuda", cuda_graph=graphed) as g:
+            out = g.generate(prompt, 64)
+            assert torch.equal(out, expected), (graphed, out[0, 20:].tolist(), expected[0, 20:].tolist())
+            assert g.module.stats["bytes_h2d"] > 0
+            steps = [g.module.run_method("decode", [out[:, 20 + i : 21 + i], torch.tensor([84 + i])])[0] for i in range(4)]
+            logits[graphed] = torch.stack(steps)
+            print(f"cuda_graph={graphed}: {g.summary()}")
+    assert torch.equal(logits[True], logits[False])

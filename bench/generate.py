@@ -1,0 +1,216 @@
+"""Streamed generation: hostswap.llm against transformers' generate and accelerate, one process.
+
+    python bench/generate.py --layers 12                 # transformers Llama, 1.25 GiB of bf16 weights
+    python bench/generate.py --layers 40 --part 4gib     # 4.1 GiB
+
+A transformers ``LlamaForCausalLM`` (hidden 2048, GQA 32/8 heads, bf16, random weights from a
+config) is exported once with ``hostswap.llm.export``. For each prompt length and budget
+(floor, 25/50/75/100 % of the weight bytes) a ``Generator`` generates ``--new-tokens`` greedy
+tokens; rows give prefill ms, decode ms/token, tokens/s and bytes streamed per token. In the
+same process: transformers' ``generate`` with every weight on the GPU, accelerate's
+``dispatch_model`` with ``max_memory`` at the same GPU memory, and the bound = max(all-resident
+ms/token, bytes streamed per token / pinned H2D bandwidth measured in this run). hostswap's
+tokens are checked against transformers' for the first ``--check-tokens``. Every row is
+written to ``bench/results/generate_<device>[_<part>].json`` as soon as it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hostswap  # noqa: E402
+import hostswap.llm as llm  # noqa: E402
+from weights import environment, h2d_bandwidth, result_path  # noqa: E402
+
+BUDGETS = (("floor", None), ("25%", 0.25), ("50%", 0.50), ("75%", 0.75), ("100%", 1.0))
+
+
+def llama(layers: int, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)  # random init on the GPU: seconds, not minutes
+    return model.cpu().eval()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def transformers_generate(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, torch.Tensor]:
+    """(prefill s, decode s per token, tokens) of ``model.generate`` (greedy, its default cache):
+    timed with one new token and with ``new_tokens``; the difference is decode."""
+    def run(n):
+        sync()
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        sync()
+        return time.perf_counter() - t, out
+
+    run(2)  # warm-up
+    one, _ = run(1)
+    full, out = run(new_tokens)
+    return one, (full - one) / (new_tokens - 1), out.cpu()
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device("cuda")
+        self.path = result_path(args.out, "generate", self.device, args.part)
+        os.makedirs(args.out, exist_ok=True)
+        self.t0 = time.perf_counter()
+        self.result = {"environment": environment(self.device), "args": vars(args), "rows": [], "notes": []}
+
+    def log(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:7.1f}s] {message}", flush=True)
+
+    def save(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump(self.result, f, indent=1)
+
+    def time_left(self) -> float:
+        return self.args.deadline_s - (time.perf_counter() - self.t0)
+
+    def add(self, row: dict) -> None:
+        self.result["rows"].append(row)
+        self.save()
+        per_token = f"{row['ms_per_token']:.2f} ms/token" if row.get("ms_per_token") else ""
+        bound = f" ({row['ms_per_token'] / row['bound_ms_per_token']:.2f} x bound)" if row.get("bound_ms_per_token") else ""
+        self.log(f"{row['config']:28s} prompt {row['prompt_tokens']:4d} {row['budget_name']:>5s}  prefill {row.get('prefill_ms', 0):7.1f} ms  {per_token}{bound} {row.get('tokens', '')}")
+
+    def run(self) -> None:
+        a = self.args
+        model = llama(a.layers)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.result["model"] = {"class": "LlamaForCausalLM", "layers": a.layers, "weight_bytes": weight_bytes}
+        self.log(f"model: {a.layers} layers, {weight_bytes / 2**30:.2f} GiB")
+        pinned = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+        self.result["pinned_h2d_bytes_per_s"] = bw = h2d_bandwidth(self.device, pinned)
+        del pinned
+        self.log(f"pinned H2D {bw / 1e9:.1f} GB/s")
+        prompts = {n: torch.randint(0, 32000, (1, n), generator=torch.Generator().manual_seed(n)) for n in a.prompts}
+        max_seq_len = max(a.prompts) + a.new_tokens
+        work = tempfile.mkdtemp(dir=a.workdir)
+        t = time.perf_counter()
+        pte, ptd = llm.export(copy.deepcopy(model), os.path.join(work, "llama"), max_seq_len=max_seq_len, prefill_chunk=a.prefill_chunk,
+                              progress=lambda m: self.log(f"export: {m}"))
+        self.result["export_s"] = time.perf_counter() - t
+        schedule = hostswap.schedules.load_weight_schedule(pte, "decode")
+        total = schedule.total_bytes
+        # transformers all-resident: the reference tokens and the bound's compute term
+        resident = copy.deepcopy(model).to(self.device)
+        reference, resident_ms = {}, {}
+        for n, prompt in prompts.items():
+            prefill_s, per_token_s, tokens = transformers_generate(resident, prompt.to(self.device), a.new_tokens)
+            reference[n], resident_ms[n] = tokens, per_token_s * 1e3
+            self.add({"config": "transformers generate", "prompt_tokens": n, "budget_name": "100%", "budget_bytes": total,
+                      "prefill_ms": prefill_s * 1e3, "ms_per_token": per_token_s * 1e3, "tokens_per_s": 1 / per_token_s})
+        del resident
+        gc.collect()
+        torch.cuda.empty_cache()
+        budgets = [(name, schedule.floor_bytes if f is None else max(schedule.floor_bytes, int(f * total))) for name, f in BUDGETS]
+        budgets[-1] = ("100%", total + 2**20)
+        configs = [("hostswap planned, decode graphed", dict(policy="planned"))]
+        if a.eager:
+            configs.append(("hostswap planned, eager", dict(policy="planned", cuda_graph=False)))
+        for budget_name, budget in budgets:
+            for config, options in configs:
+                if config.endswith("eager") and budget_name not in ("floor", "50%"):
+                    continue
+                for n, prompt in prompts.items():
+                    if self.time_left() < a.reserve_s:
+                        self.result["notes"].append(f"deadline: stopped before {config} {budget_name} prompt {n}")
+                        self.save()
+                        return
+                    self.run_hostswap(config, options, pte, ptd, budget_name, budget, n, prompt, reference[n], resident_ms[n], bw)
+        if not a.skip_accelerate:
+            self.run_accelerate(model, budgets[1:-1], prompts, bw, total, resident_ms)
+        self.save()
+
+    def run_hostswap(self, config, options, pte, ptd, budget_name, budget, n, prompt, reference, resident_ms, bw) -> None:
+        a = self.args
+        t = time.perf_counter()
+        with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, **options) as g:
+            load_s = time.perf_counter() - t
+            g.generate(prompt, 4)  # warm-up: CUDA graph capture, allocator
+            out = g.generate(prompt, a.new_tokens)
+            s = g.stats
+        check = min(a.check_tokens, a.new_tokens)
+        same = torch.equal(out[0, n : n + check], reference[0, n : n + check])
+        per_token = s["bytes_streamed_per_token"] or 0
+        bound = max(resident_ms, per_token / bw * 1e3)
+        self.add({"config": config, "prompt_tokens": n, "budget_name": budget_name, "budget_bytes": budget, "load_s": load_s,
+                  "prefill_ms": s["prefill_ms"], "ms_per_token": s["ms_per_token"], "tokens_per_s": s["tokens_per_s"],
+                  "bytes_streamed_per_token": per_token, "bound_ms_per_token": bound, "kv_cache_bytes": s["kv_cache_bytes"],
+                  "activation_arena_bytes": s["activation_arena_bytes"], f"same_tokens_first_{check}": same, "tokens": "same tokens" if same else "TOKENS DIFFER"})
+
+    def run_accelerate(self, model, budgets, prompts, bw, total, resident_ms) -> None:
+        try:
+            from accelerate import dispatch_model, infer_auto_device_map
+        except ImportError:
+            self.result["notes"].append("accelerate not installed: peer not measured")
+            return
+        for budget_name, budget in budgets:
+            if self.time_left() < self.args.reserve_s:
+                self.result["notes"].append(f"deadline: stopped before accelerate {budget_name}")
+                return
+            m = copy.deepcopy(model)
+            device_map = infer_auto_device_map(m, max_memory={0: budget, "cpu": 2**40}, no_split_module_classes=["LlamaDecoderLayer"])
+            before = torch.cuda.memory_allocated()
+            m = dispatch_model(m, device_map=device_map, main_device=0)
+            on_gpu = torch.cuda.memory_allocated() - before
+            for n, prompt in prompts.items():
+                prefill_s, per_token_s, _ = transformers_generate(m, prompt.to(self.device), self.args.peer_tokens)
+                streamed = total - on_gpu
+                self.add({"config": "accelerate dispatch_model", "prompt_tokens": n, "budget_name": budget_name, "budget_bytes": budget,
+                          "weights_on_gpu_bytes": on_gpu, "prefill_ms": prefill_s * 1e3, "ms_per_token": per_token_s * 1e3,
+                          "tokens_per_s": 1 / per_token_s, "bytes_streamed_per_token": streamed,
+                          "bound_ms_per_token": max(resident_ms[n], streamed / bw * 1e3)})
+            del m
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=12, help="decoder layers (12: 1.25 GiB, 40: 4.1 GiB)")
+    p.add_argument("--prompts", type=lambda v: [int(x) for x in v.split(",")], default=[128, 512], help="prompt lengths (default 128,512)")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--check-tokens", type=int, default=64, help="hostswap's first new tokens compared with transformers'")
+    p.add_argument("--peer-tokens", type=int, default=16, help="new tokens per accelerate measurement")
+    p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--eager", action="store_true", help="also run decode eagerly (no CUDA graph) at the floor and 50 %%")
+    p.add_argument("--skip-accelerate", action="store_true")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--workdir", default=tempfile.gettempdir())
+    p.add_argument("--part", help="suffix of the result file (generate_<device>_<part>.json)")
+    p.add_argument("--deadline-s", type=float, default=540, help="start nothing new after this many seconds")
+    p.add_argument("--reserve-s", type=float, default=20)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/generate.py measures on a CUDA device", file=sys.stderr)
+        return 2
+    Bench(args).run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
