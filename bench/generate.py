@@ -9,8 +9,9 @@ config) is exported once with ``hostswap.llm.export``. For each prompt length an
 tokens; rows give prefill ms, decode ms/token, tokens/s and bytes streamed per token. In the
 same process: transformers' ``generate`` with every weight on the GPU, accelerate's
 ``dispatch_model`` with ``max_memory`` at the same GPU memory, and the bound = max(all-resident
-ms/token, bytes streamed per token / pinned H2D bandwidth measured in this run). hostswap's
-tokens are checked against transformers' for the first ``--check-tokens``. Every row is
+ms/token, bytes streamed per token / pinned H2D bandwidth measured in this run), computed by
+bench/report.py. hostswap's tokens are checked against transformers' with the same static
+cache for the first ``--check-tokens``. Every row is
 written to ``bench/results/generate_<device>[_<part>].json`` as soon as it is measured.
 """
 
@@ -53,14 +54,22 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def transformers_generate(model, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, torch.Tensor]:
-    """(prefill s, decode s per token, tokens) of ``model.generate`` (greedy, its default cache):
-    timed with one new token and with ``new_tokens``; the difference is decode."""
+def transformers_generate(model, prompt: torch.Tensor, new_tokens: int, static_cache_len: int | None = None) -> tuple[float, float, torch.Tensor]:
+    """(prefill s, decode s per token, tokens) of ``model.generate`` (greedy; its default
+    dynamic cache, or a static cache of ``static_cache_len`` positions as hostswap's program
+    keeps): timed with one new token and with ``new_tokens``; the difference is decode."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, pad_token_id=0, disable_compile=True)
+    if static_cache_len:
+        config.cache_implementation = "static"
+        config.cache_config = {"batch_size": 1, "max_cache_len": static_cache_len}
+
     def run(n):
         sync()
         t = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            out = model.generate(prompt, generation_config=config, max_new_tokens=n, min_new_tokens=n)
         sync()
         return time.perf_counter() - t, out
 
@@ -93,8 +102,8 @@ class Bench:
         self.result["rows"].append(row)
         self.save()
         per_token = f"{row['ms_per_token']:.2f} ms/token" if row.get("ms_per_token") else ""
-        bound = f" ({row['ms_per_token'] / row['bound_ms_per_token']:.2f} x bound)" if row.get("bound_ms_per_token") else ""
-        self.log(f"{row['config']:28s} prompt {row['prompt_tokens']:4d} {row['budget_name']:>5s}  prefill {row.get('prefill_ms', 0):7.1f} ms  {per_token}{bound} {row.get('tokens', '')}")
+        streamed = f" {row['bytes_streamed_per_token'] / 2**20:.0f} MiB/token" if row.get("bytes_streamed_per_token") else ""
+        self.log(f"{row['config']:36s} prompt {row['prompt_tokens']:4d} {row['budget_name']:>5s}  prefill {row.get('prefill_ms', 0):7.1f} ms  {per_token}{streamed} {row.get('tokens', '')}")
 
     def run(self) -> None:
         a = self.args
@@ -119,10 +128,13 @@ class Bench:
         resident = copy.deepcopy(model).to(self.device)
         reference, resident_ms = {}, {}
         for n, prompt in prompts.items():
-            prefill_s, per_token_s, tokens = transformers_generate(resident, prompt.to(self.device), a.new_tokens)
-            reference[n], resident_ms[n] = tokens, per_token_s * 1e3
-            self.add({"config": "transformers generate", "prompt_tokens": n, "budget_name": "100%", "budget_bytes": total,
-                      "prefill_ms": prefill_s * 1e3, "ms_per_token": per_token_s * 1e3, "tokens_per_s": 1 / per_token_s})
+            for config, cache_len in (("transformers generate", None), ("transformers generate, static cache", max_seq_len)):
+                prefill_s, per_token_s, tokens = transformers_generate(resident, prompt.to(self.device), a.new_tokens, cache_len)
+                if cache_len:  # the same cache as the program's: the reference tokens
+                    reference[n] = tokens
+                self.add({"config": config, "prompt_tokens": n, "budget_name": "100%", "budget_bytes": total,
+                          "prefill_ms": prefill_s * 1e3, "ms_per_token": per_token_s * 1e3, "tokens_per_s": 1 / per_token_s,
+                          "new_token_ids": tokens[0, n : n + a.check_tokens].tolist()})
         del resident
         gc.collect()
         torch.cuda.empty_cache()
@@ -140,12 +152,12 @@ class Bench:
                         self.result["notes"].append(f"deadline: stopped before {config} {budget_name} prompt {n}")
                         self.save()
                         return
-                    self.run_hostswap(config, options, pte, ptd, budget_name, budget, n, prompt, reference[n], resident_ms[n], bw)
+                    self.run_hostswap(config, options, pte, ptd, budget_name, budget, n, prompt, reference[n])
         if not a.skip_accelerate:
-            self.run_accelerate(model, budgets[1:-1], prompts, bw, total, resident_ms)
+            self.run_accelerate(model, budgets[1:-1], prompts)
         self.save()
 
-    def run_hostswap(self, config, options, pte, ptd, budget_name, budget, n, prompt, reference, resident_ms, bw) -> None:
+    def run_hostswap(self, config, options, pte, ptd, budget_name, budget, n, prompt, reference) -> None:
         a = self.args
         t = time.perf_counter()
         with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, **options) as g:
@@ -154,15 +166,16 @@ class Bench:
             out = g.generate(prompt, a.new_tokens)
             s = g.stats
         check = min(a.check_tokens, a.new_tokens)
-        same = torch.equal(out[0, n : n + check], reference[0, n : n + check])
-        per_token = s["bytes_streamed_per_token"] or 0
-        bound = max(resident_ms, per_token / bw * 1e3)
+        mine, theirs = out[0, n : n + check].tolist(), reference[0, n : n + check].tolist()
+        differ = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y), None)
         self.add({"config": config, "prompt_tokens": n, "budget_name": budget_name, "budget_bytes": budget, "load_s": load_s,
                   "prefill_ms": s["prefill_ms"], "ms_per_token": s["ms_per_token"], "tokens_per_s": s["tokens_per_s"],
-                  "bytes_streamed_per_token": per_token, "bound_ms_per_token": bound, "kv_cache_bytes": s["kv_cache_bytes"],
-                  "activation_arena_bytes": s["activation_arena_bytes"], f"same_tokens_first_{check}": same, "tokens": "same tokens" if same else "TOKENS DIFFER"})
+                  "bytes_streamed_per_token": s["bytes_streamed_per_token"] or 0, "kv_cache_bytes": s["kv_cache_bytes"],
+                  "activation_arena_bytes": s["activation_arena_bytes"], "new_token_ids": mine, "checked_tokens": check,
+                  "first_token_differing_from_transformers": differ,
+                  "tokens": "same tokens" if differ is None else f"differs from token {differ}"})
 
-    def run_accelerate(self, model, budgets, prompts, bw, total, resident_ms) -> None:
+    def run_accelerate(self, model, budgets, prompts) -> None:
         try:
             from accelerate import dispatch_model, infer_auto_device_map
         except ImportError:
@@ -179,11 +192,9 @@ class Bench:
             on_gpu = torch.cuda.memory_allocated() - before
             for n, prompt in prompts.items():
                 prefill_s, per_token_s, _ = transformers_generate(m, prompt.to(self.device), self.args.peer_tokens)
-                streamed = total - on_gpu
                 self.add({"config": "accelerate dispatch_model", "prompt_tokens": n, "budget_name": budget_name, "budget_bytes": budget,
                           "weights_on_gpu_bytes": on_gpu, "prefill_ms": prefill_s * 1e3, "ms_per_token": per_token_s * 1e3,
-                          "tokens_per_s": 1 / per_token_s, "bytes_streamed_per_token": streamed,
-                          "bound_ms_per_token": max(resident_ms[n], streamed / bw * 1e3)})
+                          "tokens_per_s": 1 / per_token_s, "bytes_streamed_per_token": self.result["model"]["weight_bytes"] - on_gpu})
             del m
             gc.collect()
             torch.cuda.empty_cache()

@@ -235,12 +235,11 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda)
-    try:
-        import accelerate
-
-        env["accelerate"] = accelerate.__version__
-    except ImportError:
-        env["accelerate"] = None
+    for package in ("accelerate", "transformers"):
+        try:
+            env[package] = __import__(package).__version__
+        except ImportError:
+            env[package] = None
     return env
 
 
