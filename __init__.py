@@ -6,13 +6,14 @@ from hostswap.passes.activation_offload import ActivationOffloadError, OffloadCo
 from hostswap.passes.out_variants import OutVariantError
 from hostswap.runtime.activation_offload import mark_not_offload
 
-__all__ = ["ActivationOffloadError", "OffloadCoverageWarning", "OutVariantError", "activation_offload_backend", "mark_not_offload", "WeightOffloadError", "apply_weight_offload", "get_weight_schedule", "save", "schedules", "to_executorch", "runtime"]
+__all__ = ["ActivationOffloadError", "OffloadCoverageWarning", "OutVariantError", "activation_offload_backend", "mark_not_offload", "WeightOffloadError", "apply_weight_offload", "get_weight_schedule", "save", "schedules", "to_executorch", "runtime", "llm"]
 
 
 def __getattr__(name):
-    # The runtime pulls in more of ExecuTorch and CUDA bindings; load it when first asked for.
-    if name == "runtime":
+    # The runtime (and generation, which uses it) pulls in more of ExecuTorch and CUDA
+    # bindings; load them when first asked for.
+    if name in ("runtime", "llm"):
         import importlib
 
-        return importlib.import_module("hostswap.runtime")
+        return importlib.import_module(f"hostswap.{name}")
     raise AttributeError(f"module 'hostswap' has no attribute {name!r}")

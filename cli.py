@@ -108,6 +108,7 @@ def _generate(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         with llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=args.budget_mb, device=device, policy=args.policy) as g:
+            print(f"loaded: {g.memory_report()}", file=sys.stderr, flush=True)
             if tokenizer is not None:
                 print(args.prompt, end="", flush=True)
             g.generate(ids, args.max_new_tokens, on_token=llm.print_tokens(tokenizer.decode if tokenizer else None))

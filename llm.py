@@ -259,6 +259,12 @@ class Generator:
             "hits": module["hits"], "misses": module["misses"], "bytes_h2d": module["bytes_h2d"],
         }
 
+    def memory_report(self) -> str:
+        """Device memory by kind, as loaded."""
+        m = self.module.stats
+        return (f"{self.device}: weights {m['budget_bytes'] / 2**20:.1f} MiB (budget; floor {self.module.schedule.floor_bytes / 2**20:.1f} MiB), "
+                f"KV cache {m['state_bytes'] / 2**20:.1f} MiB, activations {m['activation_arena_bytes'] / 2**20:.1f} MiB")
+
     def summary(self) -> str:
         s = self.stats
         ms = f"{s['ms_per_token']:.2f} ms/token, {s['tokens_per_s']:.1f} tokens/s" if s["ms_per_token"] is not None else "one token"

@@ -41,6 +41,18 @@ _REPLAY_NOT_COUNTED = {
 POOLS = {"planned": PlannedPool, "lru": LruPool}
 
 
+def check_device_memory(device, weight_bytes: int, state_bytes: int, activation_bytes: int, free_bytes: int) -> None:
+    """Refuse, before allocating, what the device cannot hold, naming all three parts."""
+    need = weight_bytes + state_bytes + activation_bytes
+    if need > free_bytes:
+        raise PoolCreationError(
+            f"{device} has {free_bytes / 2**20:.1f} MiB free; this program needs {need / 2**20:.1f} MiB: weights "
+            f"{weight_bytes / 2**20:.1f} MiB (the budget), state such as a KV cache {state_bytes / 2**20:.1f} MiB, "
+            f"activations {activation_bytes / 2**20:.1f} MiB. Lower weight_offload_budget_mb (the floor is the least) "
+            "or export with a shorter max_seq_len"
+        )
+
+
 class ConcurrentExecutionError(RuntimeError):
     """Two threads tried to run one loaded Module at the same time."""
 
@@ -116,7 +128,8 @@ class Module:
         if graphed and self.device.type != "cuda":
             raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
         self.budget_bytes = round(weight_offload_budget_mb * 2**20)
-        check_budget(self.schedule, self.budget_bytes)
+        # the floor at load is the largest of the methods' floors
+        check_budget(max(self.schedules.values(), key=lambda s: s.floor_bytes), self.budget_bytes)
         if data_path is None:
             data_path = os.path.splitext(self.pte_path)[0] + ".ptd"
         self.ptd = PtdFile(data_path)
@@ -128,6 +141,12 @@ class Module:
                 self.ptd.lock()
             if self.device.type == "cuda":
                 self.ptd.register_with_cuda()
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                state = sum(self._state_sizes().values())
+                activations = max(sum(size for i, size in enumerate(plan.non_const_buffer_sizes) if i not in state_memory_ids(plan))
+                                  for plan in self.program.execution_plan)
+                check_device_memory(self.device, min(self.budget_bytes, self.schedule.total_bytes), state, activations, free)
             host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
             self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
             self._executors: dict[str, MethodExecutor] = {}
@@ -175,14 +194,17 @@ class Module:
         self._executors[plan.name] = executor
         return executor
 
-    def _allocate_state(self) -> dict[int, torch.Tensor]:
-        """Program state (buffers the methods mutate, a KV cache): one zeroed device tensor per
-        memory id, shared by every method and kept across calls."""
+    def _state_sizes(self) -> dict[int, int]:
         sizes: dict[int, int] = {}
         for plan in self.program.execution_plan:
             for memory_id, nbytes in state_memory_ids(plan).items():
                 sizes[memory_id] = max(sizes.get(memory_id, 0), nbytes)
-        return {memory_id: torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for memory_id, nbytes in sizes.items()}
+        return sizes
+
+    def _allocate_state(self) -> dict[int, torch.Tensor]:
+        """Program state (buffers the methods mutate, a KV cache): one zeroed device tensor per
+        memory id, shared by every method and kept across calls."""
+        return {memory_id: torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for memory_id, nbytes in self._state_sizes().items()}
 
     @property
     def state_bytes(self) -> int:

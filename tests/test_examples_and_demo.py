@@ -36,7 +36,7 @@ def test_export_llm_and_generate_commands(tmp_path):
     assert "exporting prefill" in exported.stderr and "no tokenizer" in exported.stderr
     generated = run("generate", str(tmp_path / "llama"), "--budget-mb", "20", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--device", "cpu")
     assert generated.returncode == 0, generated.stderr[-2000:]
-    assert len(generated.stdout.split()) == 6 and "ms/token" in generated.stderr
+    assert len(generated.stdout.split()) == 6 and "ms/token" in generated.stderr and "loaded: cpu: weights 20.0 MiB" in generated.stderr
     refused = run("generate", str(tmp_path / "llama"), "--budget-mb", "20", "--prompt", "hello", "--device", "cpu")
     assert refused.returncode == 2 and "no tokenizer" in refused.stderr
     low = run("generate", str(tmp_path / "llama"), "--budget-mb", "0.01", "--prompt-ids", "1", "--device", "cpu")

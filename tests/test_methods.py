@@ -94,3 +94,13 @@ def test_error_cuda_graph_names_a_method_the_program_lacks(two_lengths):
     pte, ptd, *_ = two_lengths
     with pytest.raises(ValueError, match=r"cuda_graph names \['decode'\], which are not methods"):
         Module(pte, ptd, weight_offload_budget_mb=1, device="cpu", cuda_graph=("decode",))
+
+
+def test_error_device_memory_names_weights_state_and_activations():
+    from hostswap.runtime.module import check_device_memory
+    from hostswap.runtime.pool import PoolCreationError
+
+    check_device_memory("cuda:0", 100 * MB, 20 * MB, 5 * MB, 125 * MB)  # fits exactly
+    with pytest.raises(PoolCreationError, match=r"cuda:0 has 124.0 MiB free; this program needs 125.0 MiB: weights 100.0 MiB \(the budget\), "
+                                                r"state such as a KV cache 20.0 MiB, activations 5.0 MiB"):
+        check_device_memory("cuda:0", 100 * MB, 20 * MB, 5 * MB, 124 * MB)
