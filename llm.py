@@ -104,6 +104,49 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int = 128, prefet
     return programs, {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, **({EOS_TOKEN_IDS: eos} if eos else {})}
 
 
+# A method call: (method, token ids [1, n], position of the first) -> logits [1, n, vocab].
+Step = Callable[[str, torch.Tensor, int], torch.Tensor]
+
+
+def prefill(step: Step, ids: torch.Tensor, chunk: int, max_seq_len: int) -> torch.Tensor:
+    """Run the prompt ``ids`` [1, n] through the cache; the logits after its last token.
+
+    Chunks of ``chunk`` tokens; the last one padded (its padding's cache slots come after the
+    prompt: masked, then overwritten by decode), or, where a chunk would run past the cache,
+    run token by token through decode."""
+    prompt = ids.shape[1]
+    position, last = 0, None
+    while position < prompt:
+        n = min(chunk, prompt - position)
+        if position + chunk <= max_seq_len:
+            piece = ids[:, position : position + n]
+            if n < chunk:
+                piece = torch.cat([piece, piece[:, -1:].expand(1, chunk - n)], dim=1)
+            last = step(PREFILL, piece, position)[0, n - 1]
+        else:
+            for i in range(n):
+                last = step(DECODE, ids[:, position + i : position + i + 1], position + i)[0, -1]
+        position += n
+    return last
+
+
+def decode_greedily(step: Step, logits: torch.Tensor, position: int, max_new_tokens: int, eos=frozenset(),
+                    on_token: Callable[[int], None] | None = None) -> list[int]:
+    """Greedy tokens from the logits after the prompt: the first from ``logits``, the rest one
+    decode call each, the first at ``position``; stops after ``max_new_tokens`` or at ``eos``."""
+    token = int(logits.argmax())
+    new = [token]
+    if on_token:
+        on_token(token)
+    while len(new) < max_new_tokens and token not in eos:
+        token = int(step(DECODE, torch.tensor([[token]], dtype=torch.long), position)[0, -1].argmax())
+        position += 1
+        new.append(token)
+        if on_token:
+            on_token(token)
+    return new
+
+
 @dataclasses.dataclass
 class GenerationStats:
     """What the last ``generate`` call measured (host wall time, synchronised)."""
@@ -206,45 +249,17 @@ class Generator:
         pool = self.module.pool.stats
         self._sync()
         t0, bytes0 = time.perf_counter(), pool.bytes_h2d
-        last = self._prefill(ids)
-        token = int(last.argmax())
+        last = prefill(self._step, ids, self.prefill_chunk, self.max_seq_len)
         self._sync()
         t1, bytes1 = time.perf_counter(), self.module.pool.stats.bytes_h2d
         stats.prefill_seconds, stats.bytes_streamed_prefill = t1 - t0, bytes1 - bytes0
-        new = [token]
-        if on_token:
-            on_token(token)
-        position = prompt
-        while len(new) < max_new_tokens and token not in eos:
-            logits = self._step(DECODE, torch.tensor([[token]], dtype=torch.long), position)
-            position += 1
-            token = int(logits[0, -1].argmax())
-            new.append(token)
-            if on_token:
-                on_token(token)
+        new = decode_greedily(self._step, last, prompt, max_new_tokens, eos, on_token)
         self._sync()
         stats.decode_seconds = time.perf_counter() - t1
         stats.bytes_streamed_decode = self.module.pool.stats.bytes_h2d - bytes1
         stats.new_tokens = len(new)
         self.last = stats
         return torch.cat([ids, torch.tensor([new], dtype=torch.long)], dim=1)
-
-    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Run the prompt through the cache; the logits after its last token."""
-        chunk, prompt = self.prefill_chunk, ids.shape[1]
-        position, last = 0, None
-        while position < prompt:
-            n = min(chunk, prompt - position)
-            if position + chunk <= self.max_seq_len:
-                piece = ids[:, position : position + n]
-                if n < chunk:  # padded: the padding's cache slots come after the prompt
-                    piece = torch.cat([piece, piece[:, -1:].expand(1, chunk - n)], dim=1)
-                last = self._step(PREFILL, piece, position)[0, n - 1]
-            else:  # a chunk would run past the cache: the rest token by token
-                for i in range(n):
-                    last = self._step(DECODE, ids[:, position + i : position + i + 1], position + i)[0, -1]
-            position += n
-        return last
 
     @property
     def stats(self) -> dict:
