@@ -79,25 +79,6 @@ def transformers_generate(model, prompt: torch.Tensor, new_tokens: int, static_c
     return one, (full - one) / (new_tokens - 1), out.cpu()
 
 
-def program_tokens(programs: dict, prompt: torch.Tensor, new_tokens: int, chunk: int, max_seq_len: int, device: str = "cuda") -> list[int]:
-    """Greedy tokens of the exported programs run by PyTorch itself on the GPU, one cache shared
-    by both methods, in the same steps as a Generator: what hostswap's tokens must equal."""
-    from hostswap.passes.weight_offload import state_buffers
-
-    modules = {name: ep.module().to(device) for name, ep in programs.items()}
-    for fqn in state_buffers(programs["decode"]):
-        tensor = modules["prefill"].get_buffer(fqn).zero_()
-        owner, _, leaf = fqn.rpartition(".")
-        (modules["decode"].get_submodule(owner) if owner else modules["decode"])._buffers[leaf] = tensor
-
-    def step(method, ids, position):
-        return modules[method](input_ids=ids.to(device), cache_position=torch.arange(position, position + ids.shape[1], device=device))
-
-    with torch.no_grad():
-        last = llm.prefill(step, prompt, chunk, max_seq_len)
-        return llm.decode_greedily(step, last, prompt.shape[1], new_tokens)
-
-
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -122,8 +103,7 @@ class Bench:
         self.save()
         per_token = f"{row['ms_per_token']:.2f} ms/token" if row.get("ms_per_token") else ""
         streamed = f" {row['bytes_streamed_per_token'] / 2**20:.0f} MiB/token" if row.get("bytes_streamed_per_token") else ""
-        program = f", vs the exported program: {'same' if row['first_token_differing_from_program'] is None else 'from token ' + str(row['first_token_differing_from_program'])}" if "first_token_differing_from_program" in row else ""
-        self.log(f"{row['config']:36s} prompt {row['prompt_tokens']:4d} {row['budget_name']:>5s}  prefill {row.get('prefill_ms', 0):7.1f} ms  {per_token}{streamed} {row.get('tokens', '')}{program}")
+        self.log(f"{row['config']:36s} prompt {row['prompt_tokens']:4d} {row['budget_name']:>5s}  prefill {row.get('prefill_ms', 0):7.1f} ms  {per_token}{streamed} {row.get('tokens', '')}")
 
     def run(self) -> None:
         a = self.args
@@ -159,14 +139,7 @@ class Bench:
         del resident
         gc.collect()
         torch.cuda.empty_cache()
-        self.program_reference = {}
-        if a.program_reference:
-            for n, prompt in prompts.items():
-                self.program_reference[n] = program_tokens(programs, prompt, a.check_tokens, a.prefill_chunk, max_seq_len)
-                self.log(f"exported program in PyTorch, prompt {n}: first token differing from transformers' "
-                         f"{next((i for i, (x, y) in enumerate(zip(self.program_reference[n], reference[n][0, n:].tolist())) if x != y), None)}")
-            gc.collect()
-            torch.cuda.empty_cache()
+
         budgets = [(name, schedule.floor_bytes if f is None else max(schedule.floor_bytes, int(f * total))) for name, f in BUDGETS]
         budgets[-1] = ("100%", total + 2**20)
         configs = [("hostswap planned, decode graphed", dict(policy="planned"))]
@@ -197,17 +170,13 @@ class Bench:
         check = min(a.check_tokens, a.new_tokens)
         mine, theirs = out[0, n : n + check].tolist(), reference[0, n : n + check].tolist()
         differ = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y), None)
-        if n in self.program_reference:
-            program = self.program_reference[n][:check]
-            extra = {"first_token_differing_from_program": next((i for i, (x, y) in enumerate(zip(mine, program)) if x != y), None)}
-        else:
-            extra = {}
+
         self.add({"config": config, "prompt_tokens": n, "budget_name": budget_name, "budget_bytes": budget, "load_s": load_s,
                   "prefill_ms": s["prefill_ms"], "ms_per_token": s["ms_per_token"], "tokens_per_s": s["tokens_per_s"],
                   "bytes_streamed_per_token": s["bytes_streamed_per_token"] or 0, "kv_cache_bytes": s["kv_cache_bytes"],
                   "activation_arena_bytes": s["activation_arena_bytes"], "new_token_ids": mine, "checked_tokens": check,
                   "first_token_differing_from_transformers": differ,
-                  "tokens": "same tokens" if differ is None else f"differs from token {differ}", **extra})
+                  "tokens": "same tokens" if differ is None else f"differs from token {differ}"})
 
     def run_accelerate(self, model, budgets, prompts) -> None:
         try:
@@ -244,8 +213,6 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=128)
     p.add_argument("--eager", action="store_true", help="also run decode eagerly (no CUDA graph) at the floor and 50 %%")
     p.add_argument("--skip-accelerate", action="store_true")
-    p.add_argument("--program-reference", action="store_true",
-                   help="also run the exported programs in PyTorch on the GPU and check hostswap's tokens against theirs")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--workdir", default=tempfile.gettempdir())
     p.add_argument("--part", help="suffix of the result file (generate_<device>_<part>.json)")
