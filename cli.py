@@ -111,7 +111,7 @@ def _generate(args) -> int:
             print(f"loaded: {g.memory_report()}", file=sys.stderr, flush=True)
             if tokenizer is not None:
                 print(args.prompt, end="", flush=True)
-            g.generate(ids, args.max_new_tokens, on_token=llm.print_tokens(tokenizer.decode if tokenizer else None))
+            g.generate(ids, args.max_new_tokens, on_token=llm.print_tokens(tokenizer.decode if tokenizer else None, ids[0].tolist()))
             print()
             line = g.summary()
             per_token = g.stats["bytes_streamed_per_token"]

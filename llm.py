@@ -299,12 +299,12 @@ class Generator:
         self.close()
 
 
-def print_tokens(decode: Callable[[list[int]], str] | None = None, stream=None) -> Callable[[int], None]:
-    """An ``on_token`` callback that writes each token to ``stream`` as it comes: its text with
-    ``decode`` (a tokenizer's), else its id."""
+def print_tokens(decode: Callable[[list[int]], str] | None = None, prompt_ids=(), stream=None) -> Callable[[int], None]:
+    """An ``on_token`` callback that writes each token to ``stream`` as it comes: the text it
+    adds to the decoded prompt ``prompt_ids`` with ``decode`` (a tokenizer's), else its id."""
     stream = stream or sys.stdout
-    seen: list[int] = []
-    printed = [""]
+    seen: list[int] = [int(t) for t in prompt_ids]
+    printed = [decode(seen) if decode is not None else ""]
 
     def on_token(token: int) -> None:
         if decode is None:
@@ -312,7 +312,7 @@ def print_tokens(decode: Callable[[list[int]], str] | None = None, stream=None) 
         else:
             seen.append(token)
             text = decode(seen)
-            stream.write(text[len(printed[0]):])
+            stream.write(text[len(printed[0]):] if text.startswith(printed[0]) else text)
             printed[0] = text
         stream.flush()
 

@@ -50,3 +50,25 @@ def test_train_with_activation_offload_example(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "3 of 6 layers offloaded" in out and "bitwise equal to no offload: True" in out
     assert (tmp_path / "t.svg").exists()
+
+
+def test_generate_command_with_the_checkpoint_tokenizer(tmp_path):
+    """export-llm saves the checkpoint's tokenizer beside the program; generate encodes --prompt
+    with it and streams the decoded text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hostswap.demo import demo_llama
+
+    demo_llama().save_pretrained(tmp_path / "ckpt")
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(4096)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(tmp_path / "ckpt")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "hostswap.cli", *a], capture_output=True, text=True, timeout=600)
+    exported = run("export-llm", str(tmp_path / "ckpt"), "--out", str(tmp_path / "llama"), "--max-seq-len", "32", "--prefill-chunk", "8")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "llama.tokenizer").is_dir()
+    generated = run("generate", str(tmp_path / "llama"), "--budget-mb", "20", "--prompt", "w5 w6 w7", "--max-new-tokens", "4", "--device", "cpu")
+    assert generated.returncode == 0, generated.stderr[-2000:]
+    words = generated.stdout.split()
+    assert words[:3] == ["w5", "w6", "w7"] and len(words) == 7 and all(w[0] == "w" and w[1:].isdigit() for w in words), words
