@@ -49,8 +49,10 @@ class MethodExecutor:
         """Raise ProgramError for inputs ``bind_inputs`` would refuse, before anything runs."""
         if len(inputs) != len(self.plan.inputs):
             raise ProgramError(f"method '{self.name}' takes {len(self.plan.inputs)} inputs, got {len(inputs)}")
-        for value_id, given in zip(self.plan.inputs, inputs):
+        for position, (value_id, given) in enumerate(zip(self.plan.inputs, inputs)):
             slot = self.values[value_id]
+            if given is None and slot is not None:
+                raise ProgramError(f"method '{self.name}': input {position} is None; the program takes a tensor there")
             if isinstance(given, torch.Tensor) and isinstance(slot, torch.Tensor):
                 if tuple(slot.shape) != tuple(given.shape) or slot.dtype != given.dtype:
                     raise ProgramError(f"method '{self.name}': input of shape {tuple(given.shape)} {given.dtype} does not match the program's {tuple(slot.shape)} {slot.dtype}")

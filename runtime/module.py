@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 import time
@@ -51,6 +52,28 @@ def check_device_memory(device, weight_bytes: int, state_bytes: int, activation_
             f"activations {activation_bytes / 2**20:.1f} MiB. Lower weight_offload_budget_mb (the floor is the least) "
             "or export with a shorter max_seq_len"
         )
+
+
+def _check_budget_argument(budget_mb) -> None:
+    if isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float)):
+        raise ValueError(f"weight_offload_budget_mb must be a number of MB, got {budget_mb!r} ({type(budget_mb).__name__})")
+    if not math.isfinite(budget_mb) or budget_mb <= 0:
+        raise ValueError(f"weight_offload_budget_mb must be a finite number of MB above 0, got {budget_mb!r}")
+
+
+def _check_device_argument(device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must name a device such as 'cuda', 'cuda:1' or 'cpu', got {device!r}: {e}") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be a CUDA device or the CPU, got {str(device)!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PoolCreationError("device='cuda' was asked for but torch.cuda.is_available() is False")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 class ConcurrentExecutionError(RuntimeError):
@@ -105,9 +128,8 @@ class Module:
 
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None):
         t0 = time.perf_counter()
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise PoolCreationError("device='cuda' was asked for but torch.cuda.is_available() is False")
+        _check_budget_argument(weight_offload_budget_mb)
+        self.device = _check_device_argument(device)
         if policy not in POOLS:
             raise ValueError(f"policy must be one of {tuple(POOLS)}, got {policy!r}")
         if cuda_graph and not POOLS[policy].capturable:

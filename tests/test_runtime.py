@@ -633,3 +633,34 @@ def test_error_unknown_policy_and_uncapturable_graph_refused_before_loading(tmp_
     demo = lowered_by_name("demo_transformer")
     with pytest.raises(ValueError, match="cuda_graph=True needs policy='planned' on a CUDA device"):
         Module(demo.pte, tmp_path / "missing.ptd", weight_offload_budget_mb=10, device="cpu", cuda_graph=True)
+
+
+@pytest.mark.parametrize("budget,message", [
+    ("100", r"weight_offload_budget_mb must be a number of MB, got '100' \(str\)"),
+    (True, r"weight_offload_budget_mb must be a number of MB, got True \(bool\)"),
+    (float("nan"), r"finite number of MB above 0, got nan"),
+    (float("inf"), r"finite number of MB above 0, got inf"),
+    (0, r"finite number of MB above 0, got 0"),
+    (-5.0, r"finite number of MB above 0, got -5.0"),
+])
+def test_error_budget_argument_named_before_any_file_is_read(tmp_path, budget, message):
+    with pytest.raises(ValueError, match=message):
+        Module(tmp_path / "missing.pte", weight_offload_budget_mb=budget, device="cpu")
+
+
+@pytest.mark.parametrize("device,message", [
+    ("meta", r"device must be a CUDA device or the CPU, got 'meta'"),
+    ("gpu0", r"device must name a device such as 'cuda', 'cuda:1' or 'cpu', got 'gpu0'"),
+])
+def test_error_device_argument_named_before_any_file_is_read(tmp_path, device, message):
+    with pytest.raises(ValueError, match=message):
+        Module(tmp_path / "missing.pte", weight_offload_budget_mb=10, device=device)
+
+
+def test_error_none_input_loses_nothing(lowered_by_name):
+    demo = lowered_by_name("demo_transformer")
+    with Module(demo.pte, demo.ptd, weight_offload_budget_mb=demo.schedule.floor_bytes / MB, device="cpu") as m:
+        with pytest.raises(ProgramError, match="input 0 is None; the program takes a tensor there"):
+            m(None)
+        assert m.stats["forwards"] == 0
+        assert torch.equal(m(*demo.args), demo.lowered_expected)
