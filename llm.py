@@ -58,6 +58,15 @@ def _static_cache_wrapper(model, max_seq_len: int):
     return wrapper
 
 
+def reset_state(ep) -> None:
+    """Zero the state (KV cache) a program holds: where the runtime starts it. The programs of
+    one wrapper hold its cache tensors themselves, so this resets all of them."""
+    from hostswap.passes.weight_offload import state_buffers, weight_tensor
+
+    for fqn in state_buffers(ep):
+        weight_tensor(ep, fqn).zero_()
+
+
 def _eos_ids(model) -> list[int]:
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:
@@ -80,7 +89,6 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int = 128, prefet
     """The probed ``prefill`` and ``decode`` programs of ``export``, and the constant methods
     that describe them, before lowering."""
     from hostswap.passes import apply_weight_offload
-    from hostswap.passes.weight_offload import state_buffers, weight_tensor
 
     for name, value in (("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -95,10 +103,7 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int = 128, prefet
         ids = torch.zeros(1, length, dtype=torch.long)
         with torch.no_grad():
             ep = wrapper.export(input_ids=ids, cache_position=torch.arange(length, dtype=torch.long))
-            # The cache is program state, which the runtime starts at zero (the programs hold
-            # the wrapper's cache tensors themselves).
-            for fqn in state_buffers(ep):
-                weight_tensor(ep, fqn).zero_()
+            reset_state(ep)
         programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth)
     eos = _eos_ids(model)
     return programs, {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, **({EOS_TOKEN_IDS: eos} if eos else {})}
@@ -246,9 +251,8 @@ class Generator:
         eos = self.eos_token_ids if eos_token_id is None else frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         ids = ids.to(torch.long).cpu()
         stats = GenerationStats(prompt_tokens=prompt)
-        pool = self.module.pool.stats
         self._sync()
-        t0, bytes0 = time.perf_counter(), pool.bytes_h2d
+        t0, bytes0 = time.perf_counter(), self.module.pool.stats.bytes_h2d
         last = prefill(self._step, ids, self.prefill_chunk, self.max_seq_len)
         self._sync()
         t1, bytes1 = time.perf_counter(), self.module.pool.stats.bytes_h2d

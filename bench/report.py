@@ -41,6 +41,31 @@ RESULTS = os.path.join(HERE, "results")
 BUDGET_ORDER = ["floor", "25%", "50%", "75%", "100%"]
 
 
+def pyplot():
+    """matplotlib's pyplot, drawing to files only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def style_latency_axes(ax, ylabel: str, title: str) -> None:
+    """Log latency against GPU memory for weights, as every latency plot here draws it."""
+    ax.set_yscale("log")
+    ax.set_xlabel("GPU memory for weights (GiB)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def checks_table(checks) -> str:
+    """The markdown table of (target, met, measured) checks."""
+    return "| target | met | measured |\n|---|---|---|\n" + "\n".join(f"| {name} | {'yes' if met else 'no'} | {detail} |" for name, met, detail in checks)
+
+
 def load_weights(paths: list[str]) -> tuple[list[dict], list[dict]]:
     results = [json.load(open(p)) for p in paths]
     rows = [dict(row, pinned_bw=r["pinned_h2d_bytes_per_s"]) for r in results for row in r["rows"]]
@@ -127,11 +152,7 @@ def targets(rows: list[dict], model: dict) -> list[tuple[str, bool, str]]:
 
 
 def plot_weights(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     fig, axes = plt.subplots(1, len(workloads), figsize=(7 * len(workloads), 4.8), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
@@ -149,12 +170,7 @@ def plot_weights(rows: list[dict], path: str) -> None:
         bound = sorted((r["budget_bytes"] / 2**30, r["bound_s"] * 1e3) for r in mine if r["config"] == "planned d1" and r.get("bound_s"))
         if bound:
             ax.plot(*zip(*bound), "k:", linewidth=2, label="physical bound (planned d1 bytes / pinned H2D)")
-        ax.set_yscale("log")
-        ax.set_xlabel("GPU memory for weights (GiB)")
-        ax.set_ylabel("latency per forward (ms, log)")
-        ax.set_title(f"{workload}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        style_latency_axes(ax, "latency per forward (ms, log)", workload)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -171,8 +187,7 @@ def weights_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
              f"registered .ptd {', '.join('%.1f' % (r.get('registered_h2d_bytes_per_s', 0) / 1e9) for r in results)} GB/s"]
     for workload in dict.fromkeys(r["workload"] for r in rows):
         parts.append(f"**{workload}**: median ms per forward (ratio to the physical bound)\n\n" + latency_table(rows, workload))
-    checks = "| target | met | measured |\n|---|---|---|\n" + "\n".join(
-        f"| {name} | {'yes' if met else 'no'} | {detail} |" for name, met, detail in targets(rows, model))
+    checks = checks_table(targets(rows, model))
     if plot_path:
         plot_weights(rows, plot_path)
     # the README shows the first workload (decode); the other tables are in docs/benchmarks.md
@@ -231,11 +246,7 @@ def activations_section(paths: list[str], plot_path: str | None) -> tuple[str, s
     short = header + "\n\n" + tabulate(shown, headers=headers, tablefmt="github")
     text = header + "\n\n" + tabulate(table, headers=["configuration", "step ms", "peak GiB", "theoretical saving GiB", "saved / theory", "step / transfer-bound", "bitwise", "note"], tablefmt="github")
     if plot_path:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
         for pattern, label in ((r"hostswap k=(\d+)", "hostswap (default schedule)"), (r"hostswap k=(\d+) reload_ahead=1", "hostswap reload_ahead=1")):
             pts = []
@@ -345,14 +356,10 @@ def generation_section(paths: list[str], plot_path: str | None) -> tuple[str, st
             long.append([_model_name(run), r["prompt_tokens"], r["config"], r["budget_name"], f"{r['prefill_ms']:.1f}", f"{r['ms_per_token']:.2f}",
                          f"{r['tokens_per_s']:.1f}", f"{(r.get('bytes_streamed_per_token') or 0) / 2**20:.0f}", f"{r['bound_ms_per_token']:.2f}",
                          r.get("tokens", "")])
-    checks = "| target | met | measured |\n|---|---|---|\n" + "\n".join(f"| {n} | {'yes' if m else 'no'} | {d} |" for n, m, d in generation_targets(runs))
+    checks = checks_table(generation_targets(runs))
     full = short + "\n\n" + tabulate(long, headers=["model", "prompt", "configuration", "budget", "prefill ms", "ms/token", "tokens/s", "MiB streamed/token", "bound ms/token", "tokens vs transformers"], tablefmt="github") + "\n\n" + checks
     if plot_path:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.6), squeeze=False)
         for ax, run in zip(axes[0], runs):
             prompt = min(r["prompt_tokens"] for r in run["rows"])
@@ -366,12 +373,7 @@ def generation_section(paths: list[str], plot_path: str | None) -> tuple[str, st
             for r in mine:
                 if r["config"].startswith("transformers generate"):
                     ax.plot([r["budget_bytes"] / 2**30], [r["ms_per_token"]], "s", label=f"{r['config']} (all on GPU)")
-            ax.set_yscale("log")
-            ax.set_xlabel("GPU memory for weights (GiB)")
-            ax.set_ylabel("decode ms per token (log)")
-            ax.set_title(f"{_model_name(run)}, prompt {prompt}")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
+            style_latency_axes(ax, "decode ms per token (log)", f"{_model_name(run)}, prompt {prompt}")
         fig.tight_layout()
         fig.savefig(plot_path, dpi=110)
     return short, full

@@ -57,11 +57,6 @@ def state_memory_ids(plan) -> dict[int, int]:
     return {t.allocation_info.memory_id: plan.non_const_buffer_sizes[t.allocation_info.memory_id] for t in _state_tensors(plan)}
 
 
-def state_buffer_names(plan) -> dict[str, int]:
-    """FQN -> bytes of each state buffer of ``plan``."""
-    return {t.extra_tensor_info.fully_qualified_name: tensor_nbytes(t) for t in _state_tensors(plan)}
-
-
 class LoadedMethod:
     """One method of a program with every value and instruction resolved at load.
 
@@ -80,7 +75,7 @@ class LoadedMethod:
         for memory_id in state_memory_ids(plan):
             if memory_id not in self.state_ids:
                 raise ProgramError(f"method '{self.name}' keeps program state in memory id {memory_id}, which was not allocated")
-            if (state[memory_id].numel() < plan.non_const_buffer_sizes[memory_id]):
+            if state[memory_id].numel() < plan.non_const_buffer_sizes[memory_id]:
                 raise ProgramError(f"method '{self.name}' needs {plan.non_const_buffer_sizes[memory_id]} bytes of state in memory id {memory_id}, {state[memory_id].numel()} were allocated")
         self.arenas = {
             memory_id: (state[memory_id] if memory_id in self.state_ids else torch.empty(size, dtype=torch.uint8, device=device))

@@ -161,19 +161,18 @@ class Module:
                 self.ptd.prefault()
             if lock:
                 self.ptd.lock()
+            state_sizes, activations = self._arena_sizes()
             if self.device.type == "cuda":
                 self.ptd.register_with_cuda()
-            if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                state = sum(self._state_sizes().values())
-                activations = max(sum(size for i, size in enumerate(plan.non_const_buffer_sizes) if i not in state_memory_ids(plan))
-                                  for plan in self.program.execution_plan)
-                check_device_memory(self.device, min(self.budget_bytes, self.schedule.total_bytes), state, activations, free)
+                check_device_memory(self.device, min(self.budget_bytes, self.schedule.total_bytes), sum(state_sizes.values()), activations, free)
             host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
             self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
             self._executors: dict[str, MethodExecutor] = {}
             self._probed: dict[str, _ProbedMethod] = {}
-            self.state = self._allocate_state()
+            # Program state (buffers the methods mutate, a KV cache): one zeroed device tensor
+            # per memory id, shared by every method and kept across calls.
+            self.state = {memory_id: torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for memory_id, nbytes in state_sizes.items()}
             for name in self.schedules:
                 executor = self._load_executor(plan_by_name(self.program, name))
                 method = _ProbedMethod(executor, self._map_kernels(name, executor), name in graphed)
@@ -216,17 +215,17 @@ class Module:
         self._executors[plan.name] = executor
         return executor
 
-    def _state_sizes(self) -> dict[int, int]:
-        sizes: dict[int, int] = {}
+    def _arena_sizes(self) -> tuple[dict[int, int], int]:
+        """(memory id -> bytes of program state, the largest method's other arena bytes), from
+        the program's plans."""
+        state: dict[int, int] = {}
+        activations = 0
         for plan in self.program.execution_plan:
-            for memory_id, nbytes in state_memory_ids(plan).items():
-                sizes[memory_id] = max(sizes.get(memory_id, 0), nbytes)
-        return sizes
-
-    def _allocate_state(self) -> dict[int, torch.Tensor]:
-        """Program state (buffers the methods mutate, a KV cache): one zeroed device tensor per
-        memory id, shared by every method and kept across calls."""
-        return {memory_id: torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for memory_id, nbytes in self._state_sizes().items()}
+            ids = state_memory_ids(plan)
+            for memory_id, nbytes in ids.items():
+                state[memory_id] = max(state.get(memory_id, 0), nbytes)
+            activations = max(activations, sum(size for i, size in enumerate(plan.non_const_buffer_sizes) if i not in ids))
+        return state, activations
 
     @property
     def state_bytes(self) -> int:

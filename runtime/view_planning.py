@@ -224,8 +224,9 @@ def _view_of_copy(m: LoadedMethod, ins):
             return (_identity, True, True)
         return None
     view_op = view_for_copy(op)
-    if view_op is not None and view_op._schema.name.split("::")[1] in VIEW_CONTIGUITY:
-        return (view_op, *VIEW_CONTIGUITY[view_op._schema.name.split("::")[1]])
+    contiguity = VIEW_CONTIGUITY.get(view_op._schema.name.split("::")[1]) if view_op is not None else None
+    if contiguity is not None:
+        return (view_op, *contiguity)
     return None
 
 

@@ -10,7 +10,6 @@ import torch
 
 import hostswap
 import hostswap.llm as llm
-from hostswap.passes.weight_offload import state_buffers, weight_tensor
 from hostswap.schedules import load_weight_schedules
 
 from real_models import BY_NAME, VOCAB, build
@@ -38,8 +37,7 @@ class Exported:
 
     def reset_reference_cache(self) -> None:
         for ep in self.programs.values():
-            for fqn in state_buffers(ep):
-                weight_tensor(ep, fqn).zero_()
+            llm.reset_state(ep)
 
     def transformers_tokens(self, prompt: torch.Tensor, new: int) -> torch.Tensor:
         """transformers' greedy generate with the same static cache, from a fresh load."""
