@@ -1,7 +1,8 @@
 """Streamed generation: hostswap.llm against transformers' generate and accelerate, one process.
 
     python bench/generate.py --layers 12                 # transformers Llama, 1.25 GiB of bf16 weights
-    python bench/generate.py --layers 40 --part 4gib     # 4.1 GiB
+    python bench/generate.py --layers 46 --part 4gib     # 4.1 GiB
+    python bench/generate.py --layers 12 --dtype float32 --budgets floor,100% --prompts 128 --skip-accelerate --part fp32
 
 A transformers ``LlamaForCausalLM`` (hidden 2048, GQA 32/8 heads, bf16, random weights from a
 config) is exported once with ``hostswap.llm.export``. For each prompt length and budget
@@ -11,7 +12,9 @@ same process: transformers' ``generate`` with every weight on the GPU, accelerat
 ``dispatch_model`` with ``max_memory`` at the same GPU memory, and the bound = max(all-resident
 ms/token, bytes streamed per token / pinned H2D bandwidth measured in this run), computed by
 bench/report.py. hostswap's tokens are checked against transformers' with the same static
-cache for the first ``--check-tokens``. Every row is
+cache for the first ``--check-tokens``; where they part, the row records the reference's logit
+margin between its token and hostswap's at that step (a near-tie that a different kernel
+order flips shows a margin of the order of the dtype's rounding). Every row is
 written to ``bench/results/generate_<device>[_<part>].json`` as soon as it is measured.
 """
 
@@ -38,20 +41,31 @@ from weights import environment, h2d_bandwidth, result_path  # noqa: E402
 BUDGETS = (("floor", None), ("25%", 0.25), ("50%", 0.50), ("75%", 0.75), ("100%", 1.0))
 
 
-def llama(layers: int, seed: int = 0):
+def llama(layers: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
                          num_key_value_heads=8, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(seed)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)  # random init on the GPU: seconds, not minutes
+        model = LlamaForCausalLM(config).to(dtype)  # random init on the GPU: seconds, not minutes
     return model.cpu().eval()
 
 
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def reference_scores(model, prompt: torch.Tensor, new_tokens: int, static_cache_len: int) -> list[torch.Tensor]:
+    """The logits of each greedy step of ``model.generate`` with a static cache (untimed)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, pad_token_id=0, disable_compile=True, cache_implementation="static",
+                              cache_config={"batch_size": 1, "max_cache_len": static_cache_len}, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(prompt, generation_config=config, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    return [step[0].float().cpu() for step in out.logits]
 
 
 def transformers_generate(model, prompt: torch.Tensor, new_tokens: int, static_cache_len: int | None = None) -> tuple[float, float, torch.Tensor]:
@@ -107,9 +121,9 @@ class Bench:
 
     def run(self) -> None:
         a = self.args
-        model = llama(a.layers)
+        model = llama(a.layers, getattr(torch, a.dtype))
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.result["model"] = {"class": "LlamaForCausalLM", "layers": a.layers, "weight_bytes": weight_bytes}
+        self.result["model"] = {"class": "LlamaForCausalLM", "layers": a.layers, "dtype": a.dtype, "weight_bytes": weight_bytes}
         self.log(f"model: {a.layers} layers, {weight_bytes / 2**30:.2f} GiB")
         pinned = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
         self.result["pinned_h2d_bytes_per_s"] = bw = h2d_bandwidth(self.device, pinned)
@@ -127,8 +141,9 @@ class Bench:
         total = schedule.total_bytes
         # transformers all-resident: the reference tokens and the bound's compute term
         resident = copy.deepcopy(model).to(self.device)
-        reference = {}
+        reference, scores = {}, {}
         for n, prompt in prompts.items():
+            scores[n] = reference_scores(resident, prompt.to(self.device), a.check_tokens, max_seq_len)
             for config, cache_len in (("transformers generate", None), ("transformers generate, static cache", max_seq_len)):
                 prefill_s, per_token_s, tokens = transformers_generate(resident, prompt.to(self.device), a.new_tokens, cache_len)
                 if cache_len:  # the same cache as the program's: the reference tokens
@@ -142,6 +157,7 @@ class Bench:
 
         budgets = [(name, schedule.floor_bytes if f is None else max(schedule.floor_bytes, int(f * total))) for name, f in BUDGETS]
         budgets[-1] = ("100%", total + 2**20)
+        budgets = [b for b in budgets if b[0] in a.budgets]
         configs = [("hostswap planned, decode graphed", dict(policy="planned"))]
         if a.eager:
             configs.append(("hostswap planned, eager", dict(policy="planned", cuda_graph=False)))
@@ -154,12 +170,12 @@ class Bench:
                         self.result["notes"].append(f"deadline: stopped before {config} {budget_name} prompt {n}")
                         self.save()
                         return
-                    self.run_hostswap(config, options, pte, ptd, budget_name, budget, n, prompt, reference[n])
+                    self.run_hostswap(config, options, pte, ptd, budget_name, budget, n, prompt, reference[n], scores[n])
         if not a.skip_accelerate:
-            self.run_accelerate(model, budgets[1:-1], prompts)
+            self.run_accelerate(model, [b for b in budgets if b[0] not in ("floor", "100%")], prompts)
         self.save()
 
-    def run_hostswap(self, config, options, pte, ptd, budget_name, budget, n, prompt, reference) -> None:
+    def run_hostswap(self, config, options, pte, ptd, budget_name, budget, n, prompt, reference, scores) -> None:
         a = self.args
         t = time.perf_counter()
         with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, **options) as g:
@@ -170,13 +186,16 @@ class Bench:
         check = min(a.check_tokens, a.new_tokens)
         mine, theirs = out[0, n : n + check].tolist(), reference[0, n : n + check].tolist()
         differ = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y), None)
+        margin = None
+        if differ is not None and differ < len(scores):  # the reference's own preference for its token over ours
+            margin = float(scores[differ][theirs[differ]] - scores[differ][mine[differ]])
 
         self.add({"config": config, "prompt_tokens": n, "budget_name": budget_name, "budget_bytes": budget, "load_s": load_s,
                   "prefill_ms": s["prefill_ms"], "ms_per_token": s["ms_per_token"], "tokens_per_s": s["tokens_per_s"],
                   "bytes_streamed_per_token": s["bytes_streamed_per_token"] or 0, "kv_cache_bytes": s["kv_cache_bytes"],
                   "activation_arena_bytes": s["activation_arena_bytes"], "new_token_ids": mine, "checked_tokens": check,
-                  "first_token_differing_from_transformers": differ,
-                  "tokens": "same tokens" if differ is None else f"differs from token {differ}"})
+                  "first_token_differing_from_transformers": differ, "reference_logit_margin_at_difference": margin,
+                  "tokens": "same tokens" if differ is None else f"differs from token {differ} (reference margin {margin:.3g})"})
 
     def run_accelerate(self, model, budgets, prompts) -> None:
         try:
@@ -205,7 +224,9 @@ class Bench:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=12, help="decoder layers (12: 1.25 GiB, 40: 4.1 GiB)")
+    p.add_argument("--layers", type=int, default=12, help="decoder layers (12: 1.25 GiB, 46: 4.1 GiB of bf16)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--budgets", type=lambda v: v.split(","), default=[name for name, _ in BUDGETS], help="of floor,25%%,50%%,75%%,100%% (default all)")
     p.add_argument("--prompts", type=lambda v: [int(x) for x in v.split(",")], default=[128, 512], help="prompt lengths (default 128,512)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--check-tokens", type=int, default=64, help="hostswap's first new tokens compared with transformers'")
@@ -219,6 +240,9 @@ def main(argv=None) -> int:
     p.add_argument("--deadline-s", type=float, default=540, help="start nothing new after this many seconds")
     p.add_argument("--reserve-s", type=float, default=20)
     args = p.parse_args(argv)
+    unknown = [b for b in args.budgets if b not in dict(BUDGETS)]
+    if unknown:
+        p.error(f"--budgets: unknown {unknown}; choose from {','.join(dict(BUDGETS))}")
     if not torch.cuda.is_available():
         print("bench/generate.py measures on a CUDA device", file=sys.stderr)
         return 2

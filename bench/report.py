@@ -300,7 +300,8 @@ def load_generation(paths: list[str]) -> list[dict]:
 
 
 def _model_name(run: dict) -> str:
-    return f"Llama {run['model']['layers']} layers, {run['model']['weight_bytes'] / 2**30:.2f} GiB"
+    dtype = run["model"].get("dtype", "bfloat16")
+    return f"Llama {run['model']['layers']} layers, {run['model']['weight_bytes'] / 2**30:.2f} GiB" + ("" if dtype == "bfloat16" else f" {dtype}")
 
 
 def generation_targets(runs: list[dict]) -> list[tuple[str, bool, str]]:
@@ -329,8 +330,15 @@ def generation_targets(runs: list[dict]) -> list[tuple[str, bool, str]]:
         if checked:
             same = [r for r in checked if r.get("first_token_differing_from_transformers") is None]
             first = sorted({r["first_token_differing_from_transformers"] for r in checked if r not in same})
+            margins = [r["reference_logit_margin_at_difference"] for r in checked if r.get("reference_logit_margin_at_difference") is not None]
             out.append((f"{name}: same tokens as transformers generate (static cache) for {checked[0]['checked_tokens']} new tokens",
-                        len(same) == len(checked), f"{len(same)} of {len(checked)} rows" + (f"; the others from token {first}" if first else "")))
+                        len(same) == len(checked), f"{len(same)} of {len(checked)} rows" + (f"; the others from token {first}" if first else "")
+                        + (f", where the reference's top two logits differ by at most {max(margins):.3g}" if margins else "")))
+            by_prompt = {}
+            for r in checked:
+                by_prompt.setdefault(r["prompt_tokens"], set()).add(tuple(r["new_token_ids"]))
+            out.append((f"{name}: the same tokens at every budget", all(len(v) == 1 for v in by_prompt.values()),
+                        ", ".join(f"prompt {n}: {len(v)} distinct" for n, v in by_prompt.items())))
     return out
 
 
