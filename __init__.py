@@ -5,8 +5,9 @@ from hostswap.passes import WeightOffloadError, apply_weight_offload, get_weight
 from hostswap.passes.activation_offload import ActivationOffloadError, OffloadCoverageWarning, activation_offload_backend
 from hostswap.passes.out_variants import OutVariantError
 from hostswap.runtime.activation_offload import mark_not_offload
+from hostswap.schedules.artifacts import ArtifactError
 
-__all__ = ["ActivationOffloadError", "OffloadCoverageWarning", "OutVariantError", "activation_offload_backend", "mark_not_offload", "WeightOffloadError", "apply_weight_offload", "get_weight_schedule", "save", "schedules", "to_executorch", "runtime", "llm"]
+__all__ = ["ActivationOffloadError", "ArtifactError", "OffloadCoverageWarning", "OutVariantError", "activation_offload_backend", "mark_not_offload", "WeightOffloadError", "apply_weight_offload", "get_weight_schedule", "save", "schedules", "to_executorch", "runtime", "llm"]
 
 
 def __getattr__(name):

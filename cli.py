@@ -7,12 +7,44 @@ import json
 import sys
 
 
+def _open_pair(pte: str, ptd: str | None, require_ptd: bool):
+    """(program, PtdFile or None) of a ``.pte`` and its ``.ptd`` (default: beside it), checked
+    to be one save's pair; raises ArtifactError."""
+    import os
+
+    from hostswap.runtime.ptd import PtdFile, check_pair
+    from hostswap.schedules.pte_program import read_program, read_program_bytes
+
+    data = read_program_bytes(pte)
+    program = read_program(data, pte)
+    ptd = ptd or os.path.splitext(pte)[0] + ".ptd"
+    if not require_ptd and not os.path.exists(ptd):
+        return program, None
+    weights = PtdFile(ptd)
+    try:
+        check_pair(pte, data, program, weights)
+    except BaseException:
+        weights.close()
+        raise
+    return program, weights
+
+
 def _inspect(args) -> int:
-    from hostswap.schedules import ScheduleError, load_weight_schedule
+    from hostswap.schedules import ScheduleError
+    from hostswap.schedules.artifacts import ArtifactError
+    from hostswap.schedules.serialization import decode_program
 
     try:
-        schedule = load_weight_schedule(args.pte)
-    except (OSError, ValueError, ScheduleError) as e:
+        program, weights = _open_pair(args.pte, args.ptd, require_ptd=args.ptd is not None)
+        schedules = decode_program(program, args.pte)
+        if weights is not None:
+            weights.close()
+        if args.method is None and len(schedules) != 1:
+            raise ScheduleError(f"{args.pte} has schedules for methods {list(schedules)}; name one with --method")
+        if args.method is not None and args.method not in schedules:
+            raise ScheduleError(f"{args.pte} has no schedule for method '{args.method}' (it has {list(schedules)})")
+        schedule = schedules[args.method or next(iter(schedules))]
+    except (ArtifactError, ScheduleError) as e:
         print(f"hostswap inspect: {e}", file=sys.stderr)
         return 2
     budget = None if args.budget_mb is None else int(args.budget_mb * 2**20)
@@ -23,6 +55,28 @@ def _inspect(args) -> int:
     if args.plot:
         schedule.plot(args.plot, budget)
         print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _verify(args) -> int:
+    from hostswap.runtime.module import verify_progress
+    from hostswap.schedules.artifacts import ArtifactError
+
+    try:
+        _, weights = _open_pair(args.pte, args.ptd, require_ptd=True)
+        try:
+            update, done = verify_progress(weights.path, sum(e.nbytes for e in weights.entries.values()))
+            try:
+                nbytes, seconds = weights.verify(progress=update)
+            finally:
+                done()
+        finally:
+            weights.close()
+    except ArtifactError as e:
+        print(f"hostswap verify: {e}", file=sys.stderr)
+        return 1
+    print(f"{weights.path}: {len(weights.entries)} weights, {nbytes / 2**30:.2f} GiB match their checksums and {args.pte} "
+          f"({seconds:.2f} s, {nbytes / max(seconds, 1e-9) / 1e9:.1f} GB/s)")
     return 0
 
 
@@ -130,10 +184,16 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="print the weight schedule stored in a .pte")
     p.add_argument("pte")
+    p.add_argument("--ptd", help="the weights file to check the program against (default: the .ptd beside the .pte, if there is one)")
+    p.add_argument("--method", help="the method whose schedule to show (a program with several, e.g. decode)")
     p.add_argument("--budget-mb", type=float, help="also tell whether this budget loads and what each policy streams")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--plot", metavar="FILE", help="draw weight bytes per kernel with floor and budget lines (.png or .svg)")
     p.set_defaults(func=_inspect)
+    v = sub.add_parser("verify", help="check every weight byte of a .ptd against the checksums hostswap.save recorded")
+    v.add_argument("pte")
+    v.add_argument("ptd", nargs="?", help="default: the .ptd beside the .pte")
+    v.set_defaults(func=_verify)
     e = sub.add_parser("export-llm", help="write a transformers causal LM as a prefill/decode program with a KV cache")
     e.add_argument("checkpoint", help="a local transformers checkpoint folder (or a hub name)")
     e.add_argument("--out", required=True, help="path prefix: writes <out>.pte, <out>.ptd and <out>.tokenizer/")

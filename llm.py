@@ -27,6 +27,7 @@ PREFIX = "hostswap_llm_"
 MAX_SEQ_LEN = PREFIX + "max_seq_len"
 PREFILL_CHUNK = PREFIX + "prefill_chunk"
 EOS_TOKEN_IDS = PREFIX + "eos_token_ids"
+VOCAB_SIZE = PREFIX + "vocab_size"
 PREFILL, DECODE = "prefill", "decode"
 
 
@@ -106,7 +107,8 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int = 128, prefet
             reset_state(ep)
         programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth)
     eos = _eos_ids(model)
-    return programs, {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, **({EOS_TOKEN_IDS: eos} if eos else {})}
+    vocab = model.get_input_embeddings().num_embeddings
+    return programs, {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, VOCAB_SIZE: vocab, **({EOS_TOKEN_IDS: eos} if eos else {})}
 
 
 # A method call: (method, token ids [1, n], position of the first) -> logits [1, n, vocab].
@@ -203,6 +205,7 @@ class Generator:
                 raise GenerationError(f"{pte_path} has no method {missing[0]!r} that reads weights: write it with hostswap.llm.export")
             self.max_seq_len = self._constant(MAX_SEQ_LEN)
             self.prefill_chunk = self._constant(PREFILL_CHUNK)
+            self.vocab_size = self._constant(VOCAB_SIZE)
             self.eos_token_ids = frozenset(self.module.run_method(EOS_TOKEN_IDS, []) if EOS_TOKEN_IDS in self.module.method_names() else [])
         except BaseException:
             self.module.close()
@@ -231,6 +234,7 @@ class Generator:
         [1, n + new], as transformers' ``generate`` does. Stops after ``max_new_tokens`` or at an
         end-of-sequence token (the program's, or ``eos_token_id``). ``on_token`` sees each new
         token as it comes."""
+        self.module.ensure_open()
         if not isinstance(input_ids, torch.Tensor):
             raise GenerationError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
         ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
@@ -241,6 +245,10 @@ class Generator:
         prompt = ids.shape[1]
         if prompt < 1:
             raise GenerationError("input_ids is empty: give at least one prompt token")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise GenerationError(f"input_ids holds token id {bad}, outside the model's vocabulary of {self.vocab_size} ids (0..{self.vocab_size - 1})")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if prompt + max_new_tokens > self.max_seq_len:
@@ -248,7 +256,12 @@ class Generator:
                 f"prompt ({prompt} tokens) + max_new_tokens ({max_new_tokens}) = {prompt + max_new_tokens} exceeds the "
                 f"program's max_seq_len={self.max_seq_len}; export with a larger max_seq_len"
             )
-        eos = self.eos_token_ids if eos_token_id is None else frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        if eos_token_id is None:
+            eos = self.eos_token_ids
+        else:
+            eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+            if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+                raise GenerationError(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r}")
         ids = ids.to(torch.long).cpu()
         stats = GenerationStats(prompt_tokens=prompt)
         self._sync()
@@ -282,7 +295,8 @@ class Generator:
         """Device memory by kind, as loaded."""
         m = self.module.stats
         return (f"{self.device}: weights {m['budget_bytes'] / 2**20:.1f} MiB (budget; floor {self.module.schedule.floor_bytes / 2**20:.1f} MiB), "
-                f"KV cache {m['state_bytes'] / 2**20:.1f} MiB, activations {m['activation_arena_bytes'] / 2**20:.1f} MiB")
+                f"KV cache {m['state_bytes'] / 2**20:.1f} MiB, activations {m['activation_arena_bytes'] / 2**20:.1f} MiB; "
+                f"host memory pinned for streaming {m['pinned_host_bytes'] / 2**20:.1f} MiB")
 
     def summary(self) -> str:
         s = self.stats

@@ -19,10 +19,14 @@ from hostswap.passes.weight_offload import (
     get_weight_schedule,
     reprobe,
     schedule_with_options,
+    weight_placeholders,
+    weight_tensor,
 )
 from hostswap.schedules import serialization
+from hostswap.schedules.checksums import checksum, dtype_name, encode_trailer, tensor_checksum, weights_digest
 from hostswap.schedules.custom_ops import PROBE_OPERATOR
 from hostswap.schedules.pte_program import plan_by_name
+from hostswap.schedules.ptd_index import read_ptd_index
 from hostswap.schedules.weight_schedule import ScheduleError
 
 METHOD = "forward"
@@ -133,7 +137,9 @@ def to_executorch(programs: ExportedProgram | dict[str, ExportedProgram], *, con
         schedules[name] = schedule_with_options(lowered, options[name])
     # ExecutorchProgramManager emits EdgeProgramManager._config_methods as constant methods;
     # the schedules are only known after lowering, so they are set here rather than at creation.
-    edge._config_methods = {**(edge._config_methods or {}), **(constant_methods or {}), **serialization.encode(schedules)}
+    say("hashing the weights")
+    checksums, records = _weight_checksums({name: edge.exported_program(name) for name in programs})
+    edge._config_methods = {**(edge._config_methods or {}), **(constant_methods or {}), **serialization.encode(schedules, weights_digest(records))}
     say("emitting the ExecuTorch program")
     manager = edge.to_executorch(
         ExecutorchBackendConfig(
@@ -156,12 +162,34 @@ def to_executorch(programs: ExportedProgram | dict[str, ExportedProgram], *, con
                 f"{emitted[first] if first < len(emitted) else 'end'} vs {expected[first] if first < len(expected) else 'end'}"
             )
     manager.hostswap_schedules = schedules
+    manager.hostswap_weight_checksums = checksums
     # same kernels as the .pte: the bitwise reference
     manager.hostswap_edge_programs = {name: edge.exported_program(name) for name in programs}
     if METHOD in schedules:
         manager.hostswap_schedule = schedules[METHOD]
         manager.hostswap_edge_program = manager.hostswap_edge_programs[METHOD]
     return manager
+
+
+def _weight_checksums(programs: dict[str, ExportedProgram]) -> tuple[dict[str, str], dict]:
+    """(FQN -> checksum, FQN -> (dtype, shape, checksum)) of every tensor ExecuTorch writes to
+    the .ptd (read or not), hashed once (schedules/checksums.py)."""
+    checksums, records = {}, {}
+    for ep in programs.values():
+        for fqn in weight_placeholders(ep).values():
+            if fqn not in checksums:
+                tensor = weight_tensor(ep, fqn)
+                checksums[fqn] = tensor_checksum(tensor)
+                records[fqn] = (dtype_name(tensor.dtype), tuple(tensor.shape), checksums[fqn])
+    return checksums, records
+
+
+def _check_ptd_holds(path: str, checksums: dict[str, str]) -> None:
+    with open(path, "rb") as f:
+        data = f.read(os.path.getsize(path))
+    keys = set(read_ptd_index(lambda o, n: data[o : o + n], len(data), path).entries)
+    if keys != set(checksums):
+        raise WeightOffloadError(f"ExecuTorch wrote weights {sorted(keys - set(checksums))[:5]} that were not hashed, and hashed {sorted(set(checksums) - keys)[:5]} that it did not write")
 
 
 def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.PathLike, *, constant_methods: dict | None = None, progress=None) -> tuple[str, str]:
@@ -179,10 +207,17 @@ def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.
         progress(f"writing {pte_path} and {ptd_path}")
     with open(pte_path, "wb") as f:
         manager.write_to_file(f)
+    with open(pte_path, "rb") as f:
+        program_checksum = checksum(f.read())
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         manager.write_tensor_data_to_file(tmp)
         written = [f for f in os.listdir(tmp) if f.endswith(".ptd")]
         if len(written) != 1:
             raise WeightOffloadError(f"expected ExecuTorch to write one .ptd, it wrote {written}")
-        shutil.move(os.path.join(tmp, written[0]), ptd_path)
+        written = os.path.join(tmp, written[0])
+        _check_ptd_holds(written, manager.hostswap_weight_checksums)
+        # the per-weight checksums after ExecuTorch's segments (schedules/checksums.py)
+        with open(written, "ab") as f:
+            f.write(encode_trailer(manager.hostswap_weight_checksums, program_checksum))
+        shutil.move(written, ptd_path)
     return pte_path, ptd_path

@@ -53,9 +53,14 @@ class MethodExecutor:
             slot = self.values[value_id]
             if given is None and slot is not None:
                 raise ProgramError(f"method '{self.name}': input {position} is None; the program takes a tensor there")
-            if isinstance(given, torch.Tensor) and isinstance(slot, torch.Tensor):
+            if isinstance(slot, torch.Tensor):
+                want = f"a tensor of shape {tuple(slot.shape)} {slot.dtype}"
+                if not isinstance(given, torch.Tensor):
+                    raise ProgramError(f"method '{self.name}': input {position} is a {type(given).__name__}; the program takes {want}")
                 if tuple(slot.shape) != tuple(given.shape) or slot.dtype != given.dtype:
-                    raise ProgramError(f"method '{self.name}': input of shape {tuple(given.shape)} {given.dtype} does not match the program's {tuple(slot.shape)} {slot.dtype}")
+                    raise ProgramError(f"method '{self.name}': input {position} of shape {tuple(given.shape)} {given.dtype} does not match the program's: it takes {want} (shapes are the exported ones)")
+                if given.device.type not in ("cpu", "cuda"):
+                    raise ProgramError(f"method '{self.name}': input {position} is on {given.device}; give it on the CPU or a CUDA device (it is copied to {self.device})")
 
     def bind_inputs(self, inputs) -> None:
         self.check_inputs(inputs)

@@ -86,7 +86,11 @@ class LruPool(WeightPool):
         self.streams.compute_waits(self._ready.get(w))
         return self._tensor[w]
 
+    def streamed_weights(self) -> list[int]:
+        return [w for w in range(len(self.host)) if w not in self.lru.pinned]
+
     def close(self) -> None:
+        super().close()
         if self.allocator is None:
             return
         stream = self.streams.copy_stream

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import sys
 import threading
 import time
+import weakref
 
 import torch
 
@@ -16,9 +19,10 @@ from hostswap.runtime.method_loader import state_memory_ids
 from hostswap.runtime.lru_pool import LruPool
 from hostswap.runtime.planned_pool import PlannedPool
 from hostswap.runtime.pool import PoolCreationError
-from hostswap.runtime.ptd import PtdError, PtdFile
+from hostswap.runtime.ptd import PtdFile, check_pair
+from hostswap.schedules.artifacts import ArtifactError
 from hostswap.schedules.policies import check_budget
-from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, torch_dtype
+from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, read_program_bytes, torch_dtype
 from hostswap.schedules.serialization import decode_program
 
 
@@ -47,11 +51,23 @@ def check_device_memory(device, weight_bytes: int, state_bytes: int, activation_
     need = weight_bytes + state_bytes + activation_bytes
     if need > free_bytes:
         raise PoolCreationError(
-            f"{device} has {free_bytes / 2**20:.1f} MiB free; this program needs {need / 2**20:.1f} MiB: weights "
+            f"{device} has {free_bytes / 2**20:.1f} MiB {'of RAM available' if torch.device(device).type == 'cpu' else 'free'}; this program needs {need / 2**20:.1f} MiB: weights "
             f"{weight_bytes / 2**20:.1f} MiB (the budget), state such as a KV cache {state_bytes / 2**20:.1f} MiB, "
             f"activations {activation_bytes / 2**20:.1f} MiB. Lower weight_offload_budget_mb (the floor is the least) "
             "or export with a shorter max_seq_len"
         )
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes the program's memory may take: free device memory on CUDA, available RAM on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _kernel_launched(pool, kernel_of_instruction: dict[int, int], index: int) -> None:
+    # the pool, not the Module: a closure over the Module would make a reference cycle
+    pool.kernel_launched(kernel_of_instruction[index])
 
 
 def _check_budget_argument(budget_mb) -> None:
@@ -78,6 +94,32 @@ def _check_device_argument(device) -> torch.device:
 
 class ConcurrentExecutionError(RuntimeError):
     """Two threads tried to run one loaded Module at the same time."""
+
+
+class ModuleClosedError(RuntimeError):
+    """A Module (or Generator) was used after ``close()``."""
+
+
+def _release(ptd: PtdFile, pool, device: torch.device) -> None:
+    """Free the pool's device memory, undo the host registration and unmap the ``.ptd``: run
+    by ``Module.close()``, or when the last reference to the Module goes."""
+    if pool is not None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        pool.close()
+    ptd.close()
+
+
+def verify_progress(path: str, total: int):
+    """A progress bar on stderr for ``PtdFile.verify`` (tqdm), and its closer."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"verifying {os.path.basename(path)}", file=sys.stderr, leave=False)
+
+    def update(done: int, _total: int) -> None:
+        bar.update(done - bar.n)
+
+    return update, bar.close
 
 
 def _instruction_kernels(executor: MethodExecutor) -> list[tuple[int, set[int]]]:
@@ -124,18 +166,33 @@ class Module:
     ``cuda_graph`` may then name the methods to capture, e.g. ``cuda_graph=("decode",)``.
     ``prefetch_depth`` overrides the depth recorded by the pass; the floor is recomputed
     for it (a deeper prefetch needs more headroom), so the budget check stays exact.
+
+    At load the ``.ptd`` index is validated and both files are checked to be the pair
+    ``hostswap.save`` wrote, without reading a weight (docs/weight-offload.md, "Trusting the
+    files"); ``verify=True`` also hashes every weight byte against its checksum. A bad file
+    raises ``ArtifactError`` naming it and the field. ``close()`` (or leaving a ``with``
+    block, or dropping the last reference) frees the device memory, undoes the host
+    registration and unmaps the file.
     """
 
-    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None):
+    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False):
         t0 = time.perf_counter()
+        self._closed = True  # until loaded
         _check_budget_argument(weight_offload_budget_mb)
         self.device = _check_device_argument(device)
         if policy not in POOLS:
             raise ValueError(f"policy must be one of {tuple(POOLS)}, got {policy!r}")
         if cuda_graph and not POOLS[policy].capturable:
             raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
+        if not isinstance(verify, bool):
+            raise ValueError(f"verify must be True or False, got {verify!r}")
         self.pte_path = os.fspath(pte_path)
-        self.program = read_program(self.pte_path)
+        if data_path is None:
+            data_path = os.path.splitext(self.pte_path)[0] + ".ptd"
+        pte_bytes = read_program_bytes(self.pte_path)
+        # the program first: a file that is no hostswap program is named as such before its
+        # weights file is looked for
+        self.program = read_program(pte_bytes, self.pte_path)
         self.schedules = decode_program(self.program, self.pte_path)
         if prefetch_depth is not None:
             if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
@@ -152,58 +209,80 @@ class Module:
         self.budget_bytes = round(weight_offload_budget_mb * 2**20)
         # the floor at load is the largest of the methods' floors
         check_budget(max(self.schedules.values(), key=lambda s: s.floor_bytes), self.budget_bytes)
-        if data_path is None:
-            data_path = os.path.splitext(self.pte_path)[0] + ".ptd"
         self.ptd = PtdFile(data_path)
         try:
-            self._check_weights()
-            if prefault:
-                self.ptd.prefault()
-            if lock:
-                self.ptd.lock()
-            state_sizes, activations = self._arena_sizes()
-            if self.device.type == "cuda":
-                self.ptd.register_with_cuda()
-                free, _ = torch.cuda.mem_get_info(self.device)
-                check_device_memory(self.device, min(self.budget_bytes, self.schedule.total_bytes), sum(state_sizes.values()), activations, free)
-            host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
-            self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
-            self._executors: dict[str, MethodExecutor] = {}
-            self._probed: dict[str, _ProbedMethod] = {}
-            # Program state (buffers the methods mutate, a KV cache): one zeroed device tensor
-            # per memory id, shared by every method and kept across calls.
-            self.state = {memory_id: torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for memory_id, nbytes in state_sizes.items()}
-            for name in self.schedules:
-                executor = self._load_executor(plan_by_name(self.program, name))
-                method = _ProbedMethod(executor, self._map_kernels(name, executor), name in graphed)
-                method.on_kernel = lambda index, kernels=method.kernel_of_instruction: self.pool.kernel_launched(kernels[index])
-                self._probed[name] = method
-            if len(self._probed) > 1:
-                # Fills carried from one forward into the next assume the next is the same
-                # graph or eager path; with several methods the next call may be either.
-                self.pool.disable_carry()
+            self._load(pte_bytes, policy, graphed, prefault, lock, warm_pool, verify)
         except BaseException:
-            self.ptd.close()
+            _release(self.ptd, getattr(self, "pool", None), self.device)
             raise
-        self.policy = policy
-        self.cuda_graph = bool(graphed)
+        self._closed = False
+        # Released when the last reference goes, if close() was not called: nothing the
+        # finalizer holds refers back to the Module.
+        self._finalizer = weakref.finalize(self, _release, self.ptd, self.pool, self.device)
         self._lock = threading.Lock()
         self.load_seconds = time.perf_counter() - t0
 
+    def _load(self, pte_bytes: bytes, policy: str, graphed: set[str], prefault: bool, lock: bool, warm_pool: bool, verify: bool) -> None:
+        check_pair(self.pte_path, pte_bytes, self.program, self.ptd)
+        self._check_weights()
+        self.verified_bytes, self.verify_seconds = 0, 0.0
+        if verify:
+            update, done = verify_progress(self.ptd.path, sum(e.nbytes for e in self.ptd.entries.values()))
+            try:
+                self.verified_bytes, self.verify_seconds = self.ptd.verify(progress=update)
+            finally:
+                done()
+        if prefault:
+            self.ptd.prefault()
+        if lock:
+            self.ptd.lock()
+        state_sizes, activations = self._arena_sizes()
+        check_device_memory(self.device, min(self.budget_bytes, self.schedule.total_bytes), sum(state_sizes.values()), activations, _free_memory(self.device))
+        host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
+        self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
+        del host
+        if self.device.type == "cuda":
+            # only what is copied after load; resident weights were copied once, above
+            self.ptd.register_with_cuda([self.schedule.fqns[w] for w in self.pool.streamed_weights()])
+        self._executors: dict[str, MethodExecutor] = {}
+        self._probed: dict[str, _ProbedMethod] = {}
+        # Program state (buffers the methods mutate, a KV cache): one zeroed device tensor
+        # per memory id, shared by every method and kept across calls.
+        self.state = {memory_id: torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for memory_id, nbytes in state_sizes.items()}
+        for name in self.schedules:
+            try:
+                executor = self._load_executor(plan_by_name(self.program, name))
+                kernels = self._map_kernels(name, executor)
+            except ProgramError as e:
+                raise ArtifactError(self.pte_path, f"method '{name}'", str(e)) from e
+            method = _ProbedMethod(executor, kernels, name in graphed)
+            method.on_kernel = functools.partial(_kernel_launched, self.pool, method.kernel_of_instruction)
+            self._probed[name] = method
+        if len(self._probed) > 1:
+            # Fills carried from one forward into the next assume the next is the same
+            # graph or eager path; with several methods the next call may be either.
+            self.pool.disable_carry()
+        self.policy = policy
+        self.cuda_graph = bool(graphed)
+
     # --- load-time checks --------------------------------------------------------------------
     def _check_weights(self) -> None:
-        for fqn in self.schedule.fqns:
-            if fqn not in self.ptd.entries:
-                raise PtdError(f"{self.ptd.path} has no entry for weight '{fqn}' that {self.pte_path} expects")
         for name in self.schedules:
-            for fqn, t in external_weights(plan_by_name(self.program, name)).items():
+            expected = external_weights(plan_by_name(self.program, name))
+            for fqn in self.schedules[name].fqns:
+                if fqn not in expected:
+                    raise ArtifactError(self.pte_path, f"method '{name}'", f"schedules weight '{fqn}', which it does not read from the .ptd")
+            for fqn, t in expected.items():
                 entry = self.ptd.entries.get(fqn)
                 if entry is None:
-                    raise PtdError(f"{self.ptd.path} has no entry for weight '{fqn}' that {self.pte_path} expects")
-                want = (tuple(t.sizes), torch_dtype(t.scalar_type))
+                    raise ArtifactError(self.ptd.path, f"weight '{fqn}'", f"is missing; {self.pte_path} reads it")
+                try:
+                    want = (tuple(t.sizes), torch_dtype(t.scalar_type))
+                except ValueError as e:
+                    raise ArtifactError(self.pte_path, f"weight '{fqn}'", str(e)) from None
                 have = (entry.shape, entry.dtype)
                 if want != have:
-                    raise PtdError(f"weight '{fqn}': the program expects shape {want[0]} {want[1]}, {self.ptd.path} holds shape {have[0]} {have[1]}")
+                    raise ArtifactError(self.ptd.path, f"weight '{fqn}'", f"has shape {list(have[0])} {have[1]}; {self.pte_path} expects {list(want[0])} {want[1]}")
 
     def _unprobed_weight(self, fqn: str):
         # External tensors that are probed are bound per call by the pool; the placeholder
@@ -251,7 +330,14 @@ class Module:
         method.executor.run(method.on_kernel, hooked=method.hooked)
         self.pool.end_forward()
 
+    def ensure_open(self) -> None:
+        """Raise unless the Module can run: not closed, its ``.ptd`` unchanged since load."""
+        if self._closed:
+            raise ModuleClosedError(f"this hostswap Module ({self.pte_path}) was closed; load it again to run it")
+        self.ptd.check_unchanged()
+
     def run_method(self, name: str = "forward", inputs=()):
+        self.ensure_open()
         if not self._lock.acquire(blocking=False):
             raise ConcurrentExecutionError("this hostswap Module is already executing on another thread; one loaded Module runs one call at a time (load one per thread)")
         try:
@@ -349,6 +435,7 @@ class Module:
         s["activation_arena_bytes"] = max(m.executor.arena_bytes for m in self._probed.values())
         s["state_bytes"] = self.state_bytes
         s["budget_bytes"] = self.budget_bytes
+        s["pinned_host_bytes"] = self.ptd.pinned_bytes
         s["policy"] = self.policy
         return s
 
@@ -361,14 +448,21 @@ class Module:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        if hasattr(self, "pool"):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.pool.close()
+        """Free the device memory (weights, state, activations), undo the host registration and
+        unmap the ``.ptd``; idempotent. Outputs already returned stay valid (they are copies)."""
+        if self._closed:
+            return
+        self._closed = True
+        # the executors' arenas and the state first: the last views into the mapping go with them
         self._executors = {}
         self._probed = {}
-        self.ptd.close()
+        self.state = {}
+        self._finalizer()
 
 
 class _ProbedMethod:

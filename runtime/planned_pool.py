@@ -87,6 +87,15 @@ class PlannedPool(WeightPool):
         self._carried: list[int] = []
         self._carry_frozen = False  # prepare_capture: fixed for a CUDA graph
 
+    def streamed_weights(self) -> list[int]:
+        return [w for w in range(len(self.host)) if w not in self.layout.resident_offsets]
+
+    def close(self) -> None:
+        super().close()
+        self._resident.clear()
+        self._ring_tensor.clear()
+        self.arena = None
+
     @property
     def _fills_follow_releases(self) -> bool:
         # Depth 0, the no-prefetch reference, issues each copy at its own probe.

@@ -97,12 +97,18 @@ class WeightPool:
     def disable_carry(self) -> None:
         """Issue no copy at the end of a forward for the next one (pools that do)."""
 
+    def streamed_weights(self) -> list[int]:
+        """Weight ids copied from the host after load: the ones whose host pages are worth
+        registering with the driver (a resident weight is copied once)."""
+        return list(range(len(self.host)))
+
     def collect_stats(self) -> PoolStats:
         self.stats.stall_seconds += self.streams.collect_stalls()
         return self.stats
 
     def close(self) -> None:
-        pass
+        """Free the device memory and drop the host views (the mapping goes with the last)."""
+        self.host = []
 
     # --- shared bookkeeping -------------------------------------------------------------------
     def _typed(self, raw: torch.Tensor, w: int) -> torch.Tensor:

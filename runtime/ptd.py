@@ -1,97 +1,111 @@
-"""The ``.ptd`` weight file: memory-mapped read-only, indexed from its header and flatbuffer.
+"""The ``.ptd`` weight file: memory-mapped read-only, indexed from its validated header and
+flatbuffer (schedules/ptd_index.py), served as zero-copy views.
 
-Weights are zero-copy CPU views into the mapping; pages fault in from the page cache on
-first touch. On CUDA the mapping is registered with the driver (read-only flag) so that
-host-to-device copies are true asynchronous DMA.
+Weights are CPU views into the mapping; pages fault in from the page cache on first touch.
+On CUDA the byte ranges of the weights that are streamed (not those copied once to stay
+resident) are registered with the driver, read-only, so that their host-to-device copies
+are asynchronous DMA. The file is checked for changes (size, modification time) before each
+call: a mapped file edited in place would change the weights served, and one truncated
+would end the process with SIGBUS on the next read of a lost page.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import mmap
 import os
+import time
 import warnings
 
 import torch
 
-from hostswap.schedules.pte_program import torch_dtype
+from hostswap.schedules.artifacts import ArtifactError
+from hostswap.schedules.checksums import checksum, weights_digest
+from hostswap.schedules.ptd_index import PtdEntry, read_ptd_index
 
-_HEADER_OFFSET = 8  # FlatTensor's extended header sits after the flatbuffer root offset and identifier
-_HEADER_LENGTH = 40
 CUDA_HOST_REGISTER_READ_ONLY = 8
 
-
-class PtdError(ValueError):
-    """A ``.ptd`` that cannot serve the program; the message names the file and entry."""
+__all__ = ["ArtifactError", "HostRegistrationError", "PtdEntry", "PtdFile", "register_host_memory", "unregister_host_memory"]
 
 
 class HostRegistrationError(RuntimeError):
     """``cudaHostRegister`` refused the mapping; carries the CUDA error."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PtdEntry:
-    fqn: str
-    offset: int  # absolute offset in the file
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-def _parse_header(head: bytes, path: str) -> tuple[int, int]:
-    if len(head) < _HEADER_OFFSET + _HEADER_LENGTH or head[_HEADER_OFFSET : _HEADER_OFFSET + 4] != b"FH01":
-        raise PtdError(f"{path} is not an ExecuTorch .ptd (no FlatTensor header)")
-    flatbuffer_region = int.from_bytes(head[_HEADER_OFFSET + 24 : _HEADER_OFFSET + 32], "little")  # segment base offset
-    segment_data_size = int.from_bytes(head[_HEADER_OFFSET + 32 : _HEADER_OFFSET + 40], "little")
-    return flatbuffer_region, segment_data_size
-
-
 class PtdFile:
     """A read-only mapping of a ``.ptd`` with its entries indexed by FQN."""
 
     def __init__(self, path: str | os.PathLike):
-        from executorch.extension.flat_tensor.serialize.serialize import _deserialize_to_flat_tensor
-
         self.path = os.fspath(path)
         try:
             self._file = open(self.path, "rb")
         except OSError as e:
-            raise PtdError(f"cannot open weight file {self.path}: {e.strerror}") from e
-        size = os.fstat(self._file.fileno()).st_size
-        if size < _HEADER_OFFSET + _HEADER_LENGTH:
-            raise PtdError(f"{self.path} is not an ExecuTorch .ptd ({size} bytes)")
-        self.mapping = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        self.nbytes = size
-        base, data_size = _parse_header(self.mapping[: _HEADER_OFFSET + _HEADER_LENGTH], self.path)
-        if base + data_size > size:
-            raise PtdError(f"{self.path} is truncated: header promises {base + data_size} bytes, file has {size}")
-        flat = _deserialize_to_flat_tensor(bytes(self.mapping[:base]))  # only the index is read
+            raise ArtifactError(self.path, "file", f"cannot be opened: {e.strerror}") from None
+        try:
+            stat = os.fstat(self._file.fileno())
+            self.nbytes = stat.st_size
+            self._identity = _identity(stat)
+            if self.nbytes == 0:
+                raise ArtifactError(self.path, "header", "the file is empty")
+            self.mapping = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+            self.index = read_ptd_index(lambda offset, length: self.mapping[offset : offset + length], self.nbytes, self.path)
+        except BaseException:
+            if hasattr(self, "mapping"):
+                self.mapping.close()
+            self._file.close()
+            raise
+        self.entries: dict[str, PtdEntry] = self.index.entries
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we never write through it
             self._bytes = torch.frombuffer(self.mapping, dtype=torch.uint8)
-        self.entries: dict[str, PtdEntry] = {}
-        for named in flat.named_data:
-            segment = flat.segments[named.segment_index]
-            layout = named.tensor_layout
-            self.entries[named.key] = PtdEntry(
-                fqn=named.key,
-                offset=base + segment.offset,
-                nbytes=segment.size,
-                dtype=torch_dtype(layout.scalar_type),
-                shape=tuple(layout.sizes),
-            )
-        self.registered = False
+        self.registered: list[tuple[int, int]] = []  # (pointer, bytes) of each registered range
+        self.closed = False
 
     def host_tensor(self, fqn: str) -> torch.Tensor:
         """A zero-copy CPU view of one weight inside the mapping."""
         e = self.entries[fqn]
-        view = self._bytes[e.offset : e.offset + e.dtype.itemsize * _numel(e.shape)]
-        return view.view(e.dtype).view(e.shape)
+        return self._bytes[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
     @property
     def base_pointer(self) -> int:
         return self._bytes.data_ptr()
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(n for _, n in self.registered)
+
+    def check_unchanged(self) -> None:
+        """Refuse to go on with a file that was replaced, truncated or rewritten since load."""
+        # The file this mapping reads, not the path: a file renamed over the path leaves the
+        # mapped one intact, and it still serves the weights checked at load.
+        now = _identity(os.fstat(self._file.fileno()))
+        if now != self._identity:
+            was = self._identity
+            reason = f"size {was[0]} -> {now[0]} bytes, modified {time.ctime(was[1] / 1e9)} -> {time.ctime(now[1] / 1e9)}"
+            raise ArtifactError(self.path, "file", f"changed on disk since it was loaded ({reason}); the weights it serves are no longer the ones checked at load. Load it again")
+
+    def verify(self, fqns=None, progress=None) -> tuple[int, float]:
+        """Hash every byte of the given weights (default: all) against the checksums stored at
+        save; returns (bytes checked, seconds). ``progress(done_bytes, total_bytes)`` follows."""
+        checksums = self.index.checksums
+        if checksums is None:
+            raise ArtifactError(self.path, "checksum trailer", "is missing: the file was not written by hostswap.save, so there is nothing to verify against")
+        entries = sorted((self.entries[f] for f in (self.entries if fqns is None else fqns)), key=lambda e: e.offset)
+        total = sum(e.nbytes for e in entries)
+        done, bad = 0, []
+        t = time.perf_counter()
+        with memoryview(self.mapping) as view:
+            for e in entries:
+                with view[e.offset : e.offset + e.nbytes] as data:
+                    if checksum(data) != checksums[e.fqn]:
+                        bad.append(e.fqn)
+                done += e.nbytes
+                if progress:
+                    progress(done, total)
+        seconds = time.perf_counter() - t
+        if bad:
+            raise ArtifactError(self.path, f"weight '{bad[0]}'", f"its bytes do not match the checksum stored at save ({len(bad)} of {len(entries)} weights differ: {bad[:5]}); the file is corrupt")
+        return total, seconds
 
     def prefault(self) -> None:
         """Touch every page so the first forward does not fault them in from the page cache."""
@@ -107,15 +121,33 @@ class PtdFile:
             err = ctypes.get_errno()
             raise OSError(err, f"mlock of {self.path} ({self.nbytes} bytes) failed: {os.strerror(err)}")
 
-    def register_with_cuda(self) -> None:
-        """cudaHostRegister the mapping read-only, so copies from it are asynchronous DMA."""
-        register_host_memory(self.base_pointer, self.nbytes, what=self.path)
-        self.registered = True
+    def register_with_cuda(self, fqns=None) -> int:
+        """cudaHostRegister, read-only, the pages holding the given weights (default: the whole
+        mapping), so copies from them are asynchronous DMA; returns the bytes registered."""
+        if fqns is None:
+            ranges = [(0, self.nbytes)]
+        else:
+            ranges = page_ranges(((self.entries[f].offset, self.entries[f].nbytes) for f in fqns), mmap.PAGESIZE)
+        for start, length in ranges:
+            register_host_memory(self.base_pointer + start, length, what=f"{self.path} bytes {start}..{start + length}")
+            self.registered.append((self.base_pointer + start, length))
+        return self.pinned_bytes
+
+    def __enter__(self) -> "PtdFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
-        if self.registered:
-            unregister_host_memory(self.base_pointer)
-            self.registered = False
+        """Unregister, unmap and close; idempotent. Views handed out must be dropped first:
+        a mapping still viewed stays until the last view goes."""
+        if self.closed:
+            return
+        self.closed = True
+        for pointer, _ in self.registered:
+            unregister_host_memory(pointer)
+        self.registered = []
         self._bytes = None
         try:
             self.mapping.close()
@@ -124,11 +156,45 @@ class PtdFile:
         self._file.close()
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def check_pair(pte_path: str, pte_bytes: bytes, program, ptd: PtdFile) -> None:
+    """Refuse a ``.pte`` and ``.ptd`` that are not the pair one ``hostswap.save`` wrote, from
+    the index and trailer alone (no weight is read).
+
+    The trailer records the ``.pte``'s checksum: a corrupt ``.pte``, or one saved at another
+    time, stops here. The ``.pte`` records the digest of its weights' names, dtypes, shapes
+    and checksums: a ``.ptd`` holding another program's weights stops here.
+    """
+    from hostswap.schedules.serialization import weights_digest as saved_digest
+
+    recorded = ptd.index.program_checksum
+    if recorded is None:
+        raise ArtifactError(ptd.path, "checksum trailer", "is missing: hostswap loads weights files written by hostswap.save, which records the checksums it checks")
+    want = saved_digest(program, pte_path)
+    have = weights_digest(ptd.index.records())
+    if want != have:
+        raise ArtifactError(ptd.path, "weights digest", f"is {have}; {pte_path} was saved with weights of digest {want}: the weights file belongs to another program")
+    if checksum(pte_bytes) != recorded:
+        raise ArtifactError(
+            pte_path, "file",
+            f"its checksum {checksum(pte_bytes)} differs from {recorded}, which {ptd.path} recorded for the program saved with it: "
+            "the .pte is corrupt, or the two files come from different saves",
+        )
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int]:
+    return (stat.st_size, stat.st_mtime_ns)
+
+
+def page_ranges(spans, page: int) -> list[tuple[int, int]]:
+    """(start, length) of the page-aligned union of byte spans (offset, length), merged."""
+    merged: list[list[int]] = []
+    for offset, length in sorted(spans):
+        start, end = offset // page * page, -(-(offset + length) // page) * page
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e - s) for s, e in merged]
 
 
 def _cudart():

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from hostswap.schedules.artifacts import ArtifactError
+
 # ExecuTorch's ScalarType follows c10's numbering; map by name so the table is self-evident.
 _DTYPE_BY_SCALAR_TYPE_NAME = {
     "BYTE": torch.uint8,
@@ -34,7 +36,7 @@ _DTYPE_BY_SCALAR_TYPE_NAME = {
 def torch_dtype(scalar_type) -> torch.dtype:
     try:
         return _DTYPE_BY_SCALAR_TYPE_NAME[scalar_type.name]
-    except KeyError:
+    except (KeyError, AttributeError):
         raise ValueError(f"ExecuTorch scalar type {scalar_type} has no torch dtype mapping") from None
 
 
@@ -43,17 +45,37 @@ def tensor_nbytes(tensor_value) -> int:
     return math.prod(tensor_value.sizes) * dtype.itemsize
 
 
-def read_program(pte: str | os.PathLike | bytes):
-    """The deserialized ``executorch.exir.schema.Program`` (and its segments' bytes aside)."""
+PROGRAM_IDENTIFIER = b"ET12"  # the .pte flatbuffer's file identifier, bytes 4..8
+
+
+def read_program_bytes(pte: str | os.PathLike) -> bytes:
+    path = os.fspath(pte)
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ArtifactError(path, "file", f"cannot be read: {e.strerror}") from None
+
+
+def read_program(pte: str | os.PathLike | bytes, name: str | None = None):
+    """The deserialized ``executorch.exir.schema.Program``, read with ExecuTorch's Python
+    flatbuffer classes (no external tool). A file that is not one raises ``ArtifactError``."""
     from executorch.exir._serialize._program import deserialize_pte_binary
 
-    data = pte if isinstance(pte, (bytes, bytearray)) else open(os.fspath(pte), "rb").read()
+    if isinstance(pte, (bytes, bytearray, memoryview)):
+        data, name = bytes(pte), name or "<bytes>"
+    else:
+        data, name = read_program_bytes(pte), os.fspath(pte)
+    if len(data) < 8 or data[4:8] != PROGRAM_IDENTIFIER:
+        raise ArtifactError(name, "identifier", f"bytes 4..8 are {data[4:8]!r}, not {PROGRAM_IDENTIFIER!r}: not an ExecuTorch program")
     try:
-        pte_file = deserialize_pte_binary(bytes(data))
-    except Exception as e:  # the deserializer raises assorted errors on foreign files
-        name = "<bytes>" if isinstance(pte, (bytes, bytearray)) else os.fspath(pte)
-        raise ValueError(f"{name} is not an ExecuTorch program: {e}") from e
-    return getattr(pte_file, "program", pte_file)
+        pte_file = deserialize_pte_binary(data)
+    except Exception as e:  # noqa: BLE001  the generated reader raises whatever corrupt bytes lead it to
+        raise ArtifactError(name, "program flatbuffer", f"does not parse ({type(e).__name__}: {e})") from None
+    program = getattr(pte_file, "program", pte_file)
+    if not getattr(program, "execution_plan", None):
+        raise ArtifactError(name, "execution_plan", "is empty: the program has no methods")
+    return program
 
 
 def plan_by_name(program, name: str):
@@ -74,7 +96,7 @@ SCALAR_EVALUES = {
 
 def evalue_scalar(value) -> Any:
     """The Python value of an Int/Bool/Double/String EValue."""
-    kind = type(value.val).__name__
+    kind = type(getattr(value, "val", None)).__name__
     if kind not in SCALAR_EVALUES:
         raise ValueError(f"EValue of kind {kind} is not a plain scalar")
     return SCALAR_EVALUES[kind](value.val)
@@ -85,6 +107,8 @@ def constant_method_outputs(program, name: str) -> list[Any] | None:
     plan = plan_by_name(program, name)
     if plan is None:
         return None
+    if any(not 0 <= i < len(plan.values) for i in plan.outputs):
+        raise ValueError(f"constant method '{name}' returns value indices {list(plan.outputs)[:4]} outside its {len(plan.values)} values")
     return [evalue_scalar(plan.values[i]) for i in plan.outputs]
 
 

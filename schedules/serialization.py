@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 
+from hostswap.schedules.artifacts import ArtifactError
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, tensor_nbytes
 from hostswap.schedules.weight_schedule import SCHEDULE_VERSION, ScheduleError, WeightSchedule
 
 PREFIX = "hostswap_"
 VERSION = PREFIX + "schedule_version"
 METHODS = PREFIX + "methods"
+WEIGHTS_DIGEST = PREFIX + "weights_digest"  # schedules/checksums.py: ties the .pte to its .ptd
 # Per method m, the constant method PREFIX + m + "_" + field.
 FQNS = "weight_fqns"
 PROBE_WEIGHT = "probe_weight"
@@ -29,9 +31,10 @@ def _key(method: str, field: str) -> str:
     return f"{PREFIX}{method}_{field}"
 
 
-def encode(schedules: dict[str, WeightSchedule]) -> dict[str, object]:
-    """Constant methods carrying the schedule of every probed method of a program."""
-    out: dict[str, object] = {VERSION: SCHEDULE_VERSION, METHODS: list(schedules)}
+def encode(schedules: dict[str, WeightSchedule], weights_digest: str) -> dict[str, object]:
+    """Constant methods carrying the schedule of every probed method of a program and the
+    digest of the weights it was saved with."""
+    out: dict[str, object] = {VERSION: SCHEDULE_VERSION, METHODS: list(schedules), WEIGHTS_DIGEST: weights_digest}
     for method, schedule in schedules.items():
         out.update({
             _key(method, FQNS): list(schedule.fqns),
@@ -49,30 +52,60 @@ def encode(schedules: dict[str, WeightSchedule]) -> dict[str, object]:
 def decode_program(program, source: str = "<program>") -> dict[str, WeightSchedule]:
     """Method name -> schedule, for every probed method of a deserialized program; each is
     checked against the program."""
-    version = constant_method_outputs(program, VERSION)
+    version = _outputs(program, source, VERSION)
     if version is None:
-        raise ScheduleError(f"{source} was not produced by hostswap.apply_weight_offload (it has no {VERSION} method)")
+        raise ArtifactError(source, VERSION, "is missing: the program was not saved by hostswap.save from a program apply_weight_offload transformed")
     if version != [SCHEDULE_VERSION]:
-        raise ScheduleError(f"{source} carries schedule version {version}, this hostswap reads version {SCHEDULE_VERSION}")
+        raise ArtifactError(source, VERSION, f"is {version}; this hostswap reads version {SCHEDULE_VERSION}. Export and save the model again")
+    get = _getter(program, source)
+    methods = get(METHODS)
+    if not methods or not all(isinstance(m, str) for m in methods):
+        raise ArtifactError(source, METHODS, f"is {methods!r}, not a list of method names")
+    schedules = {}
+    for method in methods:
+        try:
+            schedules[method] = _decode_method(program, source, method, get)
+        except (ScheduleError, TypeError, ValueError) as e:
+            if isinstance(e, ArtifactError):
+                raise
+            raise ArtifactError(source, f"schedule of method '{method}'", str(e)) from None
+    return schedules
 
+
+def _outputs(program, source: str, name: str) -> list | None:
+    try:
+        return constant_method_outputs(program, name)
+    except ValueError as e:
+        raise ArtifactError(source, name, str(e)) from None
+
+
+def _getter(program, source: str):
     def get(name: str) -> list:
-        out = constant_method_outputs(program, name)
+        out = _outputs(program, source, name)
         if out is None:
-            raise ScheduleError(f"{source} lacks the constant method {name}")
+            raise ArtifactError(source, name, "the constant method is missing")
         return out
 
-    return {method: _decode_method(program, source, method, get) for method in get(METHODS)}
+    return get
+
+
+def weights_digest(program, source: str = "<program>") -> str:
+    """The digest of the weights the program was saved with (schedules/checksums.py)."""
+    value = _getter(program, source)(WEIGHTS_DIGEST)
+    if len(value) != 1 or not isinstance(value[0], str):
+        raise ArtifactError(source, WEIGHTS_DIGEST, f"is {value!r}, not one digest")
+    return value[0]
 
 
 def _decode_method(program, source: str, method: str, get) -> WeightSchedule:
     plan = plan_by_name(program, method)
     if plan is None:
-        raise ScheduleError(f"{source}: the schedule is for method '{method}', which the program does not have")
+        raise ArtifactError(source, METHODS, f"names method '{method}', which the program does not have")
     fqns = get(_key(method, FQNS))
     weights = external_weights(plan)
     missing = [f for f in fqns if f not in weights]
     if missing:
-        raise ScheduleError(f"{source}: scheduled weight '{missing[0]}' is not an external constant of method '{method}'")
+        raise ArtifactError(source, _key(method, FQNS), f"names '{missing[0]}', which is not an external constant of method '{method}'")
     (prefetch_depth,) = get(_key(method, PREFETCH_DEPTH))
     schedule = WeightSchedule(
         fqns=tuple(fqns),
@@ -82,22 +115,17 @@ def _decode_method(program, source: str, method: str, get) -> WeightSchedule:
         kernel_ops=tuple(get(_key(method, KERNEL_OPS))),
         prefetch_depth=prefetch_depth,
         pin=tuple(get(_key(method, PIN))),
-    )
-    if len(schedule.probe_weight) != len(schedule.probe_kernel):
-        raise ScheduleError(f"{source}: method '{method}': probe_weight and probe_kernel differ in length")
+    ).check()
     (stored_floor,) = get(_key(method, FLOOR_BYTES))
     if stored_floor != schedule.floor_bytes:
-        raise ScheduleError(
-            f"{source}: method '{method}': stored floor {stored_floor} bytes differs from {schedule.floor_bytes} recomputed "
-            "from the program's weights; the file is inconsistent"
-        )
+        raise ArtifactError(source, _key(method, FLOOR_BYTES), f"is {stored_floor} bytes; {schedule.floor_bytes} recomputed from the program's weights: the file is inconsistent")
     return schedule
 
 
 def load_weight_schedules(pte: str | os.PathLike | bytes) -> dict[str, WeightSchedule]:
     """Method name -> the schedule that ``hostswap.save`` stored for it in a ``.pte``."""
     source = "<bytes>" if isinstance(pte, (bytes, bytearray)) else os.fspath(pte)
-    return decode_program(read_program(pte), source)
+    return decode_program(read_program(pte, source), source)
 
 
 def load_weight_schedule(pte: str | os.PathLike | bytes, method: str | None = None) -> WeightSchedule:

@@ -7,7 +7,8 @@ import functools
 
 from hostswap.schedules.floor import Floor, compute_floor
 
-SCHEDULE_VERSION = 2
+SCHEDULE_VERSION = 3
+MAX_PREFETCH_DEPTH = 1024  # far beyond any useful depth; bounds what a corrupt file may ask for
 
 
 class ScheduleError(ValueError):
@@ -25,6 +26,31 @@ class WeightSchedule:
     kernel_ops: tuple[str, ...]  # operator of each kernel, in execution order
     prefetch_depth: int
     pin: tuple[str, ...]
+
+    def check(self) -> "WeightSchedule":
+        """Raise ScheduleError unless every id and count is in range (a schedule read from a
+        file is checked before anything indexes with it)."""
+        n, k = len(self.fqns), len(self.kernel_ops)
+        if len(set(self.fqns)) != n or not all(isinstance(f, str) and f for f in self.fqns):
+            raise ScheduleError("weight_fqns must be distinct non-empty names")
+        if len(self.weight_bytes) != n or any(not isinstance(b, int) or b < 0 for b in self.weight_bytes):
+            raise ScheduleError("weight_bytes must give one non-negative size per weight")
+        if len(self.probe_weight) != len(self.probe_kernel):
+            raise ScheduleError(f"probe_weight has {len(self.probe_weight)} entries, probe_kernel {len(self.probe_kernel)}")
+        for name, ids, bound in (("probe_weight", self.probe_weight, n), ("probe_kernel", self.probe_kernel, k)):
+            bad = next((i for i, v in enumerate(ids) if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < bound), None)
+            if bad is not None:
+                raise ScheduleError(f"{name}[{bad}] is {ids[bad]!r}, outside 0..{bound - 1}")
+        if any(b < a for a, b in zip(self.probe_kernel, self.probe_kernel[1:])):
+            raise ScheduleError("probe_kernel must not decrease: probes are recorded in kernel order")
+        if not all(isinstance(op, str) for op in self.kernel_ops):
+            raise ScheduleError("kernel_ops must be operator names")
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or not 0 <= self.prefetch_depth <= MAX_PREFETCH_DEPTH:
+            raise ScheduleError(f"prefetch_depth {self.prefetch_depth!r} is not between 0 and {MAX_PREFETCH_DEPTH}")
+        unknown = [f for f in self.pin if f not in self.fqns]
+        if unknown:
+            raise ScheduleError(f"pin names {unknown[:3]}, which are not weights of the schedule")
+        return self
 
     @functools.cached_property
     def floor(self) -> Floor:

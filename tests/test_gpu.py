@@ -265,3 +265,58 @@ def test_generation_on_cuda_equals_transformers_and_graphed_decode_is_bitwise_ea
             logits[graphed] = torch.stack(steps)
             print(f"cuda_graph={graphed}: {g.summary()}")
     assert torch.equal(logits[True], logits[False])
+
+
+def test_bf16_generation_is_bitwise_the_same_at_every_budget_and_run(tmp_path):
+    """bf16 decode reads the same weights through the same kernels at every budget: tokens and
+    logits are bitwise equal across budgets and across two loads at one budget. A transformers
+    Llama with the benchmark's layer shapes (hidden 2048, GQA 32/8, intermediate 5632), 2 layers."""
+    import hostswap.llm as llm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    pte, ptd = llm.export(model, tmp_path / "llama", max_seq_len=128, prefill_chunk=32)
+    schedule = hostswap.schedules.load_weight_schedule(pte, "decode")
+    prompt = torch.randint(0, 32000, (1, 40), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for name, budget in (("floor", schedule.floor_bytes), ("50%", schedule.total_bytes // 2), ("100%", schedule.total_bytes + MB), ("100% again", schedule.total_bytes + MB)):
+        with llm.Generator(pte, ptd, weight_offload_budget_mb=max(budget, schedule.floor_bytes) / MB, device="cuda") as g:
+            out = g.generate(prompt, 48)
+            steps = [g.module.run_method("decode", [out[:, 40 + i : 41 + i], torch.tensor([88 + i])])[0] for i in range(4)]
+            runs[name] = (out, torch.stack(steps).cpu())
+            print(f"{name}: {g.summary()}")
+    reference_tokens, reference_logits = runs["100%"]
+    for name, (tokens, logits) in runs.items():
+        differ = (tokens != reference_tokens).nonzero()
+        print(f"{name}: tokens {'same' if differ.numel() == 0 else f'differ from position {differ[0, 1].item()}'}, "
+              f"decode logits {'bitwise' if torch.equal(logits, reference_logits) else f'max diff {(logits.float() - reference_logits.float()).abs().max().item():.3g}'}")
+    for name, (tokens, logits) in runs.items():
+        assert torch.equal(tokens, reference_tokens), name
+        assert torch.equal(logits, reference_logits), name
+
+
+def test_only_streamed_weights_are_pinned_and_close_frees_the_device(lowered_by_name):
+    """The host pages registered are those of the weights streamed after load: none when all is
+    resident. close() hands back every byte the Module allocated on the device."""
+    demo = lowered_by_name("demo_transformer")
+    s = demo.schedule
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    m = Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cuda", policy="planned")
+    streamed = [s.fqns[w] for w in m.pool.streamed_weights()]
+    streamed_bytes = sum(m.ptd.entries[f].nbytes for f in streamed)
+    pinned = m.stats["pinned_host_bytes"]
+    print(f"floor: {len(streamed)} of {len(s.fqns)} weights streamed, {streamed_bytes} bytes; pinned {pinned} bytes; file {m.ptd.nbytes} bytes")
+    assert streamed_bytes <= pinned <= streamed_bytes + 2 * 4096 * len(streamed)
+    assert pinned < m.ptd.nbytes
+    m(*[a.cuda() for a in demo.args])
+    assert torch.cuda.memory_allocated() > before
+    m.close()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    with Module(demo.pte, demo.ptd, weight_offload_budget_mb=(s.total_bytes + MB) / MB, device="cuda") as resident:
+        assert resident.stats["pinned_host_bytes"] == 0
+        assert torch.equal(resident(*[a.cuda() for a in demo.args]).cpu(), demo.lowered_expected)

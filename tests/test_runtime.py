@@ -15,11 +15,10 @@ from hostswap.runtime import (
     LruPool,
     Module,
     ProgramError,
-    PtdError,
     PtdFile,
     ScheduleDivergenceError,
 )
-from hostswap.schedules import ScheduleError
+from hostswap.schedules.artifacts import ArtifactError
 from hostswap.schedules.floor import aligned
 from hostswap.schedules.pte_program import read_program
 
@@ -299,7 +298,7 @@ def _copy_pair(src, tmp_path):
 def test_error_ptd_missing_weight(lowered_by_name, tmp_path):
     nonuniform, tied = lowered_by_name("nonuniform"), lowered_by_name("tied")
     # the tied model's .ptd lacks every weight of the nonuniform program
-    with pytest.raises(PtdError, match="no entry for weight 'small1.weight'"):
+    with pytest.raises(ArtifactError, match="weights digest: .* belongs to another program"):
         Module(nonuniform.pte, tied.ptd, weight_offload_budget_mb=10, device="cpu")
 
 
@@ -315,17 +314,18 @@ def test_error_ptd_shape_dtype_disagreement(tmp_path):
     x = (torch.randn(2, 8),)
     a, _ = hostswap.save(hostswap.apply_weight_offload(torch.export.export(M(4, torch.float32), x)), tmp_path / "a")
     _, b_ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(M(6, torch.float32), x)), tmp_path / "b")
-    with pytest.raises(PtdError, match=r"weight 'lin.weight': the program expects shape \(4, 8\) torch.float32, .* holds shape \(6, 8\) torch.float32"):
+    # names, dtypes and shapes are in the digest: refused from the index alone
+    with pytest.raises(ArtifactError, match=r"b.ptd: weights digest: .* belongs to another program"):
         Module(a, b_ptd, weight_offload_budget_mb=10, device="cpu")
     _, c_ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(M(4, torch.float16), x)), tmp_path / "c")
-    with pytest.raises(PtdError, match=r"expects shape \(4, 8\) torch.float32, .* holds shape \(4, 8\) torch.float16"):
+    with pytest.raises(ArtifactError, match=r"c.ptd: weights digest: .* belongs to another program"):
         Module(a, c_ptd, weight_offload_budget_mb=10, device="cpu")
 
 
 def test_error_not_a_ptd(lowered_by_name, tmp_path):
     bad = tmp_path / "bad.ptd"
     bad.write_bytes(b"x" * 100)
-    with pytest.raises(PtdError, match="not an ExecuTorch .ptd"):
+    with pytest.raises(ArtifactError, match="bad.ptd: header: .*not an ExecuTorch .ptd"):
         Module(lowered_by_name("nonuniform").pte, bad, weight_offload_budget_mb=10, device="cpu")
 
 
@@ -335,7 +335,7 @@ def test_error_pte_not_from_the_pass(tmp_path):
     ep = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(1, 4),))
     path = tmp_path / "plain.pte"
     path.write_bytes(to_edge(ep).to_executorch().buffer)
-    with pytest.raises(ScheduleError, match="not produced by hostswap"):
+    with pytest.raises(ArtifactError, match="hostswap_schedule_version: is missing: the program was not saved by hostswap.save"):
         Module(path, None, weight_offload_budget_mb=10, device="cpu")
 
 
@@ -612,10 +612,16 @@ def test_error_input_of_wrong_shape_loses_nothing(lowered_by_name):
     try:
         first = m(*demo.args)
         forwards = m.stats["forwards"]
-        with pytest.raises(ProgramError, match=r"input of shape \(\d+, \d+\) torch.int64 does not match the program's"):
+        with pytest.raises(ProgramError, match=r"input 0 of shape \(\d+, \d+\) torch.int64 does not match the program's: it takes a tensor of shape \(\d+, \d+\) torch.int64"):
             m(torch.cat([demo.args[0], demo.args[0]], dim=-1))
+        with pytest.raises(ProgramError, match=r"input 0 of shape .* torch.int32 does not match"):
+            m(demo.args[0].to(torch.int32))
         with pytest.raises(ProgramError, match="takes 1 inputs, got 2"):
             m(*demo.args, *demo.args)
+        with pytest.raises(ProgramError, match=r"input 0 is a list; the program takes a tensor of shape"):
+            m(demo.args[0].tolist())
+        with pytest.raises(ProgramError, match=r"input 0 is on meta; give it on the CPU or a CUDA device"):
+            m(demo.args[0].to("meta"))
         assert m.stats["forwards"] == forwards
         assert torch.equal(m(*demo.args), first)
     finally:

@@ -135,9 +135,9 @@ def test_error_schedule_from_foreign_pte(tmp_path):
     ep = torch.export.export(models.NonUniformMLP(), (torch.randn(2, 32),))
     path = tmp_path / "plain.pte"
     path.write_bytes(to_edge(ep).to_executorch().buffer)
-    with pytest.raises(ScheduleError, match="not produced by hostswap"):
+    with pytest.raises(hostswap.ArtifactError, match="not saved by hostswap.save"):
         load_weight_schedule(path)
-    with pytest.raises(ValueError, match="is not an ExecuTorch program"):
+    with pytest.raises(hostswap.ArtifactError, match="not an ExecuTorch program"):
         load_weight_schedule(b"definitely not a program")
 
 
