@@ -305,17 +305,21 @@ def test_only_streamed_weights_are_pinned_and_close_frees_the_device(lowered_by_
 
     demo = lowered_by_name("demo_transformer")
     s = demo.schedule
+    # A first load, run and close leaves what the process keeps for good (the cuBLAS
+    # workspace of the stream, 33 MiB on an H100); a second must hand back all it took.
+    with Module(demo.pte, demo.ptd, weight_offload_budget_mb=s.floor_bytes / MB, device="cuda") as warm:
+        warm(*[a.cuda() for a in demo.args])
     gc.collect()  # what earlier tests left for the collector goes now, not in the middle
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     gc.disable()  # close() alone must hand the memory back
     try:
-        _streamed_and_closed(demo, s, before)
+        streamed = _streamed_and_closed(demo, s, before)
     finally:
         gc.enable()
     with Module(demo.pte, demo.ptd, weight_offload_budget_mb=(s.total_bytes + MB) / MB, device="cuda") as resident:
         assert resident.stats["pinned_host_bytes"] == 0
-        assert torch.equal(resident(*[a.cuda() for a in demo.args]).cpu(), demo.lowered_expected)
+        assert torch.equal(resident(*[a.cuda() for a in demo.args]).cpu(), streamed)  # the same kernels: bitwise
 
 
 def _streamed_and_closed(demo, s, before):
@@ -326,8 +330,9 @@ def _streamed_and_closed(demo, s, before):
     print(f"floor: {len(streamed)} of {len(s.fqns)} weights streamed, {streamed_bytes} bytes; pinned {pinned} bytes; file {m.ptd.nbytes} bytes")
     assert streamed_bytes <= pinned <= streamed_bytes + 2 * 4096 * len(streamed)
     assert pinned < m.ptd.nbytes
-    m(*[a.cuda() for a in demo.args])
+    y = m(*[a.cuda() for a in demo.args]).cpu()
     assert torch.cuda.memory_allocated() > before
     m.close()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before, (torch.cuda.memory_allocated(), before)
+    return y
