@@ -43,6 +43,7 @@ def _static_cache_wrapper(model, max_seq_len: int):
     if not hasattr(model, "generation_config") or not hasattr(model, "config"):
         raise GenerationError(f"hostswap.llm.export takes a transformers causal LM (a *ForCausalLM), got {type(model).__name__}")
     model.eval()
+    unwrap_quantized(model)
     model.config.use_cache = True
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         model.set_attn_implementation("sdpa")
@@ -57,6 +58,33 @@ def _static_cache_wrapper(model, max_seq_len: int):
     except (ValueError, AssertionError, TypeError, AttributeError) as e:
         raise GenerationError(f"{type(model).__name__} has no static-cache export in transformers: {e}") from e
     return wrapper
+
+
+def unwrap_quantized(model) -> bool:
+    """Store torchao quantized weights (``quantize_``) as their plain inner tensors (packed data,
+    scales, zero points), the form torch.export and ExecuTorch serialize; the forward is
+    unchanged. True when there was one."""
+    if not any(type(p).__module__.startswith("torchao.") for p in model.parameters()):
+        return False
+    from torchao.utils import unwrap_tensor_subclass
+
+    unwrap_tensor_subclass(model)
+    return True
+
+
+def quantize(model, scheme: str):
+    """torchao weight-only quantization of ``model``'s linear layers, in place: ``int8``, or
+    ``int4`` (groups of 128; torchao runs it on CUDA only)."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    configs = {"int8": Int8WeightOnlyConfig, "int4": lambda: Int4WeightOnlyConfig(group_size=128)}
+    if scheme not in configs:
+        raise GenerationError(f"quantization must be one of {sorted(configs)}, got {scheme!r}")
+    try:
+        quantize_(model, configs[scheme]())
+    except (ImportError, NotImplementedError, RuntimeError, ValueError) as e:
+        raise GenerationError(f"torchao cannot quantize this model to {scheme} here: {type(e).__name__}: {e}") from e
+    return model
 
 
 def reset_state(ep) -> None:

@@ -22,6 +22,7 @@ def schedule_from_graph(
     weight_bytes: Mapping[str, int],
     prefetch_depth: int,
     pin: Sequence[str],
+    weight_dtypes: Mapping[str, str] | None = None,
 ) -> WeightSchedule:
     """Build the schedule of a probed graph: probes in node order, kernels as their readers."""
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -66,4 +67,5 @@ def schedule_from_graph(
         kernel_ops=tuple(_op_name(k.target) for k in kernels),
         prefetch_depth=prefetch_depth,
         pin=tuple(pin),
+        weight_dtypes=tuple(weight_dtypes[f] for f in fqns) if weight_dtypes else (),
     )

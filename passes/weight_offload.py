@@ -70,14 +70,17 @@ def weight_tensor(ep: ExportedProgram, fqn: str) -> torch.Tensor:
     return ep.constants[fqn]
 
 
+def _is_torchao(tensor: torch.Tensor) -> bool:
+    return any(cls.__module__.startswith("torchao.") for cls in type(tensor).__mro__)
+
+
 def _check_streamable(fqn: str, tensor: torch.Tensor) -> None:
     if isinstance(tensor, torch.nn.Parameter):
         tensor = tensor.data
     if type(tensor) is not torch.Tensor:
-        raise WeightOffloadError(
-            f"weight '{fqn}' is a {type(tensor).__name__}, a tensor subclass hostswap cannot stream; "
-            "convert it to a plain tensor before export"
-        )
+        hint = ("a torchao quantized weight: call torchao.utils.unwrap_tensor_subclass(model) before torch.export, which stores "
+                "its packed data and scales as plain tensors (hostswap.llm.export does this)") if _is_torchao(tensor) else "convert it to a plain tensor before export"
+        raise WeightOffloadError(f"weight '{fqn}' is a {type(tensor).__name__}, a tensor subclass hostswap cannot stream; {hint}")
     if tensor.numel() == 0:
         raise WeightOffloadError(f"weight '{fqn}' has zero elements (shape {tuple(tensor.shape)}); it cannot be streamed")
     storage_bytes = tensor.untyped_storage().nbytes()
@@ -310,14 +313,16 @@ def schedule_with_options(ep: ExportedProgram, options: WeightOffloadOptions) ->
     """The weight schedule of ``ep``'s probes, with the pass options given (lowering passes
     them explicitly: lowered graph modules do not keep the pass's metadata)."""
     by_placeholder = weight_placeholders(ep)
-    weight_bytes = {}
+    weight_bytes, weight_dtypes = {}, {}
     for fqn in by_placeholder.values():
         t = weight_tensor(ep, fqn)
         weight_bytes[fqn] = t.numel() * t.element_size()
+        weight_dtypes[fqn] = str(t.dtype).removeprefix("torch.")
     return schedule_from_graph(
         ep.graph_module.graph,
         fqn_of_placeholder=by_placeholder,
         weight_bytes=weight_bytes,
+        weight_dtypes=weight_dtypes,
         prefetch_depth=options.prefetch_depth,
         pin=options.pin,
     )

@@ -26,6 +26,7 @@ def schedule_report(schedule: WeightSchedule, budget_bytes: int | None = None) -
         "summary": {
             "weights": len(schedule.fqns),
             "total_bytes": schedule.total_bytes,
+            "bytes_by_dtype": schedule.bytes_by_dtype() if schedule.weight_dtypes else {},
             "probes": schedule.num_probes,
             "kernels": schedule.num_kernels,
             "floor_bytes": floor.floor_bytes,
@@ -43,6 +44,7 @@ def schedule_report(schedule: WeightSchedule, budget_bytes: int | None = None) -
                 "kernel": schedule.probe_kernel[p],
                 "op": schedule.kernel_ops[schedule.probe_kernel[p]],
                 "bytes": schedule.weight_bytes[w],
+                "dtype": schedule.weight_dtypes[w] if schedule.weight_dtypes else None,
             }
             for p, w in enumerate(schedule.probe_weight)
         ],
@@ -83,6 +85,7 @@ def render_tables(schedule: WeightSchedule, budget_bytes: int | None = None) -> 
             [
                 ["weights", s["weights"]],
                 ["total weight bytes", f"{s['total_bytes']} ({_mb(s['total_bytes'])} MB)"],
+                *([["  by dtype", ", ".join(f"{d} {_mb(b)} MB" for d, b in s["bytes_by_dtype"].items())]] if s.get("bytes_by_dtype") else []),
                 ["probes / kernels", f"{s['probes']} / {s['kernels']}"],
                 ["floor", f"{s['floor_bytes']} bytes (budget >= {s['floor_mb']} MB)"],
                 ["  lru window / planned ring", f"{s['lru_window_bytes']} / {s['planned_ring_bytes']} bytes"],
@@ -102,8 +105,8 @@ def render_tables(schedule: WeightSchedule, budget_bytes: int | None = None) -> 
     out.append("\nAccess order")
     out.append(
         tabulate(
-            [[a["probe"], a["fqn"], a["kernel"], a["op"], a["bytes"]] for a in r["access_order"]],
-            headers=["probe", "fqn", "kernel", "op", "bytes"],
+            [[a["probe"], a["fqn"], a["kernel"], a["op"], a["dtype"] or "", a["bytes"]] for a in r["access_order"]],
+            headers=["probe", "fqn", "kernel", "op", "dtype", "bytes"],
             tablefmt="simple",
         )
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from hostswap.schedules.artifacts import ArtifactError
-from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, tensor_nbytes
+from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, tensor_nbytes, torch_dtype
 from hostswap.schedules.weight_schedule import SCHEDULE_VERSION, ScheduleError, WeightSchedule
 
 PREFIX = "hostswap_"
@@ -110,6 +110,7 @@ def _decode_method(program, source: str, method: str, get) -> WeightSchedule:
     schedule = WeightSchedule(
         fqns=tuple(fqns),
         weight_bytes=tuple(tensor_nbytes(weights[f]) for f in fqns),
+        weight_dtypes=tuple(str(torch_dtype(weights[f].scalar_type)).removeprefix("torch.") for f in fqns),
         probe_weight=tuple(get(_key(method, PROBE_WEIGHT))),
         probe_kernel=tuple(get(_key(method, PROBE_KERNEL))),
         kernel_ops=tuple(get(_key(method, KERNEL_OPS))),

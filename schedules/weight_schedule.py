@@ -26,6 +26,7 @@ class WeightSchedule:
     kernel_ops: tuple[str, ...]  # operator of each kernel, in execution order
     prefetch_depth: int
     pin: tuple[str, ...]
+    weight_dtypes: tuple[str, ...] = ()  # dtype name per weight id (from the program, not stored; quantized data is int8/uint8)
 
     def check(self) -> "WeightSchedule":
         """Raise ScheduleError unless every id and count is in range (a schedule read from a
@@ -47,6 +48,8 @@ class WeightSchedule:
             raise ScheduleError("kernel_ops must be operator names")
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or not 0 <= self.prefetch_depth <= MAX_PREFETCH_DEPTH:
             raise ScheduleError(f"prefetch_depth {self.prefetch_depth!r} is not between 0 and {MAX_PREFETCH_DEPTH}")
+        if self.weight_dtypes and len(self.weight_dtypes) != n:
+            raise ScheduleError(f"weight_dtypes gives {len(self.weight_dtypes)} dtypes for {n} weights")
         unknown = [f for f in self.pin if f not in self.fqns]
         if unknown:
             raise ScheduleError(f"pin names {unknown[:3]}, which are not weights of the schedule")
@@ -79,6 +82,13 @@ class WeightSchedule:
     @property
     def total_bytes(self) -> int:
         return sum(self.weight_bytes)
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """Weight bytes per dtype (quantized weights count their packed bytes)."""
+        out: dict[str, int] = {}
+        for dtype, nbytes in zip(self.weight_dtypes or ("?",) * len(self.fqns), self.weight_bytes):
+            out[dtype] = out.get(dtype, 0) + nbytes
+        return out
 
     def probe_fqns(self) -> list[str]:
         return [self.fqns[w] for w in self.probe_weight]
