@@ -221,8 +221,9 @@ class Generator:
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned",
                  cuda_graph: bool | None = None, **module_options):
         from hostswap.runtime import Module
+        from hostswap.runtime.module import check_device_argument
 
-        device = torch.device(device)
+        device = check_device_argument(device)
         if cuda_graph is None:
             cuda_graph = device.type == "cuda" and policy == "planned"
         self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=device,

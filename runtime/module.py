@@ -77,7 +77,7 @@ def _check_budget_argument(budget_mb) -> None:
         raise ValueError(f"weight_offload_budget_mb must be a finite number of MB above 0, got {budget_mb!r}")
 
 
-def _check_device_argument(device) -> torch.device:
+def check_device_argument(device) -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -179,7 +179,7 @@ class Module:
         t0 = time.perf_counter()
         self._closed = True  # until loaded
         _check_budget_argument(weight_offload_budget_mb)
-        self.device = _check_device_argument(device)
+        self.device = check_device_argument(device)
         if policy not in POOLS:
             raise ValueError(f"policy must be one of {tuple(POOLS)}, got {policy!r}")
         if cuda_graph and not POOLS[policy].capturable:

@@ -137,6 +137,12 @@ def test_errors_name_the_argument_before_any_work(llama):
             g.generate([1, 2, 3], 2)
         with pytest.raises(llm.GenerationError, match="input_ids is empty"):
             g.generate(torch.zeros(1, 0, dtype=torch.long), 2)
+        with pytest.raises(llm.GenerationError, match=rf"token id {VOCAB}, outside the model's vocabulary of {VOCAB} ids"):
+            g.generate(torch.tensor([[1, VOCAB, 2]]), 2)
+        with pytest.raises(llm.GenerationError, match="token id -1, outside"):
+            g.generate(torch.tensor([[1, -1]]), 2)
+        with pytest.raises(llm.GenerationError, match="eos_token_id must be a token id or a list of them, got 'x'"):
+            g.generate(_prompt(3), 2, eos_token_id="x")
         assert g.module.stats["forwards"] == 0  # nothing ran
 
 
@@ -147,6 +153,8 @@ def test_errors_at_export_and_load(lowered_by_name, tmp_path):
         llm.export(build(BY_NAME["Llama"])[0], tmp_path / "m", max_seq_len=0)
     with pytest.raises(llm.GenerationError, match="takes a transformers causal LM"):
         llm.export(torch.nn.Linear(2, 2), tmp_path / "m", max_seq_len=8, prefill_chunk=4)
+    with pytest.raises(ValueError, match="device must name a device such as 'cuda', 'cuda:1' or 'cpu', got 'gpu0'"):
+        llm.Generator(tmp_path / "missing.pte", weight_offload_budget_mb=100, device="gpu0")
     demo = lowered_by_name("demo_transformer")
     with pytest.raises(llm.GenerationError, match="has no method 'prefill' that reads weights: write it with hostswap.llm.export"):
         llm.Generator(demo.pte, demo.ptd, weight_offload_budget_mb=100, device="cpu")
