@@ -43,7 +43,9 @@ def _static_cache_wrapper(model, max_seq_len: int):
     if not hasattr(model, "generation_config") or not hasattr(model, "config"):
         raise GenerationError(f"hostswap.llm.export takes a transformers causal LM (a *ForCausalLM), got {type(model).__name__}")
     model.eval()
-    unwrap_quantized(model)
+    from hostswap.passes.quantized_linear import prepare_quantized
+
+    prepare_quantized(model)  # torchao quantized linears: one kernel reads each weight's packed data and scales
     model.config.use_cache = True
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         model.set_attn_implementation("sdpa")
@@ -58,18 +60,6 @@ def _static_cache_wrapper(model, max_seq_len: int):
     except (ValueError, AssertionError, TypeError, AttributeError) as e:
         raise GenerationError(f"{type(model).__name__} has no static-cache export in transformers: {e}") from e
     return wrapper
-
-
-def unwrap_quantized(model) -> bool:
-    """Store torchao quantized weights (``quantize_``) as their plain inner tensors (packed data,
-    scales, zero points), the form torch.export and ExecuTorch serialize; the forward is
-    unchanged. True when there was one."""
-    if not any(type(p).__module__.startswith("torchao.") for p in model.parameters()):
-        return False
-    from torchao.utils import unwrap_tensor_subclass
-
-    unwrap_tensor_subclass(model)
-    return True
 
 
 def quantize(model, scheme: str):

@@ -2,6 +2,7 @@
 
 from hostswap.passes import probe_op  # noqa: F401  (registers hostswap::probe)
 from hostswap.passes.lowering import save, to_executorch
+from hostswap.passes.quantized_linear import QuantizedLayoutError, prepare_quantized
 from hostswap.passes.weight_offload import (
     WeightOffloadError,
     WeightOffloadPass,
@@ -9,4 +10,4 @@ from hostswap.passes.weight_offload import (
     get_weight_schedule,
 )
 
-__all__ = ["WeightOffloadError", "WeightOffloadPass", "apply_weight_offload", "get_weight_schedule", "save", "to_executorch"]
+__all__ = ["QuantizedLayoutError", "prepare_quantized", "WeightOffloadError", "WeightOffloadPass", "apply_weight_offload", "get_weight_schedule", "save", "to_executorch"]

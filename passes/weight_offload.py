@@ -12,6 +12,7 @@ from torch.export.graph_signature import InputKind
 
 from hostswap.passes import probe_op
 from hostswap.passes.fused_attention import KeepFusedAttentionPass
+from hostswap.passes.quantized_linear import is_torchao_tensor
 from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, reads_no_data, underlying_op, view_chain_root, views_and_readers
 from hostswap.passes.schedule_builder import schedule_from_graph
 from hostswap.schedules.weight_schedule import WeightSchedule
@@ -70,16 +71,12 @@ def weight_tensor(ep: ExportedProgram, fqn: str) -> torch.Tensor:
     return ep.constants[fqn]
 
 
-def _is_torchao(tensor: torch.Tensor) -> bool:
-    return any(cls.__module__.startswith("torchao.") for cls in type(tensor).__mro__)
-
-
 def _check_streamable(fqn: str, tensor: torch.Tensor) -> None:
     if isinstance(tensor, torch.nn.Parameter):
         tensor = tensor.data
     if type(tensor) is not torch.Tensor:
-        hint = ("a torchao quantized weight: call torchao.utils.unwrap_tensor_subclass(model) before torch.export, which stores "
-                "its packed data and scales as plain tensors (hostswap.llm.export does this)") if _is_torchao(tensor) else "convert it to a plain tensor before export"
+        hint = ("a torchao quantized weight: call hostswap.prepare_quantized(model) before torch.export, which makes its packed "
+                "data and scales plain weights of one kernel (hostswap.llm.export does this)") if is_torchao_tensor(tensor) else "convert it to a plain tensor before export"
         raise WeightOffloadError(f"weight '{fqn}' is a {type(tensor).__name__}, a tensor subclass hostswap cannot stream; {hint}")
     if tensor.numel() == 0:
         raise WeightOffloadError(f"weight '{fqn}' has zero elements (shape {tuple(tensor.shape)}); it cannot be streamed")

@@ -1,6 +1,7 @@
-"""torchao weight-only quantized models streamed through hostswap: the packed data and scales
-are plain weights of the program, counted in their own dtypes, and outputs equal the
-quantized eager model's (CPU: torchao's int8 path; int4 is CUDA-only in torchao)."""
+"""torchao weight-only quantized models streamed through hostswap: each quantized linear is one
+kernel (``hostswap::quantized_linear``) reading the weight's packed data, scales and zero
+points, so they are one probe group; they are counted in their own dtypes, and outputs equal
+the quantized eager model's (CPU: torchao's int8 path; int4 is CUDA-only in torchao)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,18 @@ def _int8_mlp():
 def test_int8_program_is_bitwise_the_quantized_model_and_counts_int8_bytes(tmp_path):
     model, x = _int8_mlp()
     expected = model(x)
-    assert llm.unwrap_quantized(model)
+    assert hostswap.prepare_quantized(model) == 2
+    assert torch.equal(model(x), expected)
     ep = hostswap.apply_weight_offload(torch.export.export(model, (x,)))
     pte, ptd = hostswap.save(ep, tmp_path / "q")
     schedule = hostswap.schedules.load_weight_schedule(pte)
+    # one unit: the one kernel of each linear reads its data, scale, zero point (and bias)
+    assert schedule.kernel_ops == ("hostswap::quantized_linear.default",) * 2
+    kernel_of = {schedule.fqns[w]: k for w, k in zip(schedule.probe_weight, schedule.probe_kernel)}
+    for layer, k in (("0", 0), ("2", 1)):
+        assert {kernel_of[f"{layer}.weight_{n}"] for n in ("qdata", "scale", "zero_point")} == {k}
     by_dtype = schedule.bytes_by_dtype()
-    assert by_dtype["int8"] == (512 * 256 + 64 * 512)  # the packed weights, one byte each
+    assert by_dtype["int8"] == (512 * 256 + 64 * 512) + (512 + 64)  # the packed weights and the zero points, one byte each
     assert schedule.total_bytes < 0.3 * 4 * (512 * 256 + 64 * 512)
     table = schedule.table()
     assert "int8" in table and "by dtype" in table
@@ -47,8 +54,15 @@ def test_int8_program_is_bitwise_the_quantized_model_and_counts_int8_bytes(tmp_p
 
 def test_a_quantized_weight_left_wrapped_is_refused_with_the_fix():
     model, x = _int8_mlp()
-    with pytest.raises(hostswap.WeightOffloadError, match=r"weight '0.weight' is a Int8Tensor.*torchao.utils.unwrap_tensor_subclass\(model\) before torch.export"):
+    with pytest.raises(hostswap.WeightOffloadError, match=r"weight '0.weight' is a Int8Tensor.*hostswap.prepare_quantized\(model\) before torch.export"):
         hostswap.apply_weight_offload(torch.export.export(model, (x,)))
+
+
+def test_a_layout_naming_a_class_outside_torchao_is_refused():
+    from hostswap.passes.quantized_linear import rebuild
+
+    with pytest.raises(hostswap.QuantizedLayoutError, match="class os:system is not torchao's; refused"):
+        rebuild([torch.zeros(1)], '{"class": "os:system", "names": ["x"], "attributes": {}, "size": [1], "stride": [1]}')
 
 
 @pytest.mark.parametrize("name", ["Llama", "Qwen2"])

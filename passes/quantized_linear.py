@@ -1,0 +1,149 @@
+"""Keep each torchao quantized linear whole through export as ``hostswap::quantized_linear``.
+
+A torchao weight-only quantized weight (``quantize_(model, Int8WeightOnlyConfig())``) is a
+tensor subclass over plain inner tensors: packed data, scales, zero points. torch.export
+would trace its dequantize-and-matmul into several kernels, each reading one inner tensor,
+so one weight would be fetched piece by piece. ``prepare_quantized`` swaps each such linear
+for a module whose inner tensors are plain parameters read by one custom op: one kernel
+reads the whole unit, so it is one probe group, fetched together and counted together in
+the floor and the budget. The op rebuilds the torchao tensor from its inner tensors
+(``__tensor_unflatten__``) and calls ``F.linear`` on it: torchao's own kernels run, on the
+CPU and on CUDA, and the result is bitwise the quantized model's.
+
+The op's ``layout`` argument is JSON: the torchao class, the inner tensor names, their
+non-tensor attributes and the outer size. A program is untrusted input: only classes of
+torchao's own modules are rebuilt.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.library import Library
+
+from hostswap.passes.probe_op import NAMESPACE
+
+_ARGS = "Tensor input, Tensor[] weight, Tensor? bias, str layout"
+_lib = Library(NAMESPACE, "FRAGMENT")
+_lib.define(f"quantized_linear({_ARGS}) -> Tensor")
+_lib.define(f"quantized_linear.out({_ARGS}, *, Tensor(a!) out) -> Tensor(a!)")
+
+TORCHAO_PACKAGE = "torchao."
+
+
+class QuantizedLayoutError(ValueError):
+    """A quantized weight hostswap cannot describe, or a layout it refuses to rebuild."""
+
+
+def is_torchao_tensor(tensor) -> bool:
+    return any(cls.__module__.startswith(TORCHAO_PACKAGE) for cls in type(tensor).__mro__)
+
+
+def _encode(value, where: str):
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, where) for v in value]
+    raise QuantizedLayoutError(f"{where}: attribute of type {type(value).__name__} cannot be stored in a program")
+
+
+def _decode(value):
+    if isinstance(value, dict):
+        return getattr(torch, value["dtype"])
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def describe(weight: torch.Tensor, where: str) -> tuple[list[str], list[torch.Tensor], str]:
+    """(inner tensor names, inner tensors, layout JSON) of a torchao quantized weight."""
+    names, attributes = weight.__tensor_flatten__()
+    cls = type(weight)
+    layout = {
+        "class": f"{cls.__module__}:{cls.__qualname__}",
+        "names": list(names),
+        "attributes": {k: _encode(v, f"{where} ({k})") for k, v in attributes.items()} if isinstance(attributes, dict) else _encode(attributes, where),
+        "size": list(weight.shape),
+        "stride": list(weight.stride()),
+    }
+    return list(names), [getattr(weight, n) for n in names], json.dumps(layout, sort_keys=True)
+
+
+def rebuild(inner: list[torch.Tensor], layout: str) -> torch.Tensor:
+    """The torchao tensor a layout describes, over ``inner``."""
+    spec = json.loads(layout)
+    module_name, _, qualname = spec["class"].partition(":")
+    if not module_name.startswith(TORCHAO_PACKAGE):
+        raise QuantizedLayoutError(f"quantized_linear: class {spec['class']} is not torchao's; refused")
+    cls = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    attributes = spec["attributes"]
+    attributes = {k: _decode(v) for k, v in attributes.items()} if isinstance(attributes, dict) else _decode(attributes)
+    return cls.__tensor_unflatten__(dict(zip(spec["names"], inner)), attributes, torch.Size(spec["size"]), tuple(spec["stride"]))
+
+
+def _quantized_linear(input, weight, bias, layout):
+    return F.linear(input, rebuild(list(weight), layout), bias)
+
+
+def _quantized_linear_out(input, weight, bias, layout, *, out):
+    out.copy_(_quantized_linear(input, weight, bias, layout))
+    return out
+
+
+def _quantized_linear_fake(input, weight, bias, layout):
+    out_features = json.loads(layout)["size"][0]
+    return input.new_empty((*input.shape[:-1], out_features))
+
+
+def _quantized_linear_out_fake(input, weight, bias, layout, *, out):
+    return out
+
+
+_lib.impl("quantized_linear", _quantized_linear, "CompositeExplicitAutograd")
+_lib.impl("quantized_linear.out", _quantized_linear_out, "CompositeExplicitAutograd")
+_lib._register_fake("quantized_linear", _quantized_linear_fake)
+_lib._register_fake("quantized_linear.out", _quantized_linear_out_fake)
+
+quantized_linear = torch.ops.hostswap.quantized_linear.default
+
+
+class QuantizedLinear(torch.nn.Module):
+    """A linear layer over a torchao quantized weight, its inner tensors plain parameters."""
+
+    def __init__(self, linear: torch.nn.Linear, where: str):
+        super().__init__()
+        names, inner, self.layout = describe(linear.weight, where)
+        self.inner_names = [f"weight_{n}" for n in names]
+        for name, tensor in zip(self.inner_names, inner):
+            self.register_parameter(name, torch.nn.Parameter(tensor.detach(), requires_grad=False))
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, input):
+        return quantized_linear(input, [getattr(self, n) for n in self.inner_names], self.bias, self.layout)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {json.loads(self.layout)['class']}"
+
+
+def prepare_quantized(model: torch.nn.Module) -> int:
+    """Swap every ``nn.Linear`` whose weight is a torchao quantized tensor for a
+    ``QuantizedLinear``, in place; returns how many. Other torchao weights are refused."""
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            where = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, torch.nn.Linear) and is_torchao_tensor(child.weight):
+                setattr(module, child_name, QuantizedLinear(child, where))
+                swapped += 1
+    left = [n for n, p in model.named_parameters() if is_torchao_tensor(p)]
+    if left:
+        raise QuantizedLayoutError(f"torchao quantized weights outside nn.Linear layers are not supported: {left[:3]}")
+    return swapped
