@@ -336,3 +336,26 @@ def _streamed_and_closed(demo, s, before):
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before, (torch.cuda.memory_allocated(), before)
     return y
+
+
+def test_offload_adamw_on_cuda_matches_adamw_and_keeps_its_state_on_the_host():
+    from hostswap.optim import OffloadAdamW
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+
+    ours, theirs = model(), model()
+    opt = OffloadAdamW(ours.parameters(), lr=1e-3, chunk_bytes=2**20)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-3, foreach=False)
+    for step in range(20):
+        x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        for m, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)
+    state = opt.state[next(ours.parameters())]
+    assert state["exp_avg"].device.type == "cpu" and state["exp_avg"].is_pinned()
+    print(f"OffloadAdamW: {opt.stats}")
