@@ -1,0 +1,103 @@
+"""Activation offload without a compiler: ``OffloadContext``, Transformer Engine's
+``get_cpu_offload_context`` shape.
+
+    offload = hostswap.activations.OffloadContext(model_layers=n, num_layers=k)
+    for i, layer in enumerate(model.model.layers):
+        with offload.layer(i):
+            h = layer(h, ...)
+
+It runs on the synchronization dictionary, synchronizer and pinned host buffers of the
+``torch.compile`` backend (schedules/sync_dict.py, runtime/activation_offload.py): one
+implementation, two front ends. The backend finds a layer's boundaries in its graphs; here
+the forward boundary of layer i is entering ``offload.layer(i)``, and the backward boundary
+is the first read of one of its saved tensors in the backward. Saved tensors of an offloaded
+layer go through ``torch.autograd.graph.saved_tensors_hooks``: parameters, non-floating
+tensors and tensors under ``min_offload_bytes`` stay on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from hostswap.runtime.activation_offload import OffloadSynchronizer
+from hostswap.schedules.sync_dict import ActivationSchedule, SyncDictError, default_sync_dict, point, validate_sync_dict
+
+
+class OffloadContext:
+    """Offloads the saved activations of the layers a synchronization dictionary names."""
+
+    def __init__(self, model_layers: int, num_layers: int | None = None, *, synchronization_dict: dict | None = None,
+                 reload_ahead: int | None = None, min_offload_bytes: int = 2**20, device=None):
+        if (num_layers is None) == (synchronization_dict is None):
+            raise SyncDictError("give num_layers (offload the first k layers) or synchronization_dict, not both")
+        sync = (default_sync_dict(model_layers, num_layers, reload_ahead) if synchronization_dict is None
+                else validate_sync_dict(synchronization_dict, model_layers))
+        self.schedule = ActivationSchedule(model_layers, sync)
+        self.synchronizer = OffloadSynchronizer(self.schedule, device)
+        self.min_offload_bytes = min_offload_bytes
+        self._ids: dict[tuple[int, int], int] = {}  # (layer, k-th saved tensor of the step) -> tensor id
+        self._saved_in_layer: dict[int, int] = {}
+        self._backward_began: set[int] = set()
+        self._reads_left: dict[int, int] = {}  # tensor id -> unpacks left this backward (a tensor saved twice)
+        self._reloaded: dict[int, torch.Tensor] = {}
+        self._packed: dict[tuple, int] = {}  # (storage, offset, shape, stride) -> tensor id, this layer
+
+    @property
+    def stats(self) -> dict:
+        s = self.synchronizer
+        return {"bytes_offloaded": s.bytes_offloaded, "max_offloaded_layers_on_gpu": s.max_offloaded_layers_on_gpu,
+                "pinned_allocations": s.pinned_allocations, "log": list(s.log)}
+
+    @contextlib.contextmanager
+    def layer(self, i: int):
+        n = self.schedule.model_layers
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+            raise SyncDictError(f"layer index must be an int in 0..{n - 1}, got {i!r}")
+        if i == 0:  # a new step's forward
+            self._saved_in_layer = {}
+            self._backward_began = set()
+        self.synchronizer.at_point(point(True, i, n))
+        self._packed = {}
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(i, x), self._unpack):
+            yield self
+
+    def _stays(self, x: torch.Tensor) -> bool:
+        base = x._base if x._base is not None else x
+        return (isinstance(base, torch.nn.Parameter) or not x.is_floating_point()
+                or x.numel() * x.element_size() < self.min_offload_bytes or x.device.type == "meta")
+
+    def _pack(self, layer: int, x: torch.Tensor):
+        if layer not in self.schedule.sync or self._stays(x):
+            return ("kept", layer, x)
+        key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()))
+        tensor = self._packed.get(key)
+        if tensor is not None:  # the same tensor saved again by this layer: one copy, read twice
+            self._reads_left[tensor] += 1
+            return ("offloaded", layer, tensor)
+        k = self._saved_in_layer.get(layer, 0)
+        self._saved_in_layer[layer] = k + 1
+        tensor = self._ids.get((layer, k))
+        if tensor is None:  # the same tensors each step: their pinned buffers are reused
+            tensor = self._ids[(layer, k)] = len(self._ids)
+            self.synchronizer.register(tensor, layer)
+        self.synchronizer.push(tensor, x)
+        self._packed[key] = tensor
+        self._reads_left[tensor] = 1
+        return ("offloaded", layer, tensor)
+
+    def _unpack(self, packed):
+        kind, layer, value = packed
+        if layer not in self._backward_began:  # the first read of this layer's tensors: its backward begins
+            self._backward_began.add(layer)
+            self.synchronizer.at_point(point(False, layer, self.schedule.model_layers))
+        if kind == "kept":
+            return value
+        if value not in self._reloaded:
+            self._reloaded[value] = self.synchronizer.pop(value)
+        self._reads_left[value] -= 1
+        out = self._reloaded[value]
+        if self._reads_left[value] == 0:
+            del self._reloaded[value]
+        return out
