@@ -13,11 +13,17 @@ the forward boundary of layer i is entering ``offload.layer(i)``, and the backwa
 is the first read of one of its saved tensors in the backward. Saved tensors of an offloaded
 layer go through ``torch.autograd.graph.saved_tensors_hooks``: parameters, non-floating
 tensors and tensors under ``min_offload_bytes`` stay on the device.
+
+``modules=("self_attn", "mlp.up_proj")`` narrows the offload to what submodules of a layer
+save (Megatron's fine-grained choice): fnmatch patterns over names relative to the layer,
+given as ``offload.layer(i, module=layer)``. ``stats["bytes_by_module"]`` gives the bytes
+each pattern offloaded in the last step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 
 import torch
 
@@ -29,7 +35,7 @@ class OffloadContext:
     """Offloads the saved activations of the layers a synchronization dictionary names."""
 
     def __init__(self, model_layers: int, num_layers: int | None = None, *, synchronization_dict: dict | None = None,
-                 reload_ahead: int | None = None, min_offload_bytes: int = 2**20, device=None):
+                 reload_ahead: int | None = None, min_offload_bytes: int = 2**20, modules: tuple[str, ...] | None = None, device=None):
         if (num_layers is None) == (synchronization_dict is None):
             raise SyncDictError("give num_layers (offload the first k layers) or synchronization_dict, not both")
         sync = (default_sync_dict(model_layers, num_layers, reload_ahead) if synchronization_dict is None
@@ -37,6 +43,12 @@ class OffloadContext:
         self.schedule = ActivationSchedule(model_layers, sync)
         self.synchronizer = OffloadSynchronizer(self.schedule, device)
         self.min_offload_bytes = min_offload_bytes
+        if modules is not None and (isinstance(modules, str) or not all(isinstance(m, str) and m for m in modules)):
+            raise ValueError(f"modules must be a tuple of submodule name patterns such as ('self_attn', 'mlp.up_proj'), got {modules!r}")
+        self.modules = tuple(modules) if modules is not None else None
+        self._names: dict[int, str] = {}  # id of a submodule of the current layer -> its name there
+        self._running: list[str] = []  # names of the current layer's submodules now in forward
+        self.bytes_by_module: dict[str, int] = {}
         self._ids: dict[tuple[int, int], int] = {}  # (layer, k-th saved tensor of the step) -> tensor id
         self._saved_in_layer: dict[int, int] = {}
         self._backward_began: set[int] = set()
@@ -48,19 +60,26 @@ class OffloadContext:
     def stats(self) -> dict:
         s = self.synchronizer
         return {"bytes_offloaded": s.bytes_offloaded, "max_offloaded_layers_on_gpu": s.max_offloaded_layers_on_gpu,
-                "pinned_allocations": s.pinned_allocations, "log": list(s.log)}
+                "pinned_allocations": s.pinned_allocations, "bytes_by_module": dict(self.bytes_by_module), "log": list(s.log)}
 
     @contextlib.contextmanager
-    def layer(self, i: int):
+    def layer(self, i: int, module: torch.nn.Module | None = None):
         n = self.schedule.model_layers
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
             raise SyncDictError(f"layer index must be an int in 0..{n - 1}, got {i!r}")
+        if self.modules is not None and not isinstance(module, torch.nn.Module):
+            raise ValueError("OffloadContext(modules=...) matches submodule names: give the layer, offload.layer(i, module=layer)")
         if i == 0:  # a new step's forward
             self._saved_in_layer = {}
             self._backward_began = set()
+            self.bytes_by_module = {}
         self.synchronizer.at_point(point(True, i, n))
         self._packed = {}
-        with torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(i, x), self._unpack):
+        with contextlib.ExitStack() as stack:
+            if self.modules is not None:
+                self._names = {id(m): name for name, m in module.named_modules() if name}
+                stack.enter_context(_module_stack(self._names, self._running))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(i, x), self._unpack))
             yield self
 
     def _stays(self, x: torch.Tensor) -> bool:
@@ -68,8 +87,19 @@ class OffloadContext:
         return (isinstance(base, torch.nn.Parameter) or not x.is_floating_point()
                 or x.numel() * x.element_size() < self.min_offload_bytes or x.device.type == "meta")
 
+    def _chosen(self) -> str | None:
+        """The pattern the innermost running submodule that matches one matches; "" if none does."""
+        for name in reversed(self._running):
+            for pattern in self.modules:
+                if fnmatch.fnmatchcase(name, pattern):
+                    return pattern
+        return ""
+
     def _pack(self, layer: int, x: torch.Tensor):
         if layer not in self.schedule.sync or self._stays(x):
+            return ("kept", layer, x)
+        chosen = self._chosen() if self.modules is not None else None
+        if chosen == "":
             return ("kept", layer, x)
         key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()))
         tensor = self._packed.get(key)
@@ -83,6 +113,8 @@ class OffloadContext:
             tensor = self._ids[(layer, k)] = len(self._ids)
             self.synchronizer.register(tensor, layer)
         self.synchronizer.push(tensor, x)
+        if chosen is not None:
+            self.bytes_by_module[chosen] = self.bytes_by_module.get(chosen, 0) + x.numel() * x.element_size()
         self._packed[key] = tensor
         self._reads_left[tensor] = 1
         return ("offloaded", layer, tensor)
@@ -101,3 +133,26 @@ class OffloadContext:
         if self._reads_left[value] == 0:
             del self._reloaded[value]
         return out
+
+
+@contextlib.contextmanager
+def _module_stack(names: dict[int, str], running: list[str]):
+    """Keep ``running`` as the names of the layer's submodules whose forward is under way."""
+
+    def enter(module, _args):
+        name = names.get(id(module))
+        if name is not None:
+            running.append(name)
+
+    def leave(module, _args, _output):
+        if names.get(id(module)) is not None and running:
+            running.pop()
+
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(enter)
+    post = torch.nn.modules.module.register_module_forward_hook(leave)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+        running.clear()

@@ -68,3 +68,39 @@ def test_arguments_are_checked():
     with pytest.raises(SyncDictError, match="layer index must be an int in 0..3, got 4"):
         with offload.layer(4):
             pass
+
+
+def test_module_choice_offloads_only_what_those_submodules_save():
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    _, expected = _step(_llama(), ids)
+    totals = {}
+    for modules in (None, ("mlp",), ("self_attn",), ("mlp.down_proj", "self_attn.o_proj")):
+        model = _llama()
+        offload = activations.OffloadContext(model_layers=4, num_layers=2, min_offload_bytes=1024, modules=modules)
+        inner = model.model
+        # the layer module is given so that submodule names resolve
+        original = OffloadContextLayers(offload, inner.layers)
+        _, grads = _step(model, ids, original)
+        for name, g in expected.items():
+            assert torch.equal(grads[name], g), (modules, name)
+        stats = offload.stats
+        totals[modules] = stats["bytes_offloaded"]
+        if modules is not None:
+            assert set(stats["bytes_by_module"]) <= set(modules) and sum(stats["bytes_by_module"].values()) == stats["bytes_offloaded"]
+    assert 0 < totals[("mlp",)] < totals[None] and 0 < totals[("self_attn",)] < totals[None]
+    assert totals[("mlp.down_proj", "self_attn.o_proj")] < totals[("mlp",)] + totals[("self_attn",)]
+    with pytest.raises(ValueError, match=r"give the layer, offload.layer\(i, module=layer\)"):
+        with activations.OffloadContext(model_layers=4, num_layers=1, modules=("mlp",)).layer(0):
+            pass
+    with pytest.raises(ValueError, match="modules must be a tuple of submodule name patterns"):
+        activations.OffloadContext(model_layers=4, num_layers=1, modules="mlp")
+
+
+class OffloadContextLayers:
+    """``offload.layer(i)`` with the layer module passed along, for _step."""
+
+    def __init__(self, offload, layers):
+        self.offload, self.layers = offload, layers
+
+    def layer(self, i):
+        return self.offload.layer(i, module=self.layers[i])
