@@ -104,3 +104,22 @@ class OffloadContextLayers:
 
     def layer(self, i):
         return self.offload.layer(i, module=self.layers[i])
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_with_gradient_checkpointing_the_residual_stream_is_what_goes(use_reentrant):
+    """transformers' gradient_checkpointing_enable(): a checkpointed layer saves only its input,
+    the residual stream; under OffloadContext that input goes to the host (Surogate's
+    offload_residual with recompute), and gradients stay bitwise."""
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    plain = _llama()
+    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    _, expected = _step(plain, ids)
+    model = _llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    offload = activations.OffloadContext(model_layers=4, num_layers=2, min_offload_bytes=1024)
+    _, grads = _step(model, ids, offload)
+    for name, g in expected.items():
+        assert torch.equal(grads[name], g), name
+    residual = 2 * 64 * 128 * 4  # one [2, 64, 128] fp32 hidden state per offloaded layer
+    assert offload.stats["bytes_offloaded"] == 2 * residual, offload.stats
