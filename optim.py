@@ -84,6 +84,19 @@ class OffloadAdamW(Optimizer):
             if chunk:
                 yield group, chunk
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch.optim casts loaded state to each parameter's device and dtype; here it stays in
+        # host memory in its own dtype (fp32 moments and masters of bf16 weights).
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            for name, value in saved.get(i, {}).items():
+                if name != "step" and isinstance(value, torch.Tensor):
+                    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self._pin)
+                    self.state[p][name] = host.copy_(value)
+
     # --- the step ------------------------------------------------------------------------------
     def _to_device(self, params: list[torch.Tensor]) -> tuple[dict, object]:
         """Device copies of the chunk's state (issued on the copy stream), and their event."""

@@ -85,3 +85,18 @@ def test_state_dict_round_trip():
     again = OffloadAdamW(copy.deepcopy(model).parameters(), lr=1e-2)
     again.load_state_dict(opt.state_dict())
     assert all(torch.equal(again.state_dict()["state"][i]["exp_avg"], s["exp_avg"]) for i, s in opt.state_dict()["state"].items())
+
+
+def test_loaded_state_stays_in_host_memory_in_its_own_dtype():
+    """torch.optim casts loaded state to the parameter's dtype and device; the fp32 moments
+    and masters of bf16 weights must come back as they were."""
+    model = _model(torch.bfloat16)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, offload_master=True)
+    _loss(model, 0).backward()
+    opt.step()
+    again = OffloadAdamW(model.parameters(), lr=1e-2, offload_master=True)
+    again.load_state_dict(opt.state_dict())
+    for p in model.parameters():
+        for name in ("exp_avg", "exp_avg_sq", "master"):
+            loaded, saved = again.state[p][name], opt.state[p][name]
+            assert loaded.dtype == torch.float32 and loaded.device.type == "cpu" and torch.equal(loaded, saved), name
