@@ -49,6 +49,7 @@ class OffloadContext:
         self._names: dict[int, str] = {}  # id of a submodule of the current layer -> its name there
         self._running: list[str] = []  # names of the current layer's submodules now in forward
         self.bytes_by_module: dict[str, int] = {}
+        self._pattern_of: dict[int, str] = {}  # tensor id -> the module pattern that chose it, this step
         self._ids: dict[tuple[int, int], int] = {}  # (layer, k-th saved tensor of the step) -> tensor id
         self._saved_in_layer: dict[int, int] = {}
         self._backward_began: set[int] = set()
@@ -58,9 +59,16 @@ class OffloadContext:
 
     @property
     def stats(self) -> dict:
+        """The last step: bytes offloaded, seconds of copies to host and back (in total and, with
+        ``modules``, per pattern), the most offloaded layers on the device at once."""
         s = self.synchronizer
-        return {"bytes_offloaded": s.bytes_offloaded, "max_offloaded_layers_on_gpu": s.max_offloaded_layers_on_gpu,
-                "pinned_allocations": s.pinned_allocations, "bytes_by_module": dict(self.bytes_by_module), "log": list(s.log)}
+        seconds = s.transfer_seconds()
+        by_module: dict[str, float] = {}
+        for tensor, pattern in self._pattern_of.items():
+            by_module[pattern] = by_module.get(pattern, 0.0) + seconds.get(tensor, 0.0)
+        return {"bytes_offloaded": s.bytes_offloaded, "transfer_seconds": sum(seconds.values()), "max_offloaded_layers_on_gpu": s.max_offloaded_layers_on_gpu,
+                "pinned_allocations": s.pinned_allocations, "bytes_by_module": dict(self.bytes_by_module),
+                "transfer_seconds_by_module": by_module, "log": list(s.log)}
 
     @contextlib.contextmanager
     def layer(self, i: int, module: torch.nn.Module | None = None):
@@ -73,6 +81,7 @@ class OffloadContext:
             self._saved_in_layer = {}
             self._backward_began = set()
             self.bytes_by_module = {}
+            self._pattern_of = {}
         self.synchronizer.at_point(point(True, i, n))
         self._packed = {}
         with contextlib.ExitStack() as stack:
@@ -115,6 +124,7 @@ class OffloadContext:
         self.synchronizer.push(tensor, x)
         if chosen is not None:
             self.bytes_by_module[chosen] = self.bytes_by_module.get(chosen, 0) + x.numel() * x.element_size()
+            self._pattern_of[tensor] = chosen
         self._packed[key] = tensor
         self._reads_left[tensor] = 1
         return ("offloaded", layer, tensor)

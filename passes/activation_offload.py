@@ -374,6 +374,8 @@ class ActivationOffloadBackend:
             "min_tensor_size_to_offload": self.min_bytes,
             "compiled_graphs": self.compiled_graphs,
             "graphs_without_layers": self.graphs_without_layers,
+            # the copies of the last step, to host and back (waits for those still running)
+            "transfer_seconds": sum(self.synchronizer.transfer_seconds().values()),
         }
 
     # the manual API

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 import torch
 from torch.library import Library
@@ -93,6 +94,7 @@ def mark_not_offload(tensor: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class _TensorState:
     layer: int
+    tensor: int
     gpu: torch.Tensor | None = None  # held from push until release (the copy reads it)
     host: torch.Tensor | None = None  # pinned, reused across steps
     offloaded: object = None  # event: copy to host done
@@ -109,25 +111,41 @@ class _Transfers:
         self.cuda = device.type == "cuda"
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.timed: list[tuple[int, object]] = []  # (tag, seconds on CPU | (start, done) events on CUDA), this step
 
     def main(self):
         return torch.cuda.current_stream(self.device)
 
-    def copy(self, src: torch.Tensor, dst: torch.Tensor):
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, tag: int = -1):
         """Copy on the offload stream after the work the main stream has queued so far (the
         source was produced there, or the destination allocated there); returns the copy's
-        event (None on CPU, where it is synchronous)."""
+        event (None on CPU, where it is synchronous). Its duration is kept under ``tag``."""
         if not self.cuda:
+            t = time.perf_counter()
             dst.copy_(src)
+            self.timed.append((tag, time.perf_counter() - t))
             return None
         queued = torch.cuda.Event()
         queued.record(self.main())
         self.stream.wait_event(queued)
         with torch.cuda.stream(self.stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
             dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
+        self.timed.append((tag, (start, done)))
         return done
+
+    def seconds_by_tag(self) -> dict[int, float]:
+        """Seconds of this step's copies per tag (waits for those still running on CUDA)."""
+        out: dict[int, float] = {}
+        for tag, timing in self.timed:
+            if isinstance(timing, tuple):
+                timing[1].synchronize()
+                timing = timing[0].elapsed_time(timing[1]) / 1e3
+            out[tag] = out.get(tag, 0.0) + timing
+        return out
 
     def main_waits(self, event) -> None:
         if event is not None:
@@ -159,7 +177,7 @@ class OffloadSynchronizer:
         _SYNCHRONIZERS[self.id] = self
 
     def register(self, tensor: int, layer: int) -> None:
-        self.tensors[tensor] = _TensorState(layer)
+        self.tensors[tensor] = _TensorState(layer, tensor)
         self.layer_tensors.setdefault(layer, []).append(tensor)
 
     def set_reload_order(self, tensors: list[int]) -> None:
@@ -251,7 +269,7 @@ class OffloadSynchronizer:
                 self._copy_to_host(state)
 
     def _copy_to_host(self, state: _TensorState) -> None:
-        state.offloaded = self._transfers.copy(state.gpu, state.host)
+        state.offloaded = self._transfers.copy(state.gpu, state.host, state.tensor)
         state.copied = True
         self.bytes_offloaded += state.gpu.numel() * state.gpu.element_size()
 
@@ -286,7 +304,7 @@ class OffloadSynchronizer:
             if state.host is None or not state.copied:
                 continue  # not saved this step (a layer that did not run): nothing to reload
             state.gpu = torch.empty_strided(state.host.shape, state.host.stride(), dtype=state.host.dtype, device=t.device)
-            state.reloaded = t.copy(state.host, state.gpu)
+            state.reloaded = t.copy(state.host, state.gpu, i)
             self.reloads.append(i)
             started = True
         if started:
@@ -300,9 +318,15 @@ class OffloadSynchronizer:
             self.set_reload_order(self._read)
             self._read = []
         self.bytes_offloaded = 0
+        if self._transfers is not None:
+            self._transfers.timed = []
         self.log = []
         self.reloads = []
         self.on_gpu = set()
+
+    def transfer_seconds(self) -> dict[int, float]:
+        """Tensor id -> seconds its copies to host and back took in the last step."""
+        return self._transfers.seconds_by_tag() if self._transfers is not None else {}
 
     def _count(self) -> None:
         self.max_offloaded_layers_on_gpu = max(self.max_offloaded_layers_on_gpu, len(self.on_gpu))

@@ -85,8 +85,11 @@ def test_module_choice_offloads_only_what_those_submodules_save():
             assert torch.equal(grads[name], g), (modules, name)
         stats = offload.stats
         totals[modules] = stats["bytes_offloaded"]
+        assert stats["transfer_seconds"] > 0
         if modules is not None:
             assert set(stats["bytes_by_module"]) <= set(modules) and sum(stats["bytes_by_module"].values()) == stats["bytes_offloaded"]
+            assert set(stats["transfer_seconds_by_module"]) == set(stats["bytes_by_module"])
+            assert abs(sum(stats["transfer_seconds_by_module"].values()) - stats["transfer_seconds"]) < 1e-9
     assert 0 < totals[("mlp",)] < totals[None] and 0 < totals[("self_attn",)] < totals[None]
     assert totals[("mlp.down_proj", "self_attn.o_proj")] < totals[("mlp",)] + totals[("self_attn",)]
     with pytest.raises(ValueError, match=r"give the layer, offload.layer\(i, module=layer\)"):
