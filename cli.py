@@ -12,7 +12,7 @@ def _open_pair(pte: str, ptd: str | None, require_ptd: bool):
     to be one save's pair; raises ArtifactError."""
     import os
 
-    from hostswap.runtime.ptd import PtdFile, check_pair
+    from hostswap.runtime.ptd import open_pair
     from hostswap.schedules.pte_program import read_program, read_program_bytes
 
     data = read_program_bytes(pte)
@@ -20,13 +20,7 @@ def _open_pair(pte: str, ptd: str | None, require_ptd: bool):
     ptd = ptd or os.path.splitext(pte)[0] + ".ptd"
     if not require_ptd and not os.path.exists(ptd):
         return program, None
-    weights = PtdFile(ptd)
-    try:
-        check_pair(pte, data, program, weights)
-    except BaseException:
-        weights.close()
-        raise
-    return program, weights
+    return program, open_pair(pte, data, program, ptd)
 
 
 def _inspect(args) -> int:
@@ -59,19 +53,13 @@ def _inspect(args) -> int:
 
 
 def _verify(args) -> int:
-    from hostswap.runtime.module import verify_progress
+    from hostswap.runtime.ptd import verify_showing_progress
     from hostswap.schedules.artifacts import ArtifactError
 
     try:
         _, weights = _open_pair(args.pte, args.ptd, require_ptd=True)
-        try:
-            update, done = verify_progress(weights.path, sum(e.nbytes for e in weights.entries.values()))
-            try:
-                nbytes, seconds = weights.verify(progress=update)
-            finally:
-                done()
-        finally:
-            weights.close()
+        with weights:
+            nbytes, seconds = verify_showing_progress(weights)
     except ArtifactError as e:
         print(f"hostswap verify: {e}", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ CUDA, so the copies are asynchronous DMA.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -103,7 +104,7 @@ class OffloadAdamW(Optimizer):
         names = lambda p: _STATE + (("master",) if self._has_master(p) else ())
         stream = self._copy_stream
         compute = torch.cuda.current_stream(self.device) if stream is not None else None
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if stream is not None:
                 stream.wait_stream(compute)  # the gradients, and the buffers' previous readers
             copies = {}
@@ -143,7 +144,7 @@ class OffloadAdamW(Optimizer):
     def _to_host(self, params: list[torch.Tensor], copies: dict) -> None:
         stream = self._copy_stream
         compute = torch.cuda.current_stream(self.device) if stream is not None else None
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if stream is not None:
                 stream.wait_stream(compute)  # after the update
             for p in params:
@@ -176,11 +177,3 @@ class OffloadAdamW(Optimizer):
         self.stats["steps"] += 1
         self.stats["seconds"] += time.perf_counter() - t
         return loss
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

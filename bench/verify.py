@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hostswap.llm as llm  # noqa: E402
 from generate import llama  # noqa: E402
-from hostswap.runtime.ptd import PtdFile, check_pair  # noqa: E402
+from hostswap.runtime.ptd import PtdFile, open_pair  # noqa: E402
 from hostswap.schedules.pte_program import read_program, read_program_bytes  # noqa: E402
 from weights import environment, result_path  # noqa: E402
 
@@ -62,8 +62,8 @@ def main(argv=None) -> int:
     program = read_program(data, pte)
 
     def load_checks():  # what verify=False adds to a load: the index and the pair, no weight read
-        with PtdFile(ptd) as weights:
-            check_pair(pte, data, program, weights)
+        with open_pair(pte, data, program, ptd):
+            pass
 
     with PtdFile(ptd) as weights:
         nbytes = sum(e.nbytes for e in weights.entries.values())

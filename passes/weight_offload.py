@@ -15,7 +15,7 @@ from hostswap.passes.fused_attention import KeepFusedAttentionPass
 from hostswap.passes.quantized_linear import is_torchao_tensor
 from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, reads_no_data, underlying_op, view_chain_root, views_and_readers
 from hostswap.passes.schedule_builder import schedule_from_graph
-from hostswap.schedules.weight_schedule import WeightSchedule
+from hostswap.schedules.weight_schedule import WeightSchedule, check_prefetch_depth
 
 SCHEDULE_META_KEY = "hostswap_weight_schedule"
 OPTIONS_META_KEY = "hostswap_weight_offload_options"
@@ -246,8 +246,7 @@ def _validate(ep: ExportedProgram, prefetch_depth: int, pin: Iterable[str]) -> t
         )
     if OPTIONS_META_KEY in ep.graph_module.meta or any(is_probe(n) for n in ep.graph.nodes):
         raise WeightOffloadError("apply_weight_offload was already applied to this program (it contains hostswap::probe nodes)")
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-        raise WeightOffloadError(f"prefetch_depth must be an int >= 0, got {prefetch_depth!r}")
+    check_prefetch_depth(prefetch_depth, WeightOffloadError)
     if isinstance(pin, str):
         raise WeightOffloadError(f"pin must be a collection of FQNs, got the string {pin!r}")
     pin = tuple(dict.fromkeys(pin))

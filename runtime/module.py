@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import math
 import os
-import sys
 import threading
 import time
 import weakref
@@ -19,11 +18,12 @@ from hostswap.runtime.method_loader import state_memory_ids
 from hostswap.runtime.lru_pool import LruPool
 from hostswap.runtime.planned_pool import PlannedPool
 from hostswap.runtime.pool import PoolCreationError
-from hostswap.runtime.ptd import PtdFile, check_pair
+from hostswap.runtime.ptd import PtdFile, open_pair, verify_showing_progress
 from hostswap.schedules.artifacts import ArtifactError
 from hostswap.schedules.policies import check_budget
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, read_program_bytes, torch_dtype
 from hostswap.schedules.serialization import decode_program
+from hostswap.schedules.weight_schedule import check_prefetch_depth
 
 
 # PoolStats counters a graph replay advances by what its captured forward counted.
@@ -110,18 +110,6 @@ def _release(ptd: PtdFile, pool, device: torch.device) -> None:
     ptd.close()
 
 
-def verify_progress(path: str, total: int):
-    """A progress bar on stderr for ``PtdFile.verify`` (tqdm), and its closer."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"verifying {os.path.basename(path)}", file=sys.stderr, leave=False)
-
-    def update(done: int, _total: int) -> None:
-        bar.update(done - bar.n)
-
-    return update, bar.close
-
-
 def _instruction_kernels(executor: MethodExecutor) -> list[tuple[int, set[int]]]:
     """(instruction index, probe ids it reads) of every non-view kernel that reads a probe's output."""
     derived: dict[int, set[int]] = {}
@@ -195,8 +183,7 @@ class Module:
         self.program = read_program(pte_bytes, self.pte_path)
         self.schedules = decode_program(self.program, self.pte_path)
         if prefetch_depth is not None:
-            if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-                raise ValueError(f"prefetch_depth must be a non-negative int, got {prefetch_depth!r}")
+            check_prefetch_depth(prefetch_depth, ValueError)
             self.schedules = {name: dataclasses.replace(s, prefetch_depth=prefetch_depth) for name, s in self.schedules.items()}
         self.method_name = next(iter(self.schedules))  # what __call__ runs
         self.schedule = _one_weight_order(self.schedules, self.pte_path)
@@ -209,9 +196,9 @@ class Module:
         self.budget_bytes = round(weight_offload_budget_mb * 2**20)
         # the floor at load is the largest of the methods' floors
         check_budget(max(self.schedules.values(), key=lambda s: s.floor_bytes), self.budget_bytes)
-        self.ptd = PtdFile(data_path)
+        self.ptd = open_pair(self.pte_path, pte_bytes, self.program, data_path)
         try:
-            self._load(pte_bytes, policy, graphed, prefault, lock, warm_pool, verify)
+            self._load(policy, graphed, prefault, lock, warm_pool, verify)
         except BaseException:
             _release(self.ptd, getattr(self, "pool", None), self.device)
             raise
@@ -222,16 +209,9 @@ class Module:
         self._lock = threading.Lock()
         self.load_seconds = time.perf_counter() - t0
 
-    def _load(self, pte_bytes: bytes, policy: str, graphed: set[str], prefault: bool, lock: bool, warm_pool: bool, verify: bool) -> None:
-        check_pair(self.pte_path, pte_bytes, self.program, self.ptd)
+    def _load(self, policy: str, graphed: set[str], prefault: bool, lock: bool, warm_pool: bool, verify: bool) -> None:
         self._check_weights()
-        self.verified_bytes, self.verify_seconds = 0, 0.0
-        if verify:
-            update, done = verify_progress(self.ptd.path, sum(e.nbytes for e in self.ptd.entries.values()))
-            try:
-                self.verified_bytes, self.verify_seconds = self.ptd.verify(progress=update)
-            finally:
-                done()
+        self.verified_bytes, self.verify_seconds = verify_showing_progress(self.ptd) if verify else (0, 0.0)
         if prefault:
             self.ptd.prefault()
         if lock:

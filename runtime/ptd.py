@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 import time
 import warnings
 
@@ -22,10 +23,11 @@ import torch
 from hostswap.schedules.artifacts import ArtifactError
 from hostswap.schedules.checksums import checksum, weights_digest
 from hostswap.schedules.ptd_index import PtdEntry, read_ptd_index
+from hostswap.schedules.serialization import saved_weights_digest
 
 CUDA_HOST_REGISTER_READ_ONLY = 8
 
-__all__ = ["ArtifactError", "HostRegistrationError", "PtdEntry", "PtdFile", "register_host_memory", "unregister_host_memory"]
+__all__ = ["ArtifactError", "HostRegistrationError", "PtdEntry", "PtdFile", "check_pair", "open_pair", "register_host_memory", "unregister_host_memory", "verify_showing_progress"]
 
 
 class HostRegistrationError(RuntimeError):
@@ -164,21 +166,41 @@ def check_pair(pte_path: str, pte_bytes: bytes, program, ptd: PtdFile) -> None:
     time, stops here. The ``.pte`` records the digest of its weights' names, dtypes, shapes
     and checksums: a ``.ptd`` holding another program's weights stops here.
     """
-    from hostswap.schedules.serialization import weights_digest as saved_digest
-
     recorded = ptd.index.program_checksum
     if recorded is None:
         raise ArtifactError(ptd.path, "checksum trailer", "is missing: hostswap loads weights files written by hostswap.save, which records the checksums it checks")
-    want = saved_digest(program, pte_path)
+    want = saved_weights_digest(program, pte_path)
     have = weights_digest(ptd.index.records())
     if want != have:
         raise ArtifactError(ptd.path, "weights digest", f"is {have}; {pte_path} was saved with weights of digest {want}: the weights file belongs to another program")
-    if checksum(pte_bytes) != recorded:
+    actual = checksum(pte_bytes)
+    if actual != recorded:
         raise ArtifactError(
             pte_path, "file",
-            f"its checksum {checksum(pte_bytes)} differs from {recorded}, which {ptd.path} recorded for the program saved with it: "
+            f"its checksum {actual} differs from {recorded}, which {ptd.path} recorded for the program saved with it: "
             "the .pte is corrupt, or the two files come from different saves",
         )
+
+
+def open_pair(pte_path: str, pte_bytes: bytes, program, ptd_path: str) -> PtdFile:
+    """The ``.ptd`` at ``ptd_path``, mapped and checked to be the pair of the program read from
+    ``pte_bytes`` (``check_pair``); closed again if it is not."""
+    ptd = PtdFile(ptd_path)
+    try:
+        check_pair(pte_path, pte_bytes, program, ptd)
+    except BaseException:
+        ptd.close()
+        raise
+    return ptd
+
+
+def verify_showing_progress(ptd: PtdFile) -> tuple[int, float]:
+    """``ptd.verify()`` of every weight with a progress bar on stderr (tqdm); (bytes, seconds)."""
+    from tqdm import tqdm
+
+    total = sum(e.nbytes for e in ptd.entries.values())
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"verifying {os.path.basename(ptd.path)}", file=sys.stderr, leave=False) as bar:
+        return ptd.verify(progress=lambda done, _total: bar.update(done - bar.n))
 
 
 def _identity(stat: os.stat_result) -> tuple[int, int]:

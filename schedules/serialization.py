@@ -89,7 +89,7 @@ def _getter(program, source: str):
     return get
 
 
-def weights_digest(program, source: str = "<program>") -> str:
+def saved_weights_digest(program, source: str = "<program>") -> str:
     """The digest of the weights the program was saved with (schedules/checksums.py)."""
     value = _getter(program, source)(WEIGHTS_DIGEST)
     if len(value) != 1 or not isinstance(value[0], str):

@@ -15,6 +15,14 @@ class ScheduleError(ValueError):
     """A schedule that is malformed or disagrees with the program it describes."""
 
 
+def check_prefetch_depth(value, error: type[Exception] = ScheduleError) -> int:
+    """``value`` if it is a prefetch depth the pass, the runtime and a stored schedule all
+    accept; else ``error`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PREFETCH_DEPTH:
+        raise error(f"prefetch_depth must be a non-negative int up to {MAX_PREFETCH_DEPTH}, got {value!r}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightSchedule:
     """Static weight access order of one method, and its floor budget."""
@@ -46,8 +54,7 @@ class WeightSchedule:
             raise ScheduleError("probe_kernel must not decrease: probes are recorded in kernel order")
         if not all(isinstance(op, str) for op in self.kernel_ops):
             raise ScheduleError("kernel_ops must be operator names")
-        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or not 0 <= self.prefetch_depth <= MAX_PREFETCH_DEPTH:
-            raise ScheduleError(f"prefetch_depth {self.prefetch_depth!r} is not between 0 and {MAX_PREFETCH_DEPTH}")
+        check_prefetch_depth(self.prefetch_depth)
         if self.weight_dtypes and len(self.weight_dtypes) != n:
             raise ScheduleError(f"weight_dtypes gives {len(self.weight_dtypes)} dtypes for {n} weights")
         unknown = [f for f in self.pin if f not in self.fqns]

@@ -463,7 +463,7 @@ def test_prefetch_depth_override_recomputes_the_floor(lowered_by_name):
         Module(demo.pte, demo.ptd, weight_offload_budget_mb=(deep.floor_bytes - 1) / 2**20, device="cpu", prefetch_depth=4)
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2", 1025])
 def test_error_bad_prefetch_depth_override(lowered_by_name, bad):
     demo = lowered_by_name("nonuniform")
     with pytest.raises(ValueError, match="prefetch_depth must be a non-negative int"):

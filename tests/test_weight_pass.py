@@ -93,7 +93,7 @@ def test_error_pin_as_string():
         hostswap.apply_weight_offload(_export(models.NonUniformMLP(), (torch.randn(2, 32),)), pin="big.weight")
 
 
-@pytest.mark.parametrize("depth", [-1, 1.5, True])
+@pytest.mark.parametrize("depth", [-1, 1.5, True, 1025])
 def test_error_bad_prefetch_depth(depth):
     with pytest.raises(WeightOffloadError, match="prefetch_depth"):
         hostswap.apply_weight_offload(_export(models.NonUniformMLP(), (torch.randn(2, 32),)), prefetch_depth=depth)
