@@ -185,9 +185,12 @@ def _weight_checksums(programs: dict[str, ExportedProgram]) -> tuple[dict[str, s
 
 
 def _check_ptd_holds(path: str, checksums: dict[str, str]) -> None:
+    def read(offset: int, length: int) -> bytes:  # the index only, not the weights
+        f.seek(offset)
+        return f.read(length)
+
     with open(path, "rb") as f:
-        data = f.read(os.path.getsize(path))
-    keys = set(read_ptd_index(lambda o, n: data[o : o + n], len(data), path).entries)
+        keys = set(read_ptd_index(read, os.path.getsize(path), path).entries)
     if keys != set(checksums):
         raise WeightOffloadError(f"ExecuTorch wrote weights {sorted(keys - set(checksums))[:5]} that were not hashed, and hashed {sorted(set(checksums) - keys)[:5]} that it did not write")
 
@@ -205,10 +208,10 @@ def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.
     pte_path, ptd_path = path + ".pte", path + ".ptd"
     if progress:
         progress(f"writing {pte_path} and {ptd_path}")
+    program = manager.buffer  # the .pte holds no weights: small
     with open(pte_path, "wb") as f:
-        manager.write_to_file(f)
-    with open(pte_path, "rb") as f:
-        program_checksum = checksum(f.read())
+        f.write(program)
+    program_checksum = checksum(program)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         manager.write_tensor_data_to_file(tmp)
         written = [f for f in os.listdir(tmp) if f.endswith(".ptd")]
