@@ -16,9 +16,11 @@ import json
 import math
 
 import torch
+from executorch.exir.scalar_type import ScalarType
 
 from hostswap.schedules.artifacts import ArtifactError, FlatbufferReader
 from hostswap.schedules.checksums import ALGORITHM, MAX_TRAILER_BYTES, TRAILER_FOOTER, TRAILER_MAGIC, dtype_name
+from hostswap.schedules.pte_program import torch_dtype
 
 HEADER_OFFSET = 8  # after the flatbuffer's root offset and file identifier
 HEADER_LENGTH = 40
@@ -56,10 +58,6 @@ class PtdIndex:
 
 
 def _dtype(code: int, path: str, field: str) -> torch.dtype:
-    from executorch.exir.scalar_type import ScalarType
-
-    from hostswap.schedules.pte_program import torch_dtype
-
     try:
         return torch_dtype(ScalarType(code))
     except ValueError:
