@@ -1,13 +1,14 @@
 """``OffloadAdamW``: AdamW whose moments (and, with ``offload_master``, fp32 master weights) live
-in host memory, updated on the device chunk by chunk through two device buffers.
+in host memory, updated on the device chunk by chunk.
 
 For a model whose optimizer state does not fit beside it on the GPU. Each ``step()`` walks
-the parameters in chunks of about ``chunk_bytes`` of state: chunk i's state is copied to the
-device on a copy stream while chunk i-1 is updated on the compute stream, the update runs
-PyTorch's own AdamW arithmetic (``torch.optim.adamw.adamw``, single-tensor), the new state is
-copied back, and each bf16/fp16 working weight is refreshed from its fp32 master. Device
-memory held between steps: none; during a step: two chunks of state. Host state is pinned on
-CUDA, so the copies are asynchronous DMA.
+the parameters in chunks of about ``chunk_bytes`` of state: chunk i+1's state is copied to
+the device on a host-to-device stream while chunk i is updated on the compute stream and
+chunk i-1's new state goes back on a device-to-host stream (the link's two directions at
+once). The update runs PyTorch's own AdamW arithmetic (``torch.optim.adamw.adamw``,
+single-tensor), and each bf16/fp16 working weight is refreshed from its fp32 master. Device
+memory held between steps: none; during a step: at most three chunks of state (coming in,
+being updated, going out). Host state is pinned on CUDA, so the copies are asynchronous DMA.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ class OffloadAdamW(Optimizer):
             raise ValueError(f"OffloadAdamW updates parameters of one device; these are on {sorted(map(str, devices))}")
         self.device = next(iter(devices)) if devices else torch.device("cpu")
         self._pin = self.device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(self.device) if self._pin else None
+        # one stream per direction: the next chunk's state comes in while the previous chunk's
+        # goes out, on the link's two directions at once
+        self._h2d_stream = torch.cuda.Stream(self.device) if self._pin else None
+        self._d2h_stream = torch.cuda.Stream(self.device) if self._pin else None
 
     # --- state ---------------------------------------------------------------------------------
     def _has_master(self, p: torch.Tensor) -> bool:
@@ -100,9 +104,9 @@ class OffloadAdamW(Optimizer):
 
     # --- the step ------------------------------------------------------------------------------
     def _to_device(self, params: list[torch.Tensor]) -> tuple[dict, object]:
-        """Device copies of the chunk's state (issued on the copy stream), and their event."""
+        """Device copies of the chunk's state (issued on the host-to-device stream), and their event."""
         names = lambda p: _STATE + (("master",) if self._has_master(p) else ())
-        stream = self._copy_stream
+        stream = self._h2d_stream
         compute = torch.cuda.current_stream(self.device) if stream is not None else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if stream is not None:
@@ -113,7 +117,7 @@ class OffloadAdamW(Optimizer):
                 copies[p] = {n: state[n].to(self.device, non_blocking=True) for n in names(p)}
                 if stream is not None:
                     for t in copies[p].values():
-                        # made on the copy stream, read and written on the compute stream: its
+                        # made on the host-to-device stream, read and written on the compute stream: its
                         # memory goes to no later allocation before the update is done
                         t.record_stream(compute)
                 self.stats["bytes_h2d"] += sum(t.numel() * t.element_size() for t in copies[p].values())
@@ -142,7 +146,7 @@ class OffloadAdamW(Optimizer):
                 p.detach().copy_(master)  # the working weight from the fp32 master
 
     def _to_host(self, params: list[torch.Tensor], copies: dict) -> None:
-        stream = self._copy_stream
+        stream = self._d2h_stream
         compute = torch.cuda.current_stream(self.device) if stream is not None else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if stream is not None:
@@ -172,8 +176,8 @@ class OffloadAdamW(Optimizer):
                 torch.cuda.current_stream(self.device).wait_event(ready)
             self._update(group, params, copies)
             self._to_host(params, copies)
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()  # host state is the truth once step() returns
+        if self._d2h_stream is not None:
+            self._d2h_stream.synchronize()  # host state is the truth once step() returns
         self.stats["steps"] += 1
         self.stats["seconds"] += time.perf_counter() - t
         return loss
