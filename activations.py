@@ -18,12 +18,17 @@ tensors and tensors under ``min_offload_bytes`` stay on the device.
 save (Megatron's fine-grained choice): fnmatch patterns over names relative to the layer,
 given as ``offload.layer(i, module=layer)``. ``stats["bytes_by_module"]`` gives the bytes
 each pattern offloaded in the last step.
+
+``offload.attach(model.model.layers)`` does the ``with offload.layer(i, module=layer)`` around
+every call of the i-th layer, so a transformers model's own forward offloads without a loop
+of one's own; ``offload.detach()`` undoes it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import weakref
 
 import torch
 
@@ -90,6 +95,33 @@ class OffloadContext:
                 stack.enter_context(_module_stack(self._names, self._running))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(i, x), self._unpack))
             yield self
+
+    def attach(self, layers) -> None:
+        """Run every call of ``layers[i]`` (for example a transformers model's ``model.model.layers``)
+        inside ``self.layer(i, module=layers[i])``. The layers keep their parameters, names and
+        ``isinstance``; transformers' gradient checkpointing stays inside the offload, so the
+        checkpointed input (the residual stream) is what goes to the host."""
+        layers = list(layers) if isinstance(layers, (torch.nn.ModuleList, list, tuple)) else None
+        n = self.schedule.model_layers
+        if layers is None or not all(isinstance(m, torch.nn.Module) for m in layers):
+            raise TypeError("attach takes the decoder layers as an nn.ModuleList or a list of modules, e.g. model.model.layers")
+        if len(layers) != n:
+            raise SyncDictError(f"attach got {len(layers)} layers, but this OffloadContext was made for model_layers={n}")
+        attached = [m for m in layers if "_hostswap_offload" in m.__dict__]
+        if attached:
+            raise ValueError(f"{type(attached[0]).__name__} is already attached to an OffloadContext; detach() that one first")
+        self.detach()
+        for i, module in enumerate(layers):
+            module.__dict__["_hostswap_offload"] = (weakref.ref(self), i)
+            module.__class__ = _offloaded_class(type(module))
+        self._attached = layers
+
+    def detach(self) -> None:
+        """Undo ``attach``: the layers are called as before."""
+        for module in getattr(self, "_attached", ()):
+            module.__dict__.pop("_hostswap_offload", None)
+            module.__class__ = module.__class__.__bases__[0]
+        self._attached = []
 
     def _stays(self, x: torch.Tensor) -> bool:
         base = x._base if x._base is not None else x
@@ -166,3 +198,27 @@ def _module_stack(names: dict[int, str], running: list[str]):
         pre.remove()
         post.remove()
         running.clear()
+
+
+_OFFLOADED_CLASSES: dict[type, type] = {}
+
+
+def _offloaded_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``__call__`` enters its OffloadContext's ``layer(i)`` first.
+
+    ``__call__`` and not a forward hook: transformers' ``GradientCheckpointingLayer.__call__``
+    wraps the module's hooks in the checkpoint, and the offload must be outside it. The
+    recomputation of a checkpointed layer happens in the backward, where no new forward
+    boundary is entered."""
+    if cls not in _OFFLOADED_CLASSES:
+        def __call__(self, *args, **kwargs):
+            ref, i = self.__dict__.get("_hostswap_offload", (None, None))
+            context = ref() if ref is not None else None
+            if context is None or torch._C._current_graph_task_id() != -1:  # detached, or a recomputation in the backward
+                return super(offloaded, self).__call__(*args, **kwargs)
+            with context.layer(i, module=self):
+                return super(offloaded, self).__call__(*args, **kwargs)
+
+        offloaded = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _OFFLOADED_CLASSES[cls] = offloaded
+    return _OFFLOADED_CLASSES[cls]

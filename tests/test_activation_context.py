@@ -142,3 +142,58 @@ def test_composes_with_torch_compile():
         assert torch.equal(grads[name], g), name
     assert offload.stats["bytes_offloaded"] > 0
     assert {"offload", "release", "reload"} <= {a for a, _ in offload.stats["log"]}
+
+
+def _model_step(model, ids):
+    """A step through the model's own forward (transformers' loop over its layers)."""
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_attach_offloads_under_the_models_own_forward(checkpointing):
+    """attach(model.model.layers): the transformers model's own forward offloads the same
+    bytes as the explicit loop, gradients stay bitwise, and detach() restores the layers."""
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    plain = _llama()
+    model = _llama()
+    if checkpointing:
+        for m in (plain, model):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    expected_loss, expected = _model_step(plain, ids)
+    offload = activations.OffloadContext(model_layers=4, num_layers=2, min_offload_bytes=1024, modules=None if checkpointing else ("mlp",))
+    layer_class = type(model.model.layers[0])
+    offload.attach(model.model.layers)
+    assert isinstance(model.model.layers[0], layer_class) and set(model.state_dict()) == set(plain.state_dict())
+    for _ in range(2):
+        model.zero_grad()
+        loss, grads = _model_step(model, ids)
+        assert torch.equal(loss, expected_loss)
+        for name, g in expected.items():
+            assert torch.equal(grads[name], g), name
+    stats = offload.stats
+    if checkpointing:  # exactly the checkpointed input of each offloaded layer
+        assert stats["bytes_offloaded"] == 2 * (2 * 64 * 128 * 4), stats
+    else:
+        assert stats["bytes_offloaded"] > 0 and set(stats["bytes_by_module"]) == {"mlp"}, stats
+    offload.detach()
+    assert type(model.model.layers[0]) is layer_class
+    offload.synchronizer.bytes_offloaded = 0
+    _model_step(model, ids)
+    assert offload.synchronizer.bytes_offloaded == 0  # detached: nothing goes through the context
+
+
+def test_attach_checks_its_layers():
+    model = _llama()
+    offload = activations.OffloadContext(model_layers=3, num_layers=1)
+    with pytest.raises(SyncDictError, match="attach got 4 layers, but this OffloadContext was made for model_layers=3"):
+        offload.attach(model.model.layers)
+    with pytest.raises(TypeError, match="model.model.layers"):
+        offload.attach(model.model)
+    first = activations.OffloadContext(model_layers=4, num_layers=1)
+    first.attach(model.model.layers)
+    with pytest.raises(ValueError, match="already attached to an OffloadContext; detach"):
+        activations.OffloadContext(model_layers=4, num_layers=1).attach(model.model.layers)
+    first.detach()
+    activations.OffloadContext(model_layers=4, num_layers=1).attach(model.model.layers)
