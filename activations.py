@@ -65,14 +65,15 @@ class OffloadContext:
     @property
     def stats(self) -> dict:
         """The last step: bytes offloaded, seconds of copies to host and back (in total and, with
-        ``modules``, per pattern), the most offloaded layers on the device at once."""
+        ``modules``, per pattern), the most offloaded layers on the device at once; and the
+        bytes of host buffers held (``host_bytes``, pinned on CUDA)."""
         s = self.synchronizer
         seconds = s.transfer_seconds()
         by_module: dict[str, float] = {}
         for tensor, pattern in self._pattern_of.items():
             by_module[pattern] = by_module.get(pattern, 0.0) + seconds.get(tensor, 0.0)
         return {"bytes_offloaded": s.bytes_offloaded, "transfer_seconds": sum(seconds.values()), "max_offloaded_layers_on_gpu": s.max_offloaded_layers_on_gpu,
-                "pinned_allocations": s.pinned_allocations, "bytes_by_module": dict(self.bytes_by_module),
+                "pinned_allocations": s.pinned_allocations, "host_bytes": s.host_bytes, "bytes_by_module": dict(self.bytes_by_module),
                 "transfer_seconds_by_module": by_module, "log": list(s.log)}
 
     @contextlib.contextmanager

@@ -30,7 +30,8 @@ class OffloadAdamW(Optimizer):
     memory, updated in fp32 and written back to the working weight after each step (the
     usual mixed-precision recipe); without it they are updated in their own dtype, like
     ``torch.optim.AdamW``. ``chunk_bytes``: host state per chunk (default 64 MiB).
-    ``stats``: steps, bytes copied each way and seconds per step.
+    ``stats``: steps, bytes copied each way, seconds in ``step()``, and ``host_bytes`` (the
+    state held in host memory, pinned on CUDA).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -45,7 +46,7 @@ class OffloadAdamW(Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.offload_master = bool(offload_master)
         self.chunk_bytes = chunk_bytes
-        self.stats = {"steps": 0, "bytes_h2d": 0, "bytes_d2h": 0, "seconds": 0.0}
+        self.stats = {"steps": 0, "bytes_h2d": 0, "bytes_d2h": 0, "seconds": 0.0, "host_bytes": 0}
         devices = {p.device for g in self.param_groups for p in g["params"]}
         if len(devices) > 1:
             raise ValueError(f"OffloadAdamW updates parameters of one device; these are on {sorted(map(str, devices))}")
@@ -55,6 +56,11 @@ class OffloadAdamW(Optimizer):
         # goes out, on the link's two directions at once
         self._h2d_stream = torch.cuda.Stream(self.device) if self._pin else None
         self._d2h_stream = torch.cuda.Stream(self.device) if self._pin else None
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for state in self.state.values() for name, t in state.items()
+                   if name != "step" and isinstance(t, torch.Tensor))
 
     # --- state ---------------------------------------------------------------------------------
     def _has_master(self, p: torch.Tensor) -> bool:
@@ -179,5 +185,6 @@ class OffloadAdamW(Optimizer):
         if self._d2h_stream is not None:
             self._d2h_stream.synchronize()  # host state is the truth once step() returns
         self.stats["steps"] += 1
+        self.stats["host_bytes"] = self.host_bytes
         self.stats["seconds"] += time.perf_counter() - t
         return loss

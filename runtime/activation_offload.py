@@ -193,6 +193,11 @@ class OffloadSynchronizer:
             for k, t in zip(slots, sorted((ids[k] for k in slots), key=rank.get)):
                 ids[k] = t
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host buffers held (pinned on CUDA), reused from step to step."""
+        return sum(s.host.numel() * s.host.element_size() for s in self.tensors.values() if s.host is not None)
+
     def transfers(self, device: torch.device) -> _Transfers:
         if self._transfers is None or self._transfers.device != device:
             self._transfers = _Transfers(device)

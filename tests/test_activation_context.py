@@ -177,6 +177,7 @@ def test_attach_offloads_under_the_models_own_forward(checkpointing):
         assert stats["bytes_offloaded"] == 2 * (2 * 64 * 128 * 4), stats
     else:
         assert stats["bytes_offloaded"] > 0 and set(stats["bytes_by_module"]) == {"mlp"}, stats
+    assert stats["host_bytes"] == stats["bytes_offloaded"]  # one host buffer per offloaded tensor, reused
     offload.detach()
     assert type(model.model.layers[0]) is layer_class
     offload.synchronizer.bytes_offloaded = 0

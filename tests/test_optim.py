@@ -36,6 +36,8 @@ def test_fp32_matches_adamw_bitwise_over_20_steps(chunk_bytes):
     for a, b in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(a, b)
     assert opt.stats["steps"] == 20
+    state_bytes = 2 * sum(p.numel() * 4 for p in ours.parameters())  # two fp32 moments
+    assert opt.stats["host_bytes"] == state_bytes and opt.stats["bytes_h2d"] == opt.stats["bytes_d2h"] == 20 * state_bytes
 
 
 def test_bf16_with_fp32_master_matches_adamw_on_fp32_masters_with_accumulation():
