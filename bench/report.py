@@ -19,6 +19,10 @@ copies to host and back cannot overlap one another; and nothing can be copied be
 forward produced it, nor can layer 0's backward start before its reload. So
 ``bound = max(no-offload step, bytes / D2H + bytes / H2D + no-offload step / n)``, with the
 last term one layer's forward and backward.
+
+Training: the optimizer's copies start when the backward has made the gradients, so a row's
+bound is its own forward+backward + the optimizer's bytes over the pinned bandwidth measured
+in the run (each direction alone, and both at once: the slowest of the three).
 """
 
 from __future__ import annotations
@@ -409,6 +413,91 @@ def verify_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
     return table, table
 
 
+# --- training ---------------------------------------------------------------------------------
+TRAIN_OPTIMIZER_ROW = "hostswap OffloadAdamW, fp32 master"
+
+
+def train_bound(row: dict, bandwidth: dict) -> float | None:
+    h2d, d2h = row.get("optimizer_h2d_bytes") or 0, row.get("optimizer_d2h_bytes") or 0
+    if not (h2d or d2h) or not bandwidth:
+        return None
+    transfer = max(h2d / bandwidth["h2d"], d2h / bandwidth["d2h"], (h2d + d2h) / bandwidth["both"])
+    return row["forward_backward_s"] + transfer
+
+
+def train_targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
+    by = {r["config"]: r for r in rows}
+    ours, peer = by.get(TRAIN_OPTIMIZER_ROW), by.get("torchao CPUOffloadOptimizer, bf16")
+    checks = []
+    plain = [r for r in rows if r["config"].startswith("plain") and r.get("capped")]
+    if plain:
+        checks.append(("plain AdamW does not fit under the cap", all("error" in r for r in plain),
+                       "; ".join(f"{r['config']}: {'out of memory' if 'error' in r else 'fits'}" for r in plain)))
+    if ours:
+        checks.append(("hostswap's capped step fits", "error" not in ours, ours.get("error", f"peak {(ours.get('peak_bytes') or 0) / 2**30:.2f} GiB")))
+    if ours and peer and "error" not in ours and "error" not in peer:
+        checks.append(("no slower than torchao CPUOffloadOptimizer", ours["tokens_per_s"] >= peer["tokens_per_s"],
+                       f"{ours['tokens_per_s']:.0f} vs {peer['tokens_per_s']:.0f} tokens/s ({ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x)"))
+    for r in rows:
+        if ("OffloadContext" in r["config"] and "error" not in r and ours and "error" not in ours and r.get("activation_offloaded_bytes")
+                and r.get("peak_bytes") is not None and ours.get("peak_bytes") is not None):
+            saved = ours["peak_bytes"] - r["peak_bytes"]
+            checks.append(("activation offload: >= 95 % of the theoretical saving", saved >= 0.95 * r["activation_offloaded_bytes"],
+                           f"{saved / 2**30:.2f} of {r['activation_offloaded_bytes'] / 2**30:.2f} GiB offloaded ({saved / r['activation_offloaded_bytes']:.0%})"))
+            overhead = r["forward_backward_s"] / ours["forward_backward_s"] - 1
+            transfer = r.get("activation_transfer_s")
+            cheap = transfer is not None and transfer < ours["forward_backward_s"]
+            checks.append(("activation offload: <= 5 % forward+backward overhead where transfer < compute", overhead <= 0.05 or not cheap,
+                           f"{overhead:+.1%}; copies {transfer:.2f} s against {ours['forward_backward_s']:.2f} s of compute" if transfer is not None else f"{overhead:+.1%}"))
+    return checks
+
+
+def train_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
+    results = [json.load(open(p)) for p in paths]
+    rows = [row for r in results for row in r["rows"]]
+    first = results[0]
+    a, env, bw = first["args"], first["environment"], first.get("bandwidth_bytes_per_s") or {}
+    params = next((r["parameters"] for r in rows if r.get("parameters")), None)
+    header = (f"{env.get('gpu', env['device'])}, torch {env['torch']}: transformers LlamaForCausalLM, {a['layers']} layers, hidden {a['hidden']}"
+              + (f", {params / 1e9:.2f} B parameters" if params else "") + f"; batch {a['batch']} x {a['seq']} tokens; median of {a['steps']} steps;"
+              f" GPU memory cap {a['cap_gib']:g} GiB (set_per_process_memory_fraction)"
+              + (f"; pinned H2D {bw['h2d'] / 1e9:.1f}, D2H {bw['d2h'] / 1e9:.1f}, both at once {bw['both'] / 1e9:.1f} GB/s" if bw else ""))
+    table = []
+    for r in rows:
+        where = f"{r['cap_bytes'] / 2**30:g} GiB" if r.get("capped") else "whole GPU"
+        if "error" in r:
+            table.append([r["config"], where, "", "", "", "", "", "", "", r["error"][:80]])
+            continue
+        bound = train_bound(r, bw)
+        host = (r.get("optimizer_host_bytes") or 0) + (r.get("activation_host_bytes") or 0)
+        moved = (r.get("optimizer_h2d_bytes") or 0) + (r.get("optimizer_d2h_bytes") or 0)
+        table.append([r["config"], where, f"{r['tokens_per_s']:.0f}", f"{r['step_s']:.2f}", f"{r['forward_backward_s']:.2f}",
+                      f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") is not None else "", f"{host / 2**30:.1f}",
+                      f"{moved / 1e9:.1f}" if moved else "", f"{r['step_s'] / bound:.2f}" if bound else "", f"{r['loss']:.4f}"])
+    headers = ["configuration", "GPU memory", "tokens/s", "step s", "fwd+bwd s", "peak GiB", "host GiB", "optimizer GB moved", "step / bound", "loss (last step)"]
+    text = header + "\n\n" + tabulate(table, headers=headers, tablefmt="github")
+    checks = train_targets(rows)
+    if checks:
+        text += "\n\n" + checks_table(checks)
+    if plot_path:
+        done = [r for r in rows if "error" not in r and r.get("peak_bytes") is not None]
+        if done:
+            plt = pyplot()
+            fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.35 * len(done) + 1.5), sharey=True)
+            names = [r["config"] for r in done]
+            ax1.barh(names, [r["peak_bytes"] / 2**30 for r in done], color=["tab:gray" if not r.get("capped") else "tab:blue" for r in done])
+            ax1.axvline(a["cap_gib"], color="tab:red", linestyle=":", label=f"cap {a['cap_gib']:g} GiB")
+            ax1.set_xlabel("peak GPU memory (GiB)")
+            ax1.legend(fontsize=7)
+            ax2.barh(names, [r["tokens_per_s"] for r in done], color=["tab:gray" if not r.get("capped") else "tab:blue" for r in done])
+            ax2.set_xlabel("tokens/s")
+            ax1.invert_yaxis()
+            ax1.tick_params(axis="y", labelsize=7)
+            fig.tight_layout()
+            fig.savefig(plot_path, dpi=110)
+    return text, text
+
+
 DOC_HEAD = """# Benchmarks
 
 Generated by `python bench/report.py` from `bench/results/*.json`; do not edit by hand.
@@ -420,14 +509,15 @@ bound, and against the peer a user would pick instead.
 | generate | `python bench/generate.py --layers 12` | streamed generation: a transformers `LlamaForCausalLM` exported with `hostswap.llm.export`, prompts of 128 and 512 tokens, at the floor and 25/50/75/100 % of the weight bytes, against transformers `generate` all-resident, accelerate `dispatch_model` at the same GPU memory and the bound |
 | weights | `python bench/weights.py --layers 12` | weight streaming: a transformers `LlamaForCausalLM` (`--model own`: the built-in decoder) in decode and prefill, at the floor and 25/50/75/100 % of the weight bytes, for every pool configuration, against plain PyTorch, the bound and accelerate (`dispatch_model`, or `cpu_offload` where no module fits) |
 | verify | `python bench/verify.py --layers 12` | what trusting the files costs on the generation benchmark's model: the index and pair checks every load adds, `verify=True` hashing every byte, against a plain copy of the weights out of the mapping (files in the page cache) |
+| train | `python bench/train.py` | a training step of a 1.57 B-parameter transformers Llama under a GPU memory cap plain AdamW does not fit in: `OffloadAdamW` (fp32 masters and moments on the host), `OffloadContext` and checkpointing with the residual stream offloaded, against torchao's `CPUOffloadOptimizer`, `save_on_cpu` and plain AdamW |
 | activations | `python bench/activations.py --layers 8` | activation offload: a training step of decoder blocks with k of n layers offloaded, against no offload, `save_on_cpu` and PyTorch's AOTAutograd activation offloading |
 
 Each command takes `--help`; results go to `bench/results/<benchmark>_<device>.json`.
 """
 
-SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "verify": verify_section}
-TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "verify": "Trusting the files"}
-PLOTTED = {"generate", "weights", "activations"}
+SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section}
+TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files"}
+PLOTTED = {"generate", "weights", "activations", "train"}
 
 
 def result_sets(benchmark: str) -> dict[str, list[str]]:

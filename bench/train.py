@@ -1,0 +1,313 @@
+"""Training in a GPU memory cap: hostswap's offloads against plain AdamW, torchao's
+CPUOffloadOptimizer and save_on_cpu, one process.
+
+    python bench/train.py                          # 1.57 B-parameter transformers Llama, cap 16 GiB
+    python bench/train.py --quick --device cpu     # smoke test anywhere (numbers mean nothing)
+
+The model is a transformers ``LlamaForCausalLM`` (hidden 2048, 32 layers, GQA 32/8 heads,
+vocabulary 32000: 1.57 B parameters), random weights from a config, trained on ``--batch`` x
+``--seq`` random token ids with its own causal-LM loss. First, with the whole GPU, plain
+training gives the reference. Then ``torch.cuda.set_per_process_memory_fraction`` caps the
+process at ``--cap-gib`` and every configuration runs under the cap:
+
+- plain ``torch.optim.AdamW`` (fused), with fp32 weights under bf16 autocast (fp32 master
+  weights, the usual mixed-precision recipe: 16 bytes per parameter on the GPU), and in bf16;
+- torchao's ``CPUOffloadOptimizer`` (bf16 weights on the GPU, its AdamW on the CPU);
+- ``hostswap.optim.OffloadAdamW`` with bf16 state, and with ``offload_master`` (fp32 masters
+  and moments on the host); with gradient accumulation;
+- with it, activation offload: ``OffloadContext`` on half the layers against
+  ``torch.autograd.graph.save_on_cpu`` on the same layers; gradient checkpointing alone and
+  with the checkpointed residual stream offloaded.
+
+Each row: tokens/s, the median step (``--steps`` after ``--warmup``), its forward+backward
+part (CUDA events), the peak of allocated GPU memory, host memory held for the offloads,
+bytes copied each way per step, the final loss, and the transfer bound = forward+backward +
+the optimizer's and activations' copies over the bandwidths measured in this run (H2D,
+D2H, and both at once). A configuration that fails (out of memory under the cap) is a row
+with its error. Rows go to ``bench/results/train_<device>.json`` as they are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hostswap  # noqa: E402
+import hostswap.activations  # noqa: E402
+import hostswap.optim  # noqa: E402
+from weights import environment, result_path  # noqa: E402
+
+LR = 1e-5
+
+
+def llama(args, dtype: torch.dtype, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=max(4096, args.seq),
+                         bos_token_id=None, eos_token_id=None, pad_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.train()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bandwidths(device: torch.device, nbytes: int = 1 << 30, repeats: int = 8) -> dict:
+    """Pinned host<->device bytes/s: each direction alone, and both at once on two streams."""
+    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    streams = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def timed(h2d: bool, d2h: bool) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            sync(device)
+            t = time.perf_counter()
+            if h2d:
+                with torch.cuda.stream(streams[0]):
+                    dev_a.copy_(host_a, non_blocking=True)
+            if d2h:
+                with torch.cuda.stream(streams[1]):
+                    host_b.copy_(dev_b, non_blocking=True)
+            sync(device)
+            times.append(time.perf_counter() - t)
+        return nbytes * (h2d + d2h) / statistics.median(times[1:])
+
+    return {"h2d": timed(True, False), "d2h": timed(False, True), "both": timed(True, True)}
+
+
+class Config:
+    """One configuration: how the model is made, how a step runs, what moves where."""
+
+    def __init__(self, name: str, *, dtype=torch.bfloat16, optimizer: str = "adamw", autocast: bool = False, offload_layers: int = 0,
+                 save_on_cpu_layers: int = 0, checkpointing: bool = False, accumulate: int = 1, capped: bool = True):
+        self.name, self.dtype, self.optimizer, self.autocast = name, dtype, optimizer, autocast
+        self.offload_layers, self.save_on_cpu_layers, self.checkpointing = offload_layers, save_on_cpu_layers, checkpointing
+        self.accumulate, self.capped = accumulate, capped
+
+
+def make_optimizer(config: Config, model):
+    params = list(model.parameters())
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=LR, fused=model.device.type == "cuda")
+    if config.optimizer == "cpu-offload":
+        from torchao.optim import CPUOffloadOptimizer
+
+        return CPUOffloadOptimizer(params, torch.optim.AdamW, lr=LR)
+    if config.optimizer in ("offload", "offload-master"):
+        return hostswap.optim.OffloadAdamW(params, lr=LR, offload_master=config.optimizer == "offload-master")
+    raise ValueError(config.optimizer)
+
+
+def save_on_cpu_layers(layers, k: int) -> None:
+    """``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the first ``k`` layers."""
+    for layer in list(layers)[:k]:
+        forward = layer.forward
+
+        def wrapped(*args, _forward=forward, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return _forward(*args, **kwargs)
+
+        layer.forward = wrapped
+
+
+def optimizer_moves(opt) -> tuple[int, int, int]:
+    """(bytes host->device, device->host) the optimizer copies per step, host bytes it holds."""
+    if isinstance(opt, hostswap.optim.OffloadAdamW):
+        steps = max(opt.stats["steps"], 1)
+        return opt.stats["bytes_h2d"] // steps, opt.stats["bytes_d2h"] // steps, opt.host_bytes
+    if type(opt).__name__ == "CPUOffloadOptimizer":  # gradients out, weights back in
+        moved = sum(p.numel() * p.element_size() for p in opt.param_d2h_map.values())
+        state = sum(t.numel() * t.element_size() for o in opt.optim_dict.values() for s in o.state.values() for t in s.values()
+                    if isinstance(t, torch.Tensor))
+        return moved, moved, 2 * moved + state
+    return 0, 0, 0
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.t0 = time.perf_counter()
+        os.makedirs(args.out, exist_ok=True)
+        self.path = result_path(args.out, "train", self.device, args.part)
+        self.rows: list[dict] = []
+        self.result = {"environment": environment(self.device), "args": vars(args), "rows": self.rows}
+        self.tokens_per_step = args.batch * args.seq
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
+
+    def save(self) -> None:
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(self.result, f, indent=1)
+        os.replace(self.path + ".tmp", self.path)
+
+    def cap(self, on: bool) -> None:
+        if self.device.type != "cuda":
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, self.args.cap_gib * 2**30 / total) if on else 1.0, self.device)
+
+    def batches(self, n: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(1)
+        return [torch.randint(0, self.args.vocab, (self.args.batch, self.args.seq), generator=g).to(self.device) for _ in range(n)]
+
+    def run(self, config: Config) -> dict | None:
+        if self.args.only and not any(o in config.name for o in self.args.only):
+            return None
+        if time.perf_counter() - self.t0 > self.args.deadline_s:
+            self.log(f"{config.name}: skipped, past the deadline")
+            return None
+        cuda = self.device.type == "cuda"
+        if config.optimizer == "cpu-offload" and not cuda:
+            return None
+        row: dict = {"config": config.name, "capped": config.capped and cuda, "cap_bytes": int(self.args.cap_gib * 2**30) if config.capped and cuda else None,
+                     "accumulate": config.accumulate, "tokens_per_step": self.tokens_per_step * config.accumulate}
+        model = opt = offload = None
+        try:
+            self.cap(config.capped)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            model = llama(self.args, config.dtype, self.device)
+            row["parameters"] = sum(p.numel() for p in model.parameters())
+            if config.checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            layers = model.model.layers
+            if config.offload_layers:
+                offload = hostswap.activations.OffloadContext(model_layers=len(layers), num_layers=config.offload_layers,
+                                                               min_offload_bytes=self.args.min_offload_bytes)
+                offload.attach(layers)
+            if config.save_on_cpu_layers:
+                save_on_cpu_layers(layers, config.save_on_cpu_layers)
+            opt = make_optimizer(config, model)
+            batches = self.batches(config.accumulate)
+            autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if config.autocast else contextlib.nullcontext()
+            start = torch.cuda.Event(enable_timing=True) if cuda else None
+            backward_done = torch.cuda.Event(enable_timing=True) if cuda else None
+            steps, fwd_bwd, losses, activation_bytes = [], [], [], []
+            for i in range(self.args.warmup + self.args.steps):
+                if i == self.args.warmup and cuda:
+                    sync(self.device)
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                sync(self.device)
+                t = time.perf_counter()
+                if start is not None:
+                    start.record()
+                moved = 0
+                for ids in batches:
+                    with autocast:
+                        loss = model(input_ids=ids, labels=ids).loss
+                    (loss / config.accumulate).backward()
+                    moved += offload.stats["bytes_offloaded"] if offload is not None else 0
+                if backward_done is not None:
+                    backward_done.record()
+                t_bwd = time.perf_counter()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sync(self.device)
+                if i >= self.args.warmup:
+                    steps.append(time.perf_counter() - t)
+                    fwd_bwd.append(start.elapsed_time(backward_done) / 1e3 if cuda else t_bwd - t)
+                    losses.append(loss.item())
+                    activation_bytes.append(moved)
+            h2d, d2h, host = optimizer_moves(opt)
+            step = statistics.median(steps)
+            row.update(step_s=step, forward_backward_s=statistics.median(fwd_bwd), tokens_per_s=row["tokens_per_step"] / step,
+                       peak_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
+                       optimizer_h2d_bytes=h2d, optimizer_d2h_bytes=d2h, optimizer_host_bytes=host,
+                       activation_offloaded_bytes=max(activation_bytes), activation_host_bytes=offload.stats["host_bytes"] if offload else 0,
+                       loss=losses[-1], losses=losses)
+            if offload is not None:
+                row["activation_transfer_s"] = offload.stats["transfer_seconds"] * config.accumulate
+            if config.save_on_cpu_layers:
+                row["activation_offloaded_bytes"] = None  # save_on_cpu does not report it
+        except Exception as e:  # recorded in the table, not hidden
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:240]}"
+        finally:
+            if offload is not None:
+                offload.detach()
+            del model, opt, offload
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        self.rows.append(row)
+        self.save()
+        if "error" in row:
+            self.log(f"{config.name:58s} FAILED {row['error']}")
+        else:
+            peak = row["peak_bytes"] / 2**30 if row["peak_bytes"] is not None else float("nan")
+            self.log(f"{config.name:58s} {row['tokens_per_s']:9.0f} tok/s  step {row['step_s'] * 1e3:7.0f} ms (fwd+bwd {row['forward_backward_s'] * 1e3:6.0f})"
+                     f"  peak {peak:6.2f} GiB  host {(row['optimizer_host_bytes'] + row['activation_host_bytes']) / 2**30:6.2f} GiB  loss {row['loss']:.4f}")
+        return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--accumulate", type=int, default=4, help="micro-batches of the gradient-accumulation row")
+    p.add_argument("--cap-gib", type=float, default=16.0, help="the process's GPU memory cap")
+    p.add_argument("--min-offload-bytes", type=int, default=2**20, help="OffloadContext keeps smaller saved tensors on the GPU")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="a small model (smoke test; numbers mean nothing)")
+    p.add_argument("--only", type=lambda v: v.split(","), default=[], help="run only configurations whose names contain one of these")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--part", help="suffix of the result file (train_<device>_<part>.json)")
+    p.add_argument("--deadline-s", type=float, default=540, help="start nothing new after this many seconds")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab, args.seq = 4, 128, 256, 4, 2, 512, 64
+        args.steps, args.warmup, args.accumulate, args.min_offload_bytes = 2, 1, 2, 1024
+    b = Bench(args)
+    if b.device.type == "cuda":
+        b.result["bandwidth_bytes_per_s"] = bandwidths(b.device)
+        b.log("pinned " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in b.result["bandwidth_bytes_per_s"].items()))
+    n, k = args.layers, args.layers // 2
+    fp32_master = dict(dtype=torch.float32, autocast=True)
+    b.run(Config("plain AdamW, fp32 master (bf16 autocast), whole GPU", capped=False, **fp32_master))
+    b.run(Config("plain AdamW, bf16, whole GPU", capped=False))
+    b.run(Config("plain AdamW, fp32 master (bf16 autocast)", **fp32_master))
+    b.run(Config("plain AdamW, bf16"))
+    b.run(Config("torchao CPUOffloadOptimizer, bf16", optimizer="cpu-offload"))
+    b.run(Config("hostswap OffloadAdamW, bf16", optimizer="offload"))
+    b.run(Config("hostswap OffloadAdamW, fp32 master", optimizer="offload-master"))
+    b.run(Config(f"hostswap OffloadAdamW, fp32 master, {args.accumulate} micro-batches", optimizer="offload-master", accumulate=args.accumulate))
+    b.run(Config(f"hostswap OffloadAdamW + OffloadContext {k}/{n} layers", optimizer="offload-master", offload_layers=k))
+    b.run(Config(f"hostswap OffloadAdamW + save_on_cpu {k}/{n} layers", optimizer="offload-master", save_on_cpu_layers=k))
+    b.run(Config("hostswap OffloadAdamW + checkpointing", optimizer="offload-master", checkpointing=True))
+    b.run(Config(f"hostswap OffloadAdamW + checkpointing + residual offload {n - 2}/{n}", optimizer="offload-master", checkpointing=True, offload_layers=n - 2))
+    b.cap(False)
+    b.save()
+    b.log(f"wrote {b.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
