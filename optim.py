@@ -2,13 +2,16 @@
 in host memory, updated on the device chunk by chunk.
 
 For a model whose optimizer state does not fit beside it on the GPU. Each ``step()`` walks
-the parameters in chunks of about ``chunk_bytes`` of state: chunk i+1's state is copied to
-the device on a host-to-device stream while chunk i is updated on the compute stream and
-chunk i-1's new state goes back on a device-to-host stream (the link's two directions at
-once). The update runs PyTorch's own AdamW arithmetic (``torch.optim.adamw.adamw``,
-single-tensor), and each bf16/fp16 working weight is refreshed from its fp32 master. Device
-memory held between steps: none; during a step: at most three chunks of state (coming in,
-being updated, going out). Host state is pinned on CUDA, so the copies are asynchronous DMA.
+the parameters in chunks of at most ``chunk_bytes`` of state (a larger parameter in slices:
+AdamW is elementwise). Three device buffers of one chunk each rotate: chunk i+1's state comes
+in on a host-to-device stream while chunk i is updated on the compute stream and chunk i-1's
+new state goes back on a device-to-host stream, the link's two directions at once. The
+streams order themselves with events, so the host never waits inside the step, and the
+device memory a step holds is three chunks and the update's temporaries whatever the model's
+size. The update is PyTorch's own AdamW arithmetic (``torch.optim.adamw.adamw``,
+single-tensor), and each bf16/fp16 working weight is refreshed from its fp32 master. Nothing
+stays on the device between steps. Host state is pinned on CUDA, so the copies are
+asynchronous DMA.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
-_STATE = ("exp_avg", "exp_avg_sq")
 
 
 class OffloadAdamW(Optimizer):
@@ -78,8 +80,24 @@ class OffloadAdamW(Optimizer):
                 state["master"].copy_(p.detach())
         return state
 
-    def _chunks(self):
-        """(group, [params]) runs of about ``chunk_bytes`` of host state, in parameter order."""
+    def _pieces(self, p: torch.Tensor):
+        """(start, stop) element ranges of ``p``, each of at most ``chunk_bytes`` of state.
+        AdamW is elementwise, so a slice updates exactly as the whole; a parameter that is not
+        contiguous (its slices would not be views) stays whole."""
+        moved = [t for name, t in self.state[p].items() if name in _MOVED]  # of one dtype
+        n = p.numel()
+        if not p.is_contiguous():
+            yield 0, n
+            return
+        per_tensor = self.chunk_bytes // len(moved)
+        step = max(1, (per_tensor // _ALIGN * _ALIGN or per_tensor) // moved[0].element_size())
+        for a in range(0, n, step):
+            yield a, min(n, a + step)
+
+    def _chunks(self) -> list[tuple[dict, list[tuple]]]:
+        """(group, [(param, start, stop)]) runs of at most ``chunk_bytes`` of host state (or one
+        piece, where a non-contiguous parameter is larger), in parameter order."""
+        chunks = []
         for group in self.param_groups:
             chunk, size = [], 0
             for p in group["params"]:
@@ -87,13 +105,17 @@ class OffloadAdamW(Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("OffloadAdamW does not support sparse gradients")
-                chunk.append(p)
-                size += p.numel() * (12 if self._has_master(p) else 2 * p.element_size())
-                if size >= self.chunk_bytes:
-                    yield group, chunk
-                    chunk, size = [], 0
+                self._host_state(p)
+                for a, b in self._pieces(p):
+                    nbytes = _layout_bytes(self.state[p], b - a)
+                    if chunk and size + nbytes > self.chunk_bytes:
+                        chunks.append((group, chunk))
+                        chunk, size = [], 0
+                    chunk.append((p, a, b))
+                    size += nbytes
             if chunk:
-                yield group, chunk
+                chunks.append((group, chunk))
+        return chunks
 
     def load_state_dict(self, state_dict: dict) -> None:
         # torch.optim casts loaded state to each parameter's device and dtype; here it stays in
@@ -109,61 +131,45 @@ class OffloadAdamW(Optimizer):
                     self.state[p][name] = host.copy_(value)
 
     # --- the step ------------------------------------------------------------------------------
-    def _to_device(self, params: list[torch.Tensor]) -> tuple[dict, object]:
-        """Device copies of the chunk's state (issued on the host-to-device stream), and their event."""
-        names = lambda p: _STATE + (("master",) if self._has_master(p) else ())
-        stream = self._h2d_stream
-        compute = torch.cuda.current_stream(self.device) if stream is not None else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if stream is not None:
-                stream.wait_stream(compute)  # the gradients, and the buffers' previous readers
-            copies = {}
-            for p in params:
-                state = self._host_state(p)
-                copies[p] = {n: state[n].to(self.device, non_blocking=True) for n in names(p)}
-                if stream is not None:
-                    for t in copies[p].values():
-                        # made on the host-to-device stream, read and written on the compute stream: its
-                        # memory goes to no later allocation before the update is done
-                        t.record_stream(compute)
-                self.stats["bytes_h2d"] += sum(t.numel() * t.element_size() for t in copies[p].values())
-            event = None
-            if stream is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
-        return copies, event
+    def _views(self, buffer: torch.Tensor, chunk: list[tuple]) -> list[dict]:
+        """Per piece of ``chunk``, its state names -> views of ``buffer`` (aligned, packed)."""
+        views, offset = [], 0
+        for p, a, b in chunk:
+            state, piece = self.state[p], {}
+            for name in _MOVED:
+                if name in state:
+                    t = state[name]
+                    nbytes = (b - a) * t.element_size()
+                    piece[name] = buffer[offset:offset + nbytes].view(t.dtype)
+                    if not p.is_contiguous():
+                        piece[name] = piece[name].view(t.shape)
+                    offset += -(-nbytes // _ALIGN) * _ALIGN
+            views.append(piece)
+        return views
 
-    def _update(self, group: dict, params: list[torch.Tensor], copies: dict) -> None:
+    def _host_slice(self, p: torch.Tensor, name: str, a: int, b: int) -> torch.Tensor:
+        t = self.state[p][name]
+        return t if not p.is_contiguous() else t.view(-1)[a:b]
+
+    def _update(self, group: dict, chunk: list[tuple], views: list[dict]) -> None:
         beta1, beta2 = group["betas"]
         targets, grads, avgs, avg_sqs, steps = [], [], [], [], []
-        for p in params:
-            state, device = self.state[p], copies[p]  # adamw advances state["step"]
+        for (p, a, b), device in zip(chunk, views):
             master = device.get("master")
-            targets.append(master if master is not None else p.detach())
-            grads.append(p.grad.float() if master is not None else p.grad)
+            whole = not p.is_contiguous()
+            param = p.detach() if whole else p.detach().view(-1)[a:b]
+            grad = p.grad if whole else p.grad.reshape(-1)[a:b]
+            targets.append(master if master is not None else param)
+            grads.append(grad.float() if master is not None else grad)
             avgs.append(device["exp_avg"])
             avg_sqs.append(device["exp_avg_sq"])
-            steps.append(state["step"])
+            steps.append(self._step_of[p].clone())  # adamw advances it; every piece sees the same step
         adamw(targets, grads, avgs, avg_sqs, [], steps, foreach=False, fused=False, amsgrad=False, beta1=beta1, beta2=beta2,
               lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-        for p in params:
-            master = copies[p].get("master")
-            if master is not None:
-                p.detach().copy_(master)  # the working weight from the fp32 master
-
-    def _to_host(self, params: list[torch.Tensor], copies: dict) -> None:
-        stream = self._d2h_stream
-        compute = torch.cuda.current_stream(self.device) if stream is not None else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if stream is not None:
-                stream.wait_stream(compute)  # after the update
-            for p in params:
-                state = self.state[p]
-                for name, device_tensor in copies[p].items():
-                    state[name].copy_(device_tensor, non_blocking=True)
-                    if stream is not None:
-                        device_tensor.record_stream(stream)  # freed for reuse only after the copy
-                    self.stats["bytes_d2h"] += device_tensor.numel() * device_tensor.element_size()
+        for (p, a, b), device in zip(chunk, views):
+            master = device.get("master")
+            if master is not None:  # the working weight from the fp32 master
+                (p.detach() if not p.is_contiguous() else p.detach().view(-1)[a:b]).copy_(master)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -172,19 +178,63 @@ class OffloadAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t = time.perf_counter()
-        chunks = list(self._chunks())
-        ahead = self._to_device(chunks[0][1]) if chunks else None
-        for i, (group, params) in enumerate(chunks):
-            copies, ready = ahead
-            # the next chunk's state comes in while this one is updated: two chunks on the device
-            ahead = self._to_device(chunks[i + 1][1]) if i + 1 < len(chunks) else None
-            if ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(ready)
-            self._update(group, params, copies)
-            self._to_host(params, copies)
-        if self._d2h_stream is not None:
-            self._d2h_stream.synchronize()  # host state is the truth once step() returns
+        chunks = self._chunks()
+        self._step_of = {p: self.state[p]["step"].clone() for _, chunk in chunks for p, _, _ in chunk}
+        cuda = self._h2d_stream is not None
+        compute = torch.cuda.current_stream(self.device) if cuda else None
+        capacity = max((_layout_bytes_of(self.state, chunk) for _, chunk in chunks), default=0)
+        # Three fixed buffers: chunk i+1 comes in while chunk i is updated and chunk i-1 goes
+        # out; chunk i reuses the buffer of chunk i-3 once that one's copy out is done. The
+        # streams wait on events, so the host never blocks, and the device memory is bounded.
+        buffers = [torch.empty(capacity, dtype=torch.uint8, device=self.device) for _ in range(min(3, len(chunks)))]
+        gone: list = [None] * len(buffers)  # per buffer: the event of its last copy out
+        stream = lambda s: torch.cuda.stream(s) if cuda else contextlib.nullcontext()  # noqa: E731
+        if cuda:
+            self._h2d_stream.wait_stream(compute)  # the buffers were allocated on the compute stream
+        for i, (group, chunk) in enumerate(chunks):
+            slot = i % len(buffers)
+            views = self._views(buffers[slot], chunk)
+            with stream(self._h2d_stream):
+                if gone[slot] is not None:
+                    self._h2d_stream.wait_event(gone[slot])
+                for (p, a, b), piece in zip(chunk, views):
+                    for name, view in piece.items():
+                        view.copy_(self._host_slice(p, name, a, b), non_blocking=True)
+                        self.stats["bytes_h2d"] += view.numel() * view.element_size()
+                arrived = torch.cuda.Event() if cuda else None
+                if cuda:
+                    arrived.record(self._h2d_stream)
+            if cuda:
+                compute.wait_event(arrived)
+            self._update(group, chunk, views)
+            with stream(self._d2h_stream):
+                if cuda:
+                    self._d2h_stream.wait_stream(compute)  # after the update
+                for (p, a, b), piece in zip(chunk, views):
+                    for name, view in piece.items():
+                        self._host_slice(p, name, a, b).copy_(view, non_blocking=True)
+                        self.stats["bytes_d2h"] += view.numel() * view.element_size()
+                if cuda:
+                    gone[slot] = torch.cuda.Event()
+                    gone[slot].record(self._d2h_stream)
+        for p, step in self._step_of.items():
+            self.state[p]["step"] = step + 1
+        if cuda:
+            self._d2h_stream.synchronize()  # host state is the truth once step() returns; the buffers are free
+        del buffers
         self.stats["steps"] += 1
         self.stats["host_bytes"] = self.host_bytes
         self.stats["seconds"] += time.perf_counter() - t
         return loss
+
+
+_MOVED = ("exp_avg", "exp_avg_sq", "master")  # the state that goes to the device and back
+_ALIGN = 512  # bytes between the views of one buffer
+
+
+def _layout_bytes(state: dict, elements: int) -> int:
+    return sum(-(-elements * state[name].element_size() // _ALIGN) * _ALIGN for name in _MOVED if name in state)
+
+
+def _layout_bytes_of(states, chunk: list[tuple]) -> int:
+    return sum(_layout_bytes(states[p], b - a) for p, a, b in chunk)

@@ -339,26 +339,39 @@ def _streamed_and_closed(demo, s, before):
 
 
 def test_offload_adamw_on_cuda_matches_adamw_and_keeps_its_state_on_the_host():
+    """Bitwise torch.optim.AdamW over 20 steps; the state stays in pinned host memory, and a
+    step holds at most three chunks of it on the device (64 times less than the state here)."""
     from hostswap.optim import OffloadAdamW
 
     def model():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+        return torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
 
+    chunk = 2**20
     ours, theirs = model(), model()
-    opt = OffloadAdamW(ours.parameters(), lr=1e-3, chunk_bytes=2**20)
+    opt = OffloadAdamW(ours.parameters(), lr=1e-3, chunk_bytes=chunk)
     ref = torch.optim.AdamW(theirs.parameters(), lr=1e-3, foreach=False)
+    peaks = []
     for step in range(20):
-        x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        x = torch.randn(64, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
         for m, o in ((ours, opt), (theirs, ref)):
             o.zero_grad()
             m(x).pow(2).mean().backward()
+            if o is opt:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             o.step()
+            if o is opt:
+                peaks.append(torch.cuda.max_memory_allocated() - before)
     for a, b in zip(ours.parameters(), theirs.parameters()):
         assert torch.equal(a, b)
     state = opt.state[next(ours.parameters())]
     assert state["exp_avg"].device.type == "cpu" and state["exp_avg"].is_pinned()
-    print(f"OffloadAdamW: {opt.stats}")
+    assert opt.host_bytes == 2 * 4 * sum(p.numel() for p in ours.parameters())
+    # three buffers of a chunk, and the update's temporaries of one piece
+    assert max(peaks) <= 6 * chunk < opt.host_bytes / 8, (max(peaks), opt.host_bytes)
+    print(f"OffloadAdamW: {opt.stats}; step peak {max(peaks) / 2**20:.1f} MiB for {opt.host_bytes / 2**20:.0f} MiB of state")
 
 
 def test_offload_context_on_cuda_lowers_the_memory_after_forward_and_keeps_gradients():

@@ -23,7 +23,7 @@ def _loss(model, step, micro=0):
     return model(x).float().pow(2).mean()
 
 
-@pytest.mark.parametrize("chunk_bytes", [1, 10_000, 2**30])
+@pytest.mark.parametrize("chunk_bytes", [64, 10_000, 2**30])
 def test_fp32_matches_adamw_bitwise_over_20_steps(chunk_bytes):
     ours, theirs = _model(torch.float32), _model(torch.float32)
     opt = OffloadAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, chunk_bytes=chunk_bytes)
@@ -102,3 +102,19 @@ def test_loaded_state_stays_in_host_memory_in_its_own_dtype():
         for name in ("exp_avg", "exp_avg_sq", "master"):
             loaded, saved = again.state[p][name], opt.state[p][name]
             assert loaded.dtype == torch.float32 and loaded.device.type == "cpu" and torch.equal(loaded, saved), name
+
+
+def test_chunks_hold_at_most_chunk_bytes_and_split_large_parameters():
+    model = _model(torch.bfloat16)
+    opt = OffloadAdamW(model.parameters(), offload_master=True, chunk_bytes=8_000)
+    _loss(model, 0).backward()
+    from hostswap.optim import _layout_bytes_of
+
+    chunks = opt._chunks()
+    for _, chunk in chunks:
+        assert _layout_bytes_of(opt.state, chunk) <= 8_000
+    pieces = [(p, a, b) for _, chunk in chunks for p, a, b in chunk]
+    weight = model[2].weight  # 64 x 64: 48 kB of moments and master, in slices
+    slices = [(a, b) for p, a, b in pieces if p is weight]
+    assert len(slices) > 1 and slices[0][0] == 0 and slices[-1][1] == weight.numel()
+    assert all(b1 == a2 for (_, b1), (a2, _) in zip(slices, slices[1:]))
