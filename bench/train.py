@@ -146,6 +146,8 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.device = torch.device(args.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.t0 = time.perf_counter()
         os.makedirs(args.out, exist_ok=True)
         self.path = result_path(args.out, "train", self.device, args.part)
