@@ -1,7 +1,7 @@
 """Training in a GPU memory cap: hostswap's offloads against plain AdamW, torchao's
 CPUOffloadOptimizer and save_on_cpu, one process.
 
-    python bench/train.py                          # 1.57 B-parameter transformers Llama, cap 16 GiB
+    python bench/train.py                          # 1.57 B-parameter transformers Llama, cap 12 GiB
     python bench/train.py --quick --device cpu     # smoke test anywhere (numbers mean nothing)
 
 The model is a transformers ``LlamaForCausalLM`` (hidden 2048, 32 layers, GQA 32/8 heads,
@@ -98,10 +98,11 @@ class Config:
     """One configuration: how the model is made, how a step runs, what moves where."""
 
     def __init__(self, name: str, *, dtype=torch.bfloat16, optimizer: str = "adamw", autocast: bool = False, offload_layers: int = 0,
-                 save_on_cpu_layers: int = 0, checkpointing: bool = False, accumulate: int = 1, capped: bool = True):
+                 save_on_cpu_layers: int = 0, checkpointing: bool = False, accumulate: int = 1, capped: bool = True,
+                 reload_ahead: int | None = None):
         self.name, self.dtype, self.optimizer, self.autocast = name, dtype, optimizer, autocast
         self.offload_layers, self.save_on_cpu_layers, self.checkpointing = offload_layers, save_on_cpu_layers, checkpointing
-        self.accumulate, self.capped = accumulate, capped
+        self.accumulate, self.capped, self.reload_ahead = accumulate, capped, reload_ahead
 
 
 def make_optimizer(config: Config, model):
@@ -127,6 +128,21 @@ def save_on_cpu_layers(layers, k: int) -> None:
                 return _forward(*args, **kwargs)
 
         layer.forward = wrapped
+
+
+def release(model, opt) -> None:
+    """Free a configuration's device and host memory even where a reference cycle outlives it
+    (torchao's CPUOffloadOptimizer hooks every parameter with a closure over itself, a cycle
+    through C++ that the garbage collector does not break: each one kept its model alive)."""
+    if model is not None:
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.grad = None
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    if opt is not None:
+        opt.state.clear() if isinstance(opt.state, dict) else None
+        for name in ("param_d2h_map", "optim_dict", "queue"):
+            if isinstance(getattr(opt, name, None), dict):
+                getattr(opt, name).clear()
 
 
 def optimizer_moves(opt) -> tuple[int, int, int]:
@@ -196,7 +212,7 @@ class Bench:
             layers = model.model.layers
             if config.offload_layers:
                 offload = hostswap.activations.OffloadContext(model_layers=len(layers), num_layers=config.offload_layers,
-                                                               min_offload_bytes=self.args.min_offload_bytes)
+                                                               reload_ahead=config.reload_ahead, min_offload_bytes=self.args.min_offload_bytes)
                 offload.attach(layers)
             if config.save_on_cpu_layers:
                 save_on_cpu_layers(layers, config.save_on_cpu_layers)
@@ -205,36 +221,59 @@ class Bench:
             autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if config.autocast else contextlib.nullcontext()
             start = torch.cuda.Event(enable_timing=True) if cuda else None
             backward_done = torch.cuda.Event(enable_timing=True) if cuda else None
-            steps, fwd_bwd, losses, activation_bytes = [], [], [], []
-            for i in range(self.args.warmup + self.args.steps):
+            forward_done = torch.cuda.Event(enable_timing=True) if cuda else None
+            steps, fwd_bwd, fwd, losses, activation_bytes = [], [], [], [], []
+            phases: list | None = None
+
+            def phase(name: str) -> None:
+                # one traced step after the timed ones: memory at the end of each phase and the
+                # peak within it (resetting the peak counter, so not during the timed steps)
+                if phases is not None and cuda:
+                    sync(self.device)
+                    phases.append((name, torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)))
+                    torch.cuda.reset_peak_memory_stats(self.device)
+
+            for i in range(self.args.warmup + self.args.steps + 1):
                 if i == self.args.warmup and cuda:
                     sync(self.device)
                     torch.cuda.reset_peak_memory_stats(self.device)
+                if i == self.args.warmup + self.args.steps:  # the traced step
+                    peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
+                    phases = []
+                    phase("before the step")
                 sync(self.device)
                 t = time.perf_counter()
                 if start is not None:
                     start.record()
                 moved = 0
-                for ids in batches:
+                for m, ids in enumerate(batches):
                     with autocast:
                         loss = model(input_ids=ids, labels=ids).loss
+                    if m == 0 and forward_done is not None:
+                        forward_done.record()
+                    t_fwd = time.perf_counter() if m == 0 else t_fwd
+                    phase(f"forward {m}")
                     (loss / config.accumulate).backward()
+                    phase(f"backward {m}")
                     moved += offload.stats["bytes_offloaded"] if offload is not None else 0
                 if backward_done is not None:
                     backward_done.record()
                 t_bwd = time.perf_counter()
                 opt.step()
+                phase("optimizer step")
                 opt.zero_grad(set_to_none=True)
                 sync(self.device)
-                if i >= self.args.warmup:
+                if self.args.warmup <= i < self.args.warmup + self.args.steps:
                     steps.append(time.perf_counter() - t)
                     fwd_bwd.append(start.elapsed_time(backward_done) / 1e3 if cuda else t_bwd - t)
+                    fwd.append(start.elapsed_time(forward_done) / 1e3 if cuda else t_fwd - t)
                     losses.append(loss.item())
                     activation_bytes.append(moved)
+            row["memory_phases"] = phases if cuda else None
             h2d, d2h, host = optimizer_moves(opt)
             step = statistics.median(steps)
-            row.update(step_s=step, forward_backward_s=statistics.median(fwd_bwd), tokens_per_s=row["tokens_per_step"] / step,
-                       peak_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            row.update(step_s=step, forward_backward_s=statistics.median(fwd_bwd), first_forward_s=statistics.median(fwd), tokens_per_s=row["tokens_per_step"] / step,
+                       peak_bytes=peak,
                        optimizer_h2d_bytes=h2d, optimizer_d2h_bytes=d2h, optimizer_host_bytes=host,
                        activation_offloaded_bytes=max(activation_bytes), activation_host_bytes=offload.stats["host_bytes"] if offload else 0,
                        loss=losses[-1], losses=losses)
@@ -247,6 +286,7 @@ class Bench:
         finally:
             if offload is not None:
                 offload.detach()
+            release(model, opt)
             del model, opt, offload
             gc.collect()
             if cuda:
@@ -257,6 +297,8 @@ class Bench:
             self.log(f"{config.name:58s} FAILED {row['error']}")
         else:
             peak = row["peak_bytes"] / 2**30 if row["peak_bytes"] is not None else float("nan")
+            if row.get("memory_phases"):
+                self.log("    GiB at the end of / peak in: " + ", ".join(f"{name} {a / 2**30:.2f}/{top / 2**30:.2f}" for name, a, top in row["memory_phases"]))
             self.log(f"{config.name:58s} {row['tokens_per_s']:9.0f} tok/s  step {row['step_s'] * 1e3:7.0f} ms (fwd+bwd {row['forward_backward_s'] * 1e3:6.0f})"
                      f"  peak {peak:6.2f} GiB  host {(row['optimizer_host_bytes'] + row['activation_host_bytes']) / 2**30:6.2f} GiB  loss {row['loss']:.4f}")
         return row
@@ -273,13 +315,13 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--accumulate", type=int, default=4, help="micro-batches of the gradient-accumulation row")
-    p.add_argument("--cap-gib", type=float, default=16.0, help="the process's GPU memory cap")
+    p.add_argument("--cap-gib", type=float, default=12.0, help="the process's GPU memory cap")
     p.add_argument("--min-offload-bytes", type=int, default=2**20, help="OffloadContext keeps smaller saved tensors on the GPU")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="a small model (smoke test; numbers mean nothing)")
-    p.add_argument("--only", type=lambda v: v.split(","), default=[], help="run only configurations whose names contain one of these")
+    p.add_argument("--only", type=lambda v: v.split("|"), default=[], help="run only configurations whose names contain one of these ('|' between them)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--part", help="suffix of the result file (train_<device>_<part>.json)")
     p.add_argument("--deadline-s", type=float, default=540, help="start nothing new after this many seconds")
@@ -298,10 +340,14 @@ def main(argv=None) -> int:
     b.run(Config("plain AdamW, fp32 master (bf16 autocast)", **fp32_master))
     b.run(Config("plain AdamW, bf16"))
     b.run(Config("torchao CPUOffloadOptimizer, bf16", optimizer="cpu-offload"))
+    b.run(Config("torchao CPUOffloadOptimizer, fp32 master (bf16 autocast)", optimizer="cpu-offload", **fp32_master))
+    b.run(Config("torchao CPUOffloadOptimizer, fp32 master (bf16 autocast), whole GPU", optimizer="cpu-offload", capped=False, **fp32_master))
     b.run(Config("hostswap OffloadAdamW, bf16", optimizer="offload"))
     b.run(Config("hostswap OffloadAdamW, fp32 master", optimizer="offload-master"))
     b.run(Config(f"hostswap OffloadAdamW, fp32 master, {args.accumulate} micro-batches", optimizer="offload-master", accumulate=args.accumulate))
-    b.run(Config(f"hostswap OffloadAdamW + OffloadContext {k}/{n} layers", optimizer="offload-master", offload_layers=k))
+    for layers in (n // 4, k):
+        b.run(Config(f"hostswap OffloadAdamW + OffloadContext {layers}/{n} layers", optimizer="offload-master", offload_layers=layers))
+        b.run(Config(f"hostswap OffloadAdamW + OffloadContext {layers}/{n} layers, reload_ahead=1", optimizer="offload-master", offload_layers=layers, reload_ahead=1))
     b.run(Config(f"hostswap OffloadAdamW + save_on_cpu {k}/{n} layers", optimizer="offload-master", save_on_cpu_layers=k))
     b.run(Config("hostswap OffloadAdamW + checkpointing", optimizer="offload-master", checkpointing=True))
     b.run(Config(f"hostswap OffloadAdamW + checkpointing + residual offload {n - 2}/{n}", optimizer="offload-master", checkpointing=True, offload_layers=n - 2))
