@@ -139,10 +139,10 @@ def release(model, opt) -> None:
             t.grad = None
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     if opt is not None:
-        opt.state.clear() if isinstance(opt.state, dict) else None
-        for name in ("param_d2h_map", "optim_dict", "queue"):
-            if isinstance(getattr(opt, name, None), dict):
-                getattr(opt, name).clear()
+        for name in ("state", "param_d2h_map", "optim_dict", "queue"):
+            table = getattr(opt, name, None)  # CPUOffloadOptimizer has no state of its own
+            if isinstance(table, dict):
+                table.clear()
 
 
 def optimizer_moves(opt) -> tuple[int, int, int]:
