@@ -224,6 +224,7 @@ class Bench:
             forward_done = torch.cuda.Event(enable_timing=True) if cuda else None
             steps, fwd_bwd, fwd, losses, activation_bytes = [], [], [], [], []
             phases: list | None = None
+            profiler = None
 
             def phase(name: str) -> None:
                 # one traced step after the timed ones: memory at the end of each phase and the
@@ -241,6 +242,9 @@ class Bench:
                     peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
                     phases = []
                     phase("before the step")
+                    if self.args.profile and any(pattern in config.name for pattern in self.args.profile):
+                        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+                        profiler.__enter__()
                 sync(self.device)
                 t = time.perf_counter()
                 if start is not None:
@@ -270,6 +274,14 @@ class Bench:
                     losses.append(loss.item())
                     activation_bytes.append(moved)
             row["memory_phases"] = phases if cuda else None
+            if profiler is not None:
+                profiler.__exit__(None, None, None)
+                table = profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=25)
+                by_cpu = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+                name = "".join(c if c.isalnum() else "_" for c in config.name)
+                with open(os.path.join(self.args.out, f"profile_{name}.txt"), "w") as f:
+                    f.write(table + "\n\n" + by_cpu)
+                profiler.export_chrome_trace(os.path.join(self.args.out, f"profile_{name}.json"))
             h2d, d2h, host = optimizer_moves(opt)
             step = statistics.median(steps)
             row.update(step_s=step, forward_backward_s=statistics.median(fwd_bwd), first_forward_s=statistics.median(fwd), tokens_per_s=row["tokens_per_step"] / step,
@@ -324,6 +336,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", type=lambda v: v.split("|"), default=[], help="run only configurations whose names contain one of these ('|' between them)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--part", help="suffix of the result file (train_<device>_<part>.json)")
+    p.add_argument("--profile", type=lambda v: v.split("|"), default=[], help="profile the traced step of configurations whose names contain one of these: a table and a Chrome trace beside the results")
     p.add_argument("--deadline-s", type=float, default=540, help="start nothing new after this many seconds")
     args = p.parse_args(argv)
     if args.quick:
@@ -344,7 +357,8 @@ def main(argv=None) -> int:
     b.run(Config("torchao CPUOffloadOptimizer, fp32 master (bf16 autocast), whole GPU", optimizer="cpu-offload", capped=False, **fp32_master))
     b.run(Config("hostswap OffloadAdamW, bf16", optimizer="offload"))
     b.run(Config("hostswap OffloadAdamW, fp32 master", optimizer="offload-master"))
-    b.run(Config(f"hostswap OffloadAdamW, fp32 master, {args.accumulate} micro-batches", optimizer="offload-master", accumulate=args.accumulate))
+    b.run(Config(f"hostswap OffloadAdamW + OffloadContext {k}/{n} layers, reload_ahead=1, {args.accumulate} micro-batches", optimizer="offload-master",
+                 accumulate=args.accumulate, offload_layers=k, reload_ahead=1))
     for layers in (n // 4, k):
         b.run(Config(f"hostswap OffloadAdamW + OffloadContext {layers}/{n} layers", optimizer="offload-master", offload_layers=layers))
         b.run(Config(f"hostswap OffloadAdamW + OffloadContext {layers}/{n} layers, reload_ahead=1", optimizer="offload-master", offload_layers=layers, reload_ahead=1))
