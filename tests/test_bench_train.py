@@ -23,7 +23,7 @@ def test_quick_run_trains_every_configuration_with_the_losses_of_its_reference(t
     # activation offload and checkpointing change where tensors live, not the numbers
     master = rows["hostswap OffloadAdamW, fp32 master"]
     for name, row in rows.items():
-        if name.startswith("hostswap OffloadAdamW +"):
+        if name.startswith("hostswap OffloadAdamW +") and "micro-batches" not in name:
             assert row["losses"] == master["losses"], name
     offloaded = next(r for n, r in rows.items() if "OffloadContext" in n)
     assert offloaded["activation_offloaded_bytes"] > 0 and offloaded["activation_host_bytes"] > 0
