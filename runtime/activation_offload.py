@@ -120,31 +120,49 @@ class _Transfers:
         """Copy on the offload stream after the work the main stream has queued so far (the
         source was produced there, or the destination allocated there); returns the copy's
         event (None on CPU, where it is synchronous). Its duration is kept under ``tag``."""
+        return self.copy_group([(src, dst, tag)])
+
+    def copy_group(self, copies: list[tuple[torch.Tensor, torch.Tensor, int]]):
+        """``copy`` for several (src, dst, tag) at once: a layer's reload. One wait for the main
+        stream and one timed span for the group, so the host work per tensor is a copy call and
+        an event, which matters where the host is what bounds the step (the GPU waits while
+        Python queues). Returns each copy's event (a list; one event for one copy); the group's
+        duration is shared among the tags by bytes."""
         if not self.cuda:
-            t = time.perf_counter()
-            dst.copy_(src)
-            self.timed.append((tag, time.perf_counter() - t))
+            for src, dst, tag in copies:
+                t = time.perf_counter()
+                dst.copy_(src)
+                self.timed.append(([(tag, 1.0)], time.perf_counter() - t))
             return None
         queued = torch.cuda.Event()
         queued.record(self.main())
         self.stream.wait_event(queued)
+        arrived = []
         with torch.cuda.stream(self.stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
-            dst.copy_(src, non_blocking=True)
+            for k, (src, dst, _) in enumerate(copies):
+                dst.copy_(src, non_blocking=True)
+                if k < len(copies) - 1:  # the backward may start on the first tensor that landed
+                    arrived.append(torch.cuda.Event())
+                    arrived[-1].record(self.stream)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
-        self.timed.append((tag, (start, done)))
-        return done
+        arrived.append(done)
+        sizes = [src.numel() * src.element_size() for src, _, _ in copies]
+        total = sum(sizes) or 1
+        self.timed.append(([(tag, size / total) for (_, _, tag), size in zip(copies, sizes)], (start, done)))
+        return arrived if len(copies) > 1 else done
 
     def seconds_by_tag(self) -> dict[int, float]:
         """Seconds of this step's copies per tag (waits for those still running on CUDA)."""
         out: dict[int, float] = {}
-        for tag, timing in self.timed:
+        for shares, timing in self.timed:
             if isinstance(timing, tuple):
                 timing[1].synchronize()
                 timing = timing[0].elapsed_time(timing[1]) / 1e3
-            out[tag] = out.get(tag, 0.0) + timing
+            for tag, share in shares:
+                out[tag] = out.get(tag, 0.0) + timing * share
         return out
 
     def main_waits(self, event) -> None:
@@ -294,9 +312,10 @@ class OffloadSynchronizer:
             self.log.append(("release", layer))
 
     def start_reload_layer(self, layer: int) -> None:
-        """Allocate on the main stream and queue the copies to device on the offload stream."""
+        """Allocate on the main stream and queue the copies to device on the offload stream,
+        the layer's tensors as one group (one wait, one timed span)."""
         t = self._transfers
-        started = False
+        group: list[_TensorState] = []
         for i in self.layer_tensors.get(layer, []):
             state = self.tensors[i]
             if state.reload_started:
@@ -309,10 +328,12 @@ class OffloadSynchronizer:
             if state.host is None or not state.copied:
                 continue  # not saved this step (a layer that did not run): nothing to reload
             state.gpu = torch.empty_strided(state.host.shape, state.host.stride(), dtype=state.host.dtype, device=t.device)
-            state.reloaded = t.copy(state.host, state.gpu, i)
-            self.reloads.append(i)
-            started = True
-        if started:
+            group.append(state)
+        if group:
+            events = t.copy_group([(state.host, state.gpu, state.tensor) for state in group])
+            for state, event in zip(group, events if isinstance(events, list) else [events] * len(group)):
+                state.reloaded = event
+                self.reloads.append(state.tensor)
             self.on_gpu.add(layer)
             self._count()
             self.log.append(("reload", layer))
