@@ -447,6 +447,7 @@ def train_targets(rows: list[dict], bandwidth: dict) -> list[tuple[str, bool, st
                                f"{a['tokens_per_s']:.0f} vs {b['tokens_per_s']:.0f} tokens/s ({a['tokens_per_s'] / b['tokens_per_s']:.2f}x)"))
     for r in rows:
         if ("OffloadContext" in r["config"] and "error" not in r and ours and "error" not in ours and r.get("activation_offloaded_bytes")
+                and r.get("accumulate", 1) == 1  # micro-batches offload more than one forward's worth
                 and r.get("peak_bytes") is not None and ours.get("peak_bytes") is not None):
             offloaded = r["activation_offloaded_bytes"]
             saved = ours["peak_bytes"] - r["peak_bytes"]
