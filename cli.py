@@ -191,7 +191,8 @@ def main(argv=None) -> int:
     e.add_argument("--max-seq-len", type=int, required=True, help="KV cache positions: prompt plus new tokens")
     e.add_argument("--prefill-chunk", type=int, default=128, help="tokens per prefill call (default 128)")
     e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="load the weights in this dtype (default: the checkpoint's)")
-    e.add_argument("--quantize", choices=["int8", "int4"], help="torchao weight-only quantization of the linear layers before export (int4: CUDA only)")
+    e.add_argument("--quantize", choices=["int8", "int4"], help="torchao weight-only quantization of the linear layers before export (int4: torchao's tinygemm layout; "
+                   "needs a CUDA GPU and bf16 weights, --dtype bfloat16)")
     e.set_defaults(func=_export_llm)
     g = sub.add_parser("generate", help="stream greedy tokens from a program written by export-llm")
     g.add_argument("program", help="the path prefix given to export-llm (or its .pte)")

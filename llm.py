@@ -43,6 +43,8 @@ def _static_cache_wrapper(model, max_seq_len: int):
     if not hasattr(model, "generation_config") or not hasattr(model, "config"):
         raise GenerationError(f"hostswap.llm.export takes a transformers causal LM (a *ForCausalLM), got {type(model).__name__}")
     model.eval()
+    if any(t.device.type != "cpu" for t in (*model.parameters(), *model.buffers())):
+        model.cpu()  # a program's weights live in host memory: it is exported from there
     from hostswap.passes.quantized_linear import prepare_quantized
 
     prepare_quantized(model)  # torchao quantized linears: one kernel reads each weight's packed data and scales
@@ -62,18 +64,58 @@ def _static_cache_wrapper(model, max_seq_len: int):
     return wrapper
 
 
+INT4_GROUP_SIZE = 128
+
+
 def quantize(model, scheme: str):
-    """torchao weight-only quantization of ``model``'s linear layers, in place: ``int8``, or
-    ``int4`` (groups of 128; torchao runs it on CUDA only)."""
+    """torchao weight-only quantization of ``model``'s linear layers, in place; returns the model.
+
+    ``int8``: ``Int8WeightOnlyConfig()``, on the device the model is on (CPU or CUDA).
+    ``int4``: ``Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")``,
+    int4 packed for PyTorch's own tinygemm kernel (``aten._weight_int4pack_mm``), the int4
+    layout of torchao that needs no other package (its default, "plain", and "preshuffled" run
+    on mslk kernels). It packs and runs on CUDA only (compute capability 8.0 and newer) and
+    takes bf16 weights: each linear is moved to the GPU, quantized and moved back, so a model on
+    the CPU stays there and the GPU holds one bf16 weight at a time. Linears whose input
+    features are not a multiple of 128 stay unquantized (torchao skips them); the tinygemm
+    layout pads input features to a multiple of 1024. Both leave torch.compile's settings alone
+    (``set_inductor_config=False``): the program runs torchao's eager kernels."""
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
-    configs = {"int8": Int8WeightOnlyConfig, "int4": lambda: Int4WeightOnlyConfig(group_size=128)}
-    if scheme not in configs:
-        raise GenerationError(f"quantization must be one of {sorted(configs)}, got {scheme!r}")
-    try:
-        quantize_(model, configs[scheme]())
-    except (ImportError, NotImplementedError, RuntimeError, ValueError) as e:
-        raise GenerationError(f"torchao cannot quantize this model to {scheme} here: {type(e).__name__}: {e}") from e
+    schemes = ("int4", "int8")
+    if scheme not in schemes:
+        raise GenerationError(f"quantization must be one of {list(schemes)}, got {scheme!r}")
+    cannot = f"torchao cannot quantize this model to {scheme} here"
+    if scheme == "int8":
+        try:
+            quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))
+        except (ImportError, NotImplementedError, RuntimeError, ValueError) as e:
+            raise GenerationError(f"{cannot}: {type(e).__name__}: {e}") from e
+        return model
+    if not torch.cuda.is_available():
+        raise GenerationError(f"{cannot}: int4 (torchao's tile_packed_to_4d layout, PyTorch's tinygemm kernel) packs and runs on CUDA only, "
+                              "and no CUDA device is available")
+    capability = torch.cuda.get_device_capability()
+    if capability[0] < 8:
+        raise GenerationError(f"{cannot}: the tinygemm int4 kernel needs a GPU of compute capability 8.0 or newer, this one is "
+                              f"{capability[0]}.{capability[1]}")
+    from hostswap.passes.quantized_linear import is_torchao_tensor
+
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not is_torchao_tensor(m.weight)
+               and m.in_features % INT4_GROUP_SIZE == 0]
+    other = [f"{name} ({m.weight.dtype})" for name, m in linears if m.weight.dtype != torch.bfloat16]
+    if other:
+        raise GenerationError(f"{cannot}: int4 takes bfloat16 weights, and {len(other)} linear layers are not ({', '.join(other[:3])}); "
+                              "convert the model first (model.to(torch.bfloat16), or hostswap export-llm --dtype bfloat16)")
+    config = Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, int4_packing_format="tile_packed_to_4d", version=2, set_inductor_config=False)
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    for name, linear in linears:
+        device = linear.weight.device
+        try:
+            quantize_(linear, config, device=gpu)  # quantize_ moves the linear to the GPU first
+        except (ImportError, NotImplementedError, RuntimeError, ValueError, AssertionError) as e:
+            raise GenerationError(f"{cannot}: {name}: {type(e).__name__}: {e}") from e
+        linear.to(device)
     return model
 
 
@@ -96,7 +138,10 @@ def _eos_ids(model) -> list[int]:
 def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int = 128, prefetch_depth: int = 1,
            progress: Callable[[str], None] | None = None) -> tuple[str, str]:
     """Write ``<path>.pte`` (methods ``prefill`` and ``decode``, their schedules, the KV cache
-    as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths."""
+    as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths.
+
+    The model is changed in place: moved to the CPU if it is elsewhere (a model quantized on
+    the GPU, say), and its torchao quantized linears swapped by ``prepare_quantized``."""
     from hostswap.passes import save
 
     programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth, progress=progress)

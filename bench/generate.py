@@ -3,6 +3,7 @@
     python bench/generate.py --layers 12                 # transformers Llama, 1.25 GiB of bf16 weights
     python bench/generate.py --layers 46 --part 4gib     # 4.1 GiB
     python bench/generate.py --layers 12 --dtype float32 --budgets floor,100% --prompts 128 --skip-accelerate --part fp32
+    python bench/generate.py --layers 12 --budgets floor,25%,50%,75% --quantize int8,int4 --skip-accelerate --part quantized
 
 A transformers ``LlamaForCausalLM`` (hidden 2048, GQA 32/8 heads, bf16, random weights from a
 config) is exported once with ``hostswap.llm.export``. For each prompt length and budget
@@ -16,6 +17,20 @@ cache for the first ``--check-tokens``; where they part, the row records the ref
 margin between its token and hostswap's at that step (a near-tie that a different kernel
 order flips shows a margin of the order of the dtype's rounding). Every row is
 written to ``bench/results/generate_<device>[_<part>].json`` as soon as it is measured.
+
+``--quantize int8,int4``: after the bf16 rows, for each scheme a deepcopy of the same bf16
+model is quantized with ``hostswap.llm.quantize`` (torchao weight-only: int8, or int4 in the
+tinygemm layout), exported, and run with the same prompts at the same budgets: its own floor,
+and 25/50/75/100 % of the *bf16* weight bytes, so a budget at or above the quantized total is
+all-resident (the row's ``all_resident``). Rows carry ``quantize``; bench/report.py bounds them
+by the quantized bytes streamed and the scheme's own all-resident decode, and sets them
+against bf16 at the same budget. Quality: the program's logits teacher-forced over the bf16
+reference's greedy continuation of the first prompt (the prompt prefilled, then each token the
+bf16 eager model chose fed by one decode step, for ``--check-tokens`` steps: every step sees
+the context the reference's step saw) against the bf16 eager model's logits of those steps
+(transformers ``generate``, static cache): the largest and mean |logit difference| and the
+share of steps whose top-1 token agrees. The bf16 program is measured the same way beside them
+(``quality`` of the result), the difference that tracing alone makes.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ import hostswap.llm as llm  # noqa: E402
 from weights import environment, h2d_bandwidth, result_path  # noqa: E402
 
 BUDGETS = (("floor", None), ("25%", 0.25), ("50%", 0.50), ("75%", 0.75), ("100%", 1.0))
+SCHEMES = ("int8", "int4")
 
 
 def llama(layers: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
@@ -117,7 +133,8 @@ class Bench:
         self.save()
         per_token = f"{row['ms_per_token']:.2f} ms/token" if row.get("ms_per_token") else ""
         streamed = f" {row['bytes_streamed_per_token'] / 2**20:.0f} MiB/token" if row.get("bytes_streamed_per_token") else ""
-        self.log(f"{row['config']:36s} prompt {row['prompt_tokens']:4d} {row['budget_name']:>5s}  prefill {row.get('prefill_ms', 0):7.1f} ms  {per_token}{streamed} {row.get('tokens', '')}")
+        config = f"{row['config']} [{row['quantize']}{', all-resident' if row['all_resident'] else ''}]" if row.get("quantize") else row["config"]
+        self.log(f"{config:36s} prompt {row['prompt_tokens']:4d} {row['budget_name']:>5s}  prefill {row.get('prefill_ms', 0):7.1f} ms  {per_token}{streamed} {row.get('tokens', '')}")
 
     def run(self) -> None:
         a = self.args
@@ -171,11 +188,79 @@ class Bench:
                         self.save()
                         return
                     self.run_hostswap(config, options, pte, ptd, budget_name, budget, n, prompt, reference[n], scores[n])
+        if a.quantize:
+            import torchao
+
+            self.result["environment"]["torchao"] = torchao.__version__
+            first = min(prompts)
+            self.result["quality"] = {"bf16": self.quality(pte, ptd, total + 2**20, prompts[first], scores[first])}
+            self.save()
+            for scheme in a.quantize:
+                # an export of the quantized model takes about as long as the bf16 one did
+                if self.time_left() < a.reserve_s + 1.2 * self.result["export_s"]:
+                    self.result["notes"].append(f"deadline: stopped before {scheme}")
+                    self.save()
+                    return
+                if not self.run_quantized(model, scheme, total, prompts, scores, max_seq_len, work):
+                    return
         if not a.skip_accelerate:
             self.run_accelerate(model, [b for b in budgets if b[0] not in ("floor", "100%")], prompts)
         self.save()
 
-    def run_hostswap(self, config, options, pte, ptd, budget_name, budget, n, prompt, reference, scores) -> None:
+    def quality(self, pte, ptd, budget: int, prompt: torch.Tensor, scores: list[torch.Tensor]) -> dict:
+        """A program's logits against the bf16 eager model's ``scores``, teacher-forced over the
+        bf16 reference's greedy continuation (the argmax of each of its steps)."""
+        n = prompt.shape[1]
+        continuation = [int(step.argmax()) for step in scores]
+        with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=self.device) as g:
+            ours = [llm.prefill(g._step, prompt, g.prefill_chunk, g.max_seq_len).float().cpu()]
+            for i, token in enumerate(continuation[:-1]):
+                ours.append(g._step(llm.DECODE, torch.tensor([[token]], dtype=torch.long), n + i)[0, -1].float().cpu())
+        ours, theirs = torch.stack(ours), torch.stack(scores)
+        diff = (ours - theirs).abs()
+        return {"prompt_tokens": n, "steps": len(scores), "max_abs_logit_diff": diff.max().item(), "mean_abs_logit_diff": diff.mean().item(),
+                "top1_agreement": (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(), "reference_max_abs_logit": theirs.abs().max().item()}
+
+    def run_quantized(self, model, scheme: str, bf16_total: int, prompts: dict, scores: dict, max_seq_len: int, work: str) -> bool:
+        """One scheme's rows; False where the deadline stopped them."""
+        a = self.args
+        t = time.perf_counter()
+        quantized = llm.quantize(copy.deepcopy(model), scheme)
+        quantize_s = time.perf_counter() - t
+        say = lambda m: self.log(f"export {scheme}: {m}")  # noqa: E731
+        programs, constants = llm.export_programs(quantized, max_seq_len=max_seq_len, prefill_chunk=a.prefill_chunk, progress=say)
+        pte, ptd = hostswap.save(programs, os.path.join(work, f"llama_{scheme}"), constant_methods=constants, progress=say)
+        del quantized, programs
+        gc.collect()
+        schedules = hostswap.schedules.load_weight_schedules(pte)
+        floor, total = max(s.floor_bytes for s in schedules.values()), max(s.total_bytes for s in schedules.values())
+        first = min(prompts)
+        quality = self.quality(pte, ptd, total + 2**20, prompts[first], scores[first])
+        self.result["quality"][scheme] = quality
+        self.result.setdefault("quantized", {})[scheme] = {
+            "quantize_s": quantize_s, "export_s": time.perf_counter() - t - quantize_s, "total_bytes": total, "floor_bytes": floor,
+            "bytes_by_dtype": schedules["decode"].bytes_by_dtype()}
+        self.log(f"{scheme}: {total / 2**30:.2f} GiB ({total / bf16_total:.2f} of bf16), floor {floor / 2**20:.0f} MiB; against bf16 eager over "
+                 f"{quality['steps']} steps: max |logit difference| {quality['max_abs_logit_diff']:.3g}, top-1 agreement {quality['top1_agreement']:.2f}")
+        self.save()
+        config, options = "hostswap planned, decode graphed", dict(policy="planned")
+        for budget_name, fraction in BUDGETS:
+            if budget_name not in a.budgets:
+                continue
+            # the floor is the quantized program's; the others are shares of the bf16 weight bytes
+            budget = floor if fraction is None else total + 2**20 if fraction >= 1 else max(floor, int(fraction * bf16_total))
+            for n, prompt in prompts.items():
+                if self.time_left() < a.reserve_s:
+                    self.result["notes"].append(f"deadline: stopped before {scheme} {budget_name} prompt {n}")
+                    self.save()
+                    return False
+                self.run_hostswap(config, options, pte, ptd, budget_name, budget, n, prompt, None, None, extra={
+                    "quantize": scheme, "all_resident": budget >= total, "quantized_total_bytes": total, "quantized_floor_bytes": floor,
+                    "max_abs_logit_diff_vs_bf16": quality["max_abs_logit_diff"], "top1_agreement_vs_bf16": quality["top1_agreement"]})
+        return True
+
+    def run_hostswap(self, config, options, pte, ptd, budget_name, budget, n, prompt, reference, scores, extra=None) -> None:
+        """One row; tokens are checked against ``reference`` (transformers') where it is given."""
         a = self.args
         t = time.perf_counter()
         with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, **options) as g:
@@ -184,18 +269,22 @@ class Bench:
             out = g.generate(prompt, a.new_tokens)
             s = g.stats
         check = min(a.check_tokens, a.new_tokens)
+        row = {"config": config, "prompt_tokens": n, "budget_name": budget_name, "budget_bytes": budget, "load_s": load_s,
+               "prefill_ms": s["prefill_ms"], "ms_per_token": s["ms_per_token"], "tokens_per_s": s["tokens_per_s"],
+               "bytes_streamed_per_token": s["bytes_streamed_per_token"] or 0, "kv_cache_bytes": s["kv_cache_bytes"],
+               "activation_arena_bytes": s["activation_arena_bytes"], **(extra or {})}
+        if reference is None:
+            self.add(dict(row, new_token_ids=out[0, n : n + check].tolist()))
+            return
         mine, theirs = out[0, n : n + check].tolist(), reference[0, n : n + check].tolist()
         differ = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y), None)
         margin = None
         if differ is not None and differ < len(scores):  # the reference's own preference for its token over ours
             margin = float(scores[differ][theirs[differ]] - scores[differ][mine[differ]])
 
-        self.add({"config": config, "prompt_tokens": n, "budget_name": budget_name, "budget_bytes": budget, "load_s": load_s,
-                  "prefill_ms": s["prefill_ms"], "ms_per_token": s["ms_per_token"], "tokens_per_s": s["tokens_per_s"],
-                  "bytes_streamed_per_token": s["bytes_streamed_per_token"] or 0, "kv_cache_bytes": s["kv_cache_bytes"],
-                  "activation_arena_bytes": s["activation_arena_bytes"], "new_token_ids": mine, "checked_tokens": check,
-                  "first_token_differing_from_transformers": differ, "reference_logit_margin_at_difference": margin,
-                  "tokens": "same tokens" if differ is None else f"differs from token {differ} (reference margin {margin:.3g})"})
+        self.add(dict(row, new_token_ids=mine, checked_tokens=check, first_token_differing_from_transformers=differ,
+                      reference_logit_margin_at_difference=margin,
+                      tokens="same tokens" if differ is None else f"differs from token {differ} (reference margin {margin:.3g})"))
 
     def run_accelerate(self, model, budgets, prompts) -> None:
         try:
@@ -234,6 +323,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=128)
     p.add_argument("--eager", action="store_true", help="also run decode eagerly (no CUDA graph) at the floor and 50 %%")
     p.add_argument("--skip-accelerate", action="store_true")
+    p.add_argument("--quantize", type=lambda v: [s for s in v.split(",") if s], default=[],
+                   help="also quantize the model (torchao weight-only, of int8,int4) and run each at the same budgets (default none)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--workdir", default=tempfile.gettempdir())
     p.add_argument("--part", help="suffix of the result file (generate_<device>_<part>.json)")
@@ -243,6 +334,11 @@ def main(argv=None) -> int:
     unknown = [b for b in args.budgets if b not in dict(BUDGETS)]
     if unknown:
         p.error(f"--budgets: unknown {unknown}; choose from {','.join(dict(BUDGETS))}")
+    unknown = [q for q in args.quantize if q not in SCHEMES]
+    if unknown:
+        p.error(f"--quantize: unknown {unknown}; choose from {','.join(SCHEMES)}")
+    if "int4" in args.quantize and args.dtype != "bfloat16":
+        p.error("--quantize int4 takes bfloat16 weights: leave --dtype at bfloat16")
     if not torch.cuda.is_available():
         print("bench/generate.py measures on a CUDA device", file=sys.stderr)
         return 2

@@ -8,7 +8,10 @@ files, read as one table). docs/benchmarks.md is written whole; in README.md onl
 between ``<!-- report:<benchmark> -->`` and ``<!-- /report:<benchmark> -->`` is replaced.
 
 Generation: the bound of a row is max(the fastest all-resident decode of its prompt in the run,
-bytes streamed per token / pinned H2D bandwidth measured in the run).
+bytes streamed per token / pinned H2D bandwidth measured in the run). Quantized rows (a
+``quantize`` field: bench/generate.py --quantize) have a table of their own, bounded the same way
+by their own bytes streamed and their scheme's all-resident decode, with the speed-up over bf16
+at the same budget; a bf16 row is transfer-bound where its transfer term is the larger.
 
 Weights: each cell is the median of the forwards and, in brackets, its ratio to the physical
 bound max(plain PyTorch all-resident, bytes streamed per forward / pinned H2D bandwidth
@@ -288,13 +291,25 @@ def activations_section(paths: list[str], plot_path: str | None) -> tuple[str, s
 GEN_BUDGETS = ["floor", "25%", "50%", "75%", "100%"]
 
 
+QUANTIZED_SPEEDUP = {"int8": 1.8, "int4": 3.0}  # over bf16 at the same budget, where bf16 is transfer-bound
+
+
 def load_generation(paths: list[str]) -> list[dict]:
-    """One entry per result file (one model each): its rows with the bound of each."""
+    """One entry per result file (one model each): its rows with the bound of each; quantized
+    rows apart (``quantized``)."""
     runs = []
     for path in paths:
         r = json.load(open(path))
         bw = r["pinned_h2d_bytes_per_s"]
-        rows = r["rows"]
+        rows = [row for row in r["rows"] if not row.get("quantize")]
+        quantized = [row for row in r["rows"] if row.get("quantize")]
+        for row in quantized:
+            # compute term: the scheme's own all-resident decode of that prompt (none: the transfer term alone)
+            resident = [q["ms_per_token"] for q in quantized if q["quantize"] == row["quantize"] and q["prompt_tokens"] == row["prompt_tokens"]
+                        and q.get("all_resident")]
+            row["transfer_ms_per_token"] = (row.get("bytes_streamed_per_token") or 0) / bw * 1e3
+            row["compute_ms_per_token"] = min(resident) if resident else 0.0
+            row["bound_ms_per_token"] = max(row["compute_ms_per_token"], row["transfer_ms_per_token"])
         for row in rows:
             # compute term: hostswap's all-resident decode of that prompt in the run. Without one
             # (a run cut short) the streaming rows get the transfer term alone, a bound no run can
@@ -304,7 +319,9 @@ def load_generation(paths: list[str]) -> list[dict]:
             transfer = (row.get("bytes_streamed_per_token") or 0) / bw * 1e3
             compute = min(ours) if ours else (min(q["ms_per_token"] for q in resident) if not transfer else 0.0)
             row["bound_ms_per_token"] = max(compute, transfer)
-        runs.append({"model": r["model"], "environment": r["environment"], "bw": bw, "rows": rows, "args": r["args"]})
+            row["transfer_ms_per_token"], row["compute_ms_per_token"] = transfer, compute
+        runs.append({"model": r["model"], "environment": r["environment"], "bw": bw, "rows": rows, "args": r["args"],
+                     "quantized": quantized, "quality": r.get("quality", {}), "quantized_bytes": r.get("quantized", {})})
     return runs
 
 
@@ -352,6 +369,86 @@ def generation_targets(runs: list[dict]) -> list[tuple[str, bool, str]]:
     return out
 
 
+def _bf16_twin(run: dict, row: dict) -> dict | None:
+    """The bf16 row of ``run`` at a quantized row's configuration, prompt and budget."""
+    return next((q for q in run["rows"] if q["config"] == row["config"] and q["prompt_tokens"] == row["prompt_tokens"]
+                 and q["budget_name"] == row["budget_name"]), None)
+
+
+def _ratio(row: dict) -> str:
+    return f"{row['ms_per_token'] / row['bound_ms_per_token']:.2f}" if row.get("bound_ms_per_token") else ""
+
+
+def quantized_tables(runs: list[dict]) -> tuple[str, str]:
+    """(the README's quantized table, the same with every row and the quality) or empty strings."""
+    if not any(run["quantized"] for run in runs):
+        return "", ""
+    wide, long, quality = [], [], []
+    for run in runs:
+        name, bf16_bytes = _model_name(run), run["model"]["weight_bytes"]
+        for scheme in dict.fromkeys(r["quantize"] for r in run["quantized"]):
+            mine = [r for r in run["quantized"] if r["quantize"] == scheme]
+            total = mine[0].get("quantized_total_bytes")
+            for prompt in dict.fromkeys(r["prompt_tokens"] for r in mine):
+                cells = []
+                for budget in GEN_BUDGETS:
+                    row = next((r for r in mine if r["prompt_tokens"] == prompt and r["budget_name"] == budget), None)
+                    twin = row and _bf16_twin(run, row)
+                    cells.append("" if row is None else f"{row['ms_per_token']:.1f} ({_ratio(row)})" + (f" {twin['ms_per_token'] / row['ms_per_token']:.1f} x" if twin else "")
+                                 + (" R" if row.get("all_resident") else ""))
+                wide.append([name, f"{scheme}, {total / 2**30:.2f} GiB" if total else scheme, prompt, *cells])
+            for r in mine:
+                twin = _bf16_twin(run, r)
+                long.append([name, scheme, r["prompt_tokens"], r["budget_name"], f"{r['budget_bytes'] / 2**30:.2f}", "yes" if r.get("all_resident") else "",
+                             f"{r['prefill_ms']:.1f}", f"{r['ms_per_token']:.2f}", f"{r['tokens_per_s']:.1f}", f"{(r.get('bytes_streamed_per_token') or 0) / 2**20:.0f}",
+                             f"{r['bound_ms_per_token']:.2f}", _ratio(r), f"{twin['ms_per_token']:.2f}" if twin else "",
+                             f"{twin['ms_per_token'] / r['ms_per_token']:.2f}" if twin else ""])
+        for scheme, q in run["quality"].items():
+            total = run["quantized_bytes"].get(scheme, {}).get("total_bytes")
+            quality.append([name, scheme if scheme != "bf16" else "bf16 (the program unquantized)", f"{total / bf16_bytes:.2f}" if total else "",
+                            q["prompt_tokens"], q["steps"], f"{q['max_abs_logit_diff']:.3g}", f"{q['mean_abs_logit_diff']:.3g}",
+                            f"{q['reference_max_abs_logit']:.3g}", f"{q['top1_agreement']:.2f}"])
+    head = ("**quantized decode** (torchao weight-only; budgets are shares of the bf16 weight bytes): ms per token (ratio to the bound from "
+            "the quantized bytes) and speed-up over bf16 at the same budget; R: the quantized weights all fit (all-resident)")
+    short = head + "\n\n" + tabulate(wide, headers=["model", "scheme", "prompt", *GEN_BUDGETS], tablefmt="github")
+    if quality:
+        short += ("\n\n**quantized quality**: logits against the bf16 eager model's, teacher-forced over its greedy continuation\n\n"
+                  + tabulate(quality, headers=["model", "program", "bytes / bf16", "prompt", "steps", "max abs logit difference",
+                                               "mean abs logit difference", "largest abs logit (bf16)", "top-1 agreement"], tablefmt="github"))
+    full = tabulate(long, headers=["model", "scheme", "prompt", "budget", "budget GiB", "all-resident", "prefill ms", "ms/token", "tokens/s",
+                                   "MiB streamed/token", "bound ms/token", "/ bound", "bf16 ms/token", "speed-up over bf16"], tablefmt="github")
+    return short, full
+
+
+def quantized_targets(runs: list[dict]) -> list[tuple[str, bool, str]]:
+    out = []
+    for run in runs:
+        name = _model_name(run)
+        for scheme in dict.fromkeys(r["quantize"] for r in run["quantized"]):
+            mine = [r for r in run["quantized"] if r["quantize"] == scheme]
+            worst = max(mine, key=lambda r: r["ms_per_token"] / r["bound_ms_per_token"])
+            out.append((f"{name}, {scheme}: decode <= 1.10 x bound (quantized bytes) at every budget",
+                        all(r["ms_per_token"] <= 1.10 * r["bound_ms_per_token"] for r in mine),
+                        f"worst {worst['ms_per_token'] / worst['bound_ms_per_token']:.2f} (prompt {worst['prompt_tokens']}, {worst['budget_name']})"))
+            target = QUANTIZED_SPEEDUP.get(scheme)
+            pairs = [(r, t) for r in mine if (t := _bf16_twin(run, r)) and t["transfer_ms_per_token"] > t["compute_ms_per_token"]]
+            if target and pairs:
+                speedups = [(t["ms_per_token"] / r["ms_per_token"], r) for r, t in pairs]
+                low, low_row = min(speedups, key=lambda p: p[0])
+                out.append((f"{name}, {scheme}: >= {target:g} x faster than bf16 at the same budget, where bf16 is transfer-bound", low >= target,
+                            f"lowest {low:.2f} x (prompt {low_row['prompt_tokens']}, {low_row['budget_name']}); "
+                            + ", ".join(f"{r['budget_name']}/{r['prompt_tokens']}: {x:.2f}" for x, r in speedups)))
+            elif target:
+                out.append((f"{name}, {scheme}: >= {target:g} x faster than bf16 at the same budget, where bf16 is transfer-bound", False,
+                            "not measured: no bf16 row at a quantized row's budget that is transfer-bound"))
+            by_prompt = {}
+            for r in mine:
+                by_prompt.setdefault(r["prompt_tokens"], set()).add(tuple(r.get("new_token_ids", ())))
+            out.append((f"{name}, {scheme}: the same tokens at every budget", all(len(v) == 1 for v in by_prompt.values()),
+                        ", ".join(f"prompt {n}: {len(v)} distinct" for n, v in by_prompt.items())))
+    return out
+
+
 def generation_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
     runs = load_generation(paths)
     env = runs[0]["environment"]
@@ -368,14 +465,18 @@ def generation_section(paths: list[str], plot_path: str | None) -> tuple[str, st
                     cells.append("" if row is None else f"{row['ms_per_token']:.1f} ({row['ms_per_token'] / row['bound_ms_per_token']:.2f})")
                 wide.append([_model_name(run), prompt, config, *cells])
     short = header + "\n\n**decode**: ms per token (ratio to the bound)\n\n" + tabulate(wide, headers=["model", "prompt", "configuration", *GEN_BUDGETS], tablefmt="github")
+    quantized_short, quantized_full = quantized_tables(runs)
     long = []
     for run in runs:
         for r in run["rows"]:
             long.append([_model_name(run), r["prompt_tokens"], r["config"], r["budget_name"], f"{r['prefill_ms']:.1f}", f"{r['ms_per_token']:.2f}",
                          f"{r['tokens_per_s']:.1f}", f"{(r.get('bytes_streamed_per_token') or 0) / 2**20:.0f}", f"{r['bound_ms_per_token']:.2f}",
                          r.get("tokens", "")])
-    checks = checks_table(generation_targets(runs))
+    checks = checks_table(generation_targets(runs) + quantized_targets(runs))
     full = short + "\n\n" + tabulate(long, headers=["model", "prompt", "configuration", "budget", "prefill ms", "ms/token", "tokens/s", "MiB streamed/token", "bound ms/token", "tokens vs transformers"], tablefmt="github") + "\n\n" + checks
+    if quantized_short:
+        short += "\n\n" + quantized_short
+        full = full.removesuffix("\n\n" + checks) + "\n\n" + quantized_short + "\n\n" + quantized_full + "\n\n" + checks
     if plot_path:
         plt = pyplot()
         fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.6), squeeze=False)
@@ -388,6 +489,10 @@ def generation_section(paths: list[str], plot_path: str | None) -> tuple[str, st
                     ax.plot(*zip(*pts), style, label=config)
             bound = sorted((r["budget_bytes"] / 2**30, r["bound_ms_per_token"]) for r in mine if r["config"] == "hostswap planned, decode graphed")
             ax.plot(*zip(*bound), "k:", label="bound")
+            for scheme in dict.fromkeys(r["quantize"] for r in run["quantized"]):
+                pts = sorted((r["budget_bytes"] / 2**30, r["ms_per_token"]) for r in run["quantized"] if r["quantize"] == scheme and r["prompt_tokens"] == prompt)
+                if pts:
+                    ax.plot(*zip(*pts), "^-", label=f"hostswap {scheme} (torchao weight-only)")
             for r in mine:
                 if r["config"].startswith("transformers generate"):
                     ax.plot([r["budget_bytes"] / 2**30], [r["ms_per_token"]], "s", label=f"{r['config']} (all on GPU)")

@@ -1,7 +1,12 @@
 """Keep each torchao quantized linear whole through export as ``hostswap::quantized_linear``.
 
-A torchao weight-only quantized weight (``quantize_(model, Int8WeightOnlyConfig())``) is a
-tensor subclass over plain inner tensors: packed data, scales, zero points. torch.export
+A torchao weight-only quantized weight is a tensor subclass over plain inner tensors: packed
+data, scales, zero points. ``Int8WeightOnlyConfig()`` gives an ``Int8Tensor`` (int8 data,
+scales; runs on the CPU and on CUDA); ``Int4WeightOnlyConfig(group_size=128,
+int4_packing_format="tile_packed_to_4d")`` an ``Int4TilePackedTo4dTensor`` (int4 data packed
+for PyTorch's own tinygemm kernel ``aten._weight_int4pack_mm``, int32 words, and scales and
+zero points in one bf16 tensor; CUDA only, compute capability 8.0 and newer). Other int4
+packings of torchao run on kernels of separate packages (mslk, fbgemm_gpu_genai). torch.export
 would trace its dequantize-and-matmul into several kernels, each reading one inner tensor,
 so one weight would be fetched piece by piece. ``prepare_quantized`` swaps each such linear
 for a module whose inner tensors are plain parameters read by one custom op: one kernel
@@ -12,11 +17,15 @@ CPU and on CUDA, and the result is bitwise the quantized model's.
 
 The op's ``layout`` argument is JSON: the torchao class, the inner tensor names, their
 non-tensor attributes and the outer size. A program is untrusted input: only classes of
-torchao's own modules are rebuilt.
+torchao's own modules are rebuilt. ``describe`` rebuilds each weight from its layout before
+it is stored, so a torchao layout that does not come back the same (inner tensors that are
+themselves tensor subclasses, attributes JSON cannot hold, a class its module does not
+export) is refused at ``prepare_quantized``, naming the layer and the layouts that work.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 
@@ -32,6 +41,8 @@ _lib.define(f"quantized_linear({_ARGS}) -> Tensor")
 _lib.define(f"quantized_linear.out({_ARGS}, *, Tensor(a!) out) -> Tensor(a!)")
 
 TORCHAO_PACKAGE = "torchao."
+SUPPORTED = ("torchao weight-only Int8WeightOnlyConfig() or Int4WeightOnlyConfig(group_size=128, "
+             "int4_packing_format='tile_packed_to_4d'), as hostswap.llm.quantize(model, 'int8' or 'int4') applies them")
 
 
 class QuantizedLayoutError(ValueError):
@@ -49,7 +60,13 @@ def _encode(value, where: str):
         return value
     if isinstance(value, (list, tuple)):
         return [_encode(v, where) for v in value]
-    raise QuantizedLayoutError(f"{where}: attribute of type {type(value).__name__} cannot be stored in a program")
+    raise QuantizedLayoutError(f"{where} is of type {type(value).__name__}, which a program cannot store")
+
+
+def _encode_attributes(attributes, what: str):
+    if isinstance(attributes, dict):
+        return {k: _encode(v, f"{what}: attribute {k!r}") for k, v in attributes.items()}
+    return _encode(attributes, f"{what}: attribute")
 
 
 def _decode(value):
@@ -60,22 +77,57 @@ def _decode(value):
     return value
 
 
+def _same_tensor(a, b) -> bool:
+    """``a`` is ``b``'s memory, seen the same way (compared without reading data)."""
+    return (isinstance(a, torch.Tensor) and (a.dtype, a.shape, a.stride(), a.device) == (b.dtype, b.shape, b.stride(), b.device)
+            and (a.device.type == "meta" or a.data_ptr() == b.data_ptr()))
+
+
+def _fix(what: str) -> str:
+    return f"{what}; quantize it with {SUPPORTED}, or leave the layer unquantized (quantize_'s filter_fn)"
+
+
 def describe(weight: torch.Tensor, where: str) -> tuple[list[str], list[torch.Tensor], str]:
-    """(inner tensor names, inner tensors, layout JSON) of a torchao quantized weight."""
-    names, attributes = weight.__tensor_flatten__()
+    """(inner tensor names, inner tensors, layout JSON) of a torchao quantized weight; refused
+    unless the layout rebuilds the same weight."""
     cls = type(weight)
+    what = f"linear '{where}' (torchao {cls.__name__})"
+    try:
+        names, attributes = weight.__tensor_flatten__()
+    except Exception as e:
+        raise QuantizedLayoutError(_fix(f"{what} does not flatten into inner tensors ({type(e).__name__}: {e})")) from e
+    inner = [getattr(weight, n) for n in names]
+    for name, tensor in zip(names, inner):
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            raise QuantizedLayoutError(_fix(f"{what}: inner tensor {name!r} is a {type(tensor).__name__}, not a plain tensor, which a program cannot store"))
+    try:
+        encoded = _encode_attributes(attributes, what)
+    except QuantizedLayoutError as e:
+        raise QuantizedLayoutError(_fix(str(e))) from None
     layout = {
         "class": f"{cls.__module__}:{cls.__qualname__}",
         "names": list(names),
-        "attributes": {k: _encode(v, f"{where} ({k})") for k, v in attributes.items()} if isinstance(attributes, dict) else _encode(attributes, where),
+        "attributes": encoded,
         "size": list(weight.shape),
         "stride": list(weight.stride()),
     }
-    return list(names), [getattr(weight, n) for n in names], json.dumps(layout, sort_keys=True)
+    layout = json.dumps(layout, sort_keys=True)
+    try:
+        rebuilt = rebuild(inner, layout)
+        back_names, back_attributes = rebuilt.__tensor_flatten__()
+        same = (type(rebuilt) is cls and rebuilt.shape == weight.shape and list(back_names) == list(names)
+                and all(_same_tensor(getattr(rebuilt, n), t) for n, t in zip(names, inner))
+                and json.dumps(_encode_attributes(back_attributes, what), sort_keys=True) == json.dumps(encoded, sort_keys=True))
+    except Exception as e:
+        raise QuantizedLayoutError(_fix(f"{what} cannot be rebuilt from the layout a program stores ({type(e).__name__}: {e})")) from e
+    if not same:
+        raise QuantizedLayoutError(_fix(f"{what} does not come back the same from the layout a program stores"))
+    return list(names), inner, layout
 
 
-def rebuild(inner: list[torch.Tensor], layout: str) -> torch.Tensor:
-    """The torchao tensor a layout describes, over ``inner``."""
+@functools.lru_cache(maxsize=None)
+def _layout_class(layout: str) -> tuple[type, dict]:
+    """The torchao class of a layout and the layout parsed; once per distinct layout."""
     spec = json.loads(layout)
     module_name, _, qualname = spec["class"].partition(":")
     if not module_name.startswith(TORCHAO_PACKAGE):
@@ -83,6 +135,12 @@ def rebuild(inner: list[torch.Tensor], layout: str) -> torch.Tensor:
     cls = importlib.import_module(module_name)
     for part in qualname.split("."):
         cls = getattr(cls, part)
+    return cls, spec
+
+
+def rebuild(inner: list[torch.Tensor], layout: str) -> torch.Tensor:
+    """The torchao tensor a layout describes, over ``inner``."""
+    cls, spec = _layout_class(layout)
     attributes = spec["attributes"]
     attributes = {k: _decode(v) for k, v in attributes.items()} if isinstance(attributes, dict) else _decode(attributes)
     return cls.__tensor_unflatten__(dict(zip(spec["names"], inner)), attributes, torch.Size(spec["size"]), tuple(spec["stride"]))

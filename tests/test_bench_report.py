@@ -55,3 +55,60 @@ def test_result_files_are_named_by_benchmark_and_device():
     names = sorted(p.name for p in (pathlib.Path(__file__).parents[1] / "bench" / "results").glob("*.json"))
     assert names, "no benchmark results"
     assert all(n.split("_")[0] in _report.SECTIONS for n in names), names
+
+
+def _generation_run(tmp_path):
+    """A synthetic bench/generate.py --quantize int8,int4 result: pinned H2D 50 GB/s, so 1e9
+    bytes streamed per token take 20 ms."""
+    import json
+
+    def row(config, budget, ms, streamed=0, **extra):
+        return {"config": config, "prompt_tokens": 128, "budget_name": budget, "budget_bytes": 2**30, "prefill_ms": 50.0, "ms_per_token": ms,
+                "tokens_per_s": 1e3 / ms, "bytes_streamed_per_token": streamed, "new_token_ids": [1, 2, 3], **extra}
+
+    ours = "hostswap planned, decode graphed"
+
+    def q(scheme, budget, ms, streamed, resident):
+        total = {"int8": 7 * 2**27, "int4": 3 * 2**27}[scheme]
+        return row(ours, budget, ms, streamed, quantize=scheme, all_resident=resident, quantized_total_bytes=total, quantized_floor_bytes=2**26)
+
+    rows = [row("transformers generate, static cache", "100%", 3.0),
+            row(ours, "floor", 21.0, 1e9), row(ours, "50%", 10.5, 5e8), row(ours, "100%", 2.0),
+            q("int8", "floor", 10.5, 5e8, False), q("int8", "50%", 2.6, 1e8, False), q("int8", "100%", 2.5, 0, True),
+            q("int4", "floor", 7.5, 3e8, False), q("int4", "50%", 2.2, 0, True)]
+    quality = {"bf16": {"prompt_tokens": 128, "steps": 64, "max_abs_logit_diff": 0.0625, "mean_abs_logit_diff": 0.001, "top1_agreement": 1.0, "reference_max_abs_logit": 4.0},
+               "int8": {"prompt_tokens": 128, "steps": 64, "max_abs_logit_diff": 0.25, "mean_abs_logit_diff": 0.02, "top1_agreement": 0.95, "reference_max_abs_logit": 4.0}}
+    result = {"environment": {"gpu": "GPU", "torch": "2", "accelerate": None}, "pinned_h2d_bytes_per_s": 50e9,
+              "args": {"new_tokens": 128, "peer_tokens": 16}, "model": {"layers": 12, "dtype": "bfloat16", "weight_bytes": 5 * 2**28},
+              "rows": rows, "quality": quality, "quantized": {"int8": {"total_bytes": 7 * 2**27}}}
+    path = tmp_path / "generate_gpu.json"
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
+def test_quantized_rows_get_their_own_table_bound_and_speed_up_over_bf16(tmp_path):
+    short, full = _report.generation_section([_generation_run(tmp_path)], None)
+    flat = lambda text: " ".join(text.split())  # noqa: E731
+    bf16_table, quantized = (flat(part) for part in short.split("**quantized decode**"))
+    # the bf16 table is what it was: its rows alone, bounded by bf16 rows alone
+    assert bf16_table.count("| Llama 12 layers, 1.25 GiB |") == 2
+    assert "| Llama 12 layers, 1.25 GiB | 128 | hostswap planned, decode graphed | 21.0 (1.05) | | 10.5 (1.05) | | 2.0 (1.00) |" in bf16_table
+    # int8 floor: 10 ms to stream 5e8 bytes, 21.0 / 10.5 = 2.0 x bf16; 50 %: its own all-resident 2.5 ms bounds it
+    assert "| int8, 0.88 GiB | 128 | 10.5 (1.05) 2.0 x | | 2.6 (1.04) 4.0 x | | 2.5 (1.00) 0.8 x R |" in quantized
+    assert "| int4, 0.38 GiB | 128 | 7.5 (1.25) 2.8 x | | 2.2 (1.00) 4.8 x R | | |" in quantized
+    assert "| bf16 (the program unquantized) | | 128 | 64 | 0.0625 | 0.001 | 4 | 1 |" in quantized
+    assert "| int8 | 0.7 | 128 | 64 | 0.25 | 0.02 | 4 | 0.95 |" in quantized
+    assert "| int4 | 128 | floor | 1 | | 50 | 7.5 | 133.3 | 286 | 6 | 1.25 | 21 | 2.8 |" in flat(full)
+    checks = {name: (met, detail) for name, met, detail in _report.generation_targets(_report.load_generation([_generation_run(tmp_path)]))
+              + _report.quantized_targets(_report.load_generation([_generation_run(tmp_path)]))}
+    model = "Llama 12 layers, 1.25 GiB"
+    assert checks[f"{model}, int8: >= 1.8 x faster than bf16 at the same budget, where bf16 is transfer-bound"] == (
+        True, "lowest 2.00 x (prompt 128, floor); floor/128: 2.00, 50%/128: 4.04")  # bf16's 100 % is compute-bound: not counted
+    met, detail = checks[f"{model}, int4: >= 3 x faster than bf16 at the same budget, where bf16 is transfer-bound"]
+    assert not met and detail.startswith("lowest 2.80 x (prompt 128, floor)")
+    assert checks[f"{model}, int4: decode <= 1.10 x bound (quantized bytes) at every budget"] == (False, "worst 1.25 (prompt 128, floor)")
+    assert checks[f"{model}, int8: decode <= 1.10 x bound (quantized bytes) at every budget"][0]
+    assert checks[f"{model}, int8: the same tokens at every budget"] == (True, "prompt 128: 1 distinct")
+    # the bf16 targets see bf16 rows alone
+    assert checks[f"{model}: decode <= 1.10 x bound at every budget"] == (True, "worst 1.05 (prompt 128, floor)")
+    assert "| target | met | measured |" in full and f"{model}, int4: decode <= 1.10 x bound" in full

@@ -413,3 +413,98 @@ def test_offload_context_on_cuda_lowers_the_memory_after_forward_and_keeps_gradi
     print(f"gradients bitwise: {bitwise}")
     for name, g in expected.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _quantized_llama(scheme: str, device: str):
+    """A transformers Llama (random weights, 3 layers, hidden 1024: whole groups of 128 and no
+    padding in the int4 layout) on ``device``: bf16 linear weights, quantized to ``scheme``
+    with hostswap.llm.quantize; embeddings, norms and activations fp32. Returns the model and
+    the bytes it would have in bf16."""
+    import hostswap.llm as llm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2048, num_hidden_layers=3, num_attention_heads=8,
+                         num_key_value_heads=4, max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).eval()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.to(torch.bfloat16)
+    bf16_bytes = sum(p.numel() * 2 for p in model.parameters())
+    return llm.quantize(model, scheme), bf16_bytes
+
+
+# the quantized share of the bf16 bytes (int4: half a byte a weight, and a bf16 scale and zero
+# point per 128; the fp32 embedding stays) and the first step's logits' tolerance, relative
+# to the largest (int4's kernel returns bf16: one rounding step of it)
+QUANTIZED_SHARE = {"int8": 0.55, "int4": 0.31}
+LOGIT_TOLERANCE = {"int8": 1e-4, "int4": 2**-7}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_generation_on_cuda_is_the_quantized_models_and_streams_its_bytes(tmp_path, scheme, device="cuda"):
+    """torchao int8 (Int8WeightOnlyConfig) and int4 (Int4WeightOnlyConfig, tile_packed_to_4d:
+    PyTorch's tinygemm kernel), quantized on the GPU by hostswap.llm.quantize, exported and
+    generated at the floor and all-resident: (a) greedy tokens are the quantized eager model's
+    (transformers generate, static cache, the same GPU), (b) the first step's logits match its
+    own to the tolerance above, the same at both budgets, (c) every weight a schedule counts
+    is a parameter of the quantized model at its own bytes, so the total and the floor are the
+    quantized bytes' (against the same order counted in bf16). Linear weights are bf16 (what
+    int4's kernel takes); the rest is fp32, so that eager and the traced program agree to fp32
+    rounding outside the quantized linears, which run the same torchao kernels on the same
+    bytes: greedy tokens are then a stable check (bf16 random-weight logits are near ties that
+    rounding flips; README, Limitations)."""
+    import copy
+
+    import hostswap.llm as llm
+    from quantized_schedules import bf16_equivalent, own_bytes, quantized_linears
+    from transformers import GenerationConfig
+
+    model, bf16_bytes = _quantized_llama(scheme, device)
+    reference = copy.deepcopy(model)
+    pte, ptd = llm.export(model, tmp_path / scheme, max_seq_len=64, prefill_chunk=16)
+    prompt, new = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(4)), 24
+    config = GenerationConfig(do_sample=False, pad_token_id=0, disable_compile=True, cache_implementation="static",
+                              cache_config={"batch_size": 1, "max_cache_len": 64}, output_logits=True, return_dict_in_generate=True,
+                              max_new_tokens=new, min_new_tokens=new)
+    with torch.no_grad():
+        out = reference.generate(prompt.to(device), generation_config=config)
+    expected, expected_first = out.sequences.cpu(), out.logits[0][0].float().cpu()
+
+    schedules = hostswap.schedules.load_weight_schedules(pte)
+    floor, total = max(s.floor_bytes for s in schedules.values()), max(s.total_bytes for s in schedules.values())
+    runs = {}
+    for name, budget in (("floor", floor), ("all-resident", total + MB)):
+        with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / MB, device=device) as g:
+            first = llm.prefill(g._step, prompt, g.prefill_chunk, g.max_seq_len).float().cpu()
+            tokens = g.generate(prompt, new)
+            runs[name] = (tokens, first, g.stats["bytes_streamed_per_token"])
+            print(f"{scheme} {name}: {g.summary()}")
+    largest = expected_first.abs().max().item()
+    for name, (tokens, first, _) in runs.items():
+        assert torch.equal(tokens, expected), (scheme, name, tokens[0, 20:].tolist(), expected[0, 20:].tolist())
+        diff = (first - expected_first).abs().max().item()
+        print(f"{scheme} {name}: first-step logits max |difference| {diff:.3g} (largest logit {largest:.3g})")
+        assert diff <= LOGIT_TOLERANCE[scheme] * largest, (
+            f"{scheme} at the {name} budget: the first step's logits differ from the quantized eager model's by up to {diff:.3g} "
+            f"(tolerance {LOGIT_TOLERANCE[scheme] * largest:.3g}, largest logit {largest:.3g})")
+    assert torch.equal(runs["floor"][1], runs["all-resident"][1])
+    assert runs["floor"][2] > 0 and runs["all-resident"][2] == 0
+
+    linears = quantized_linears(model)
+    assert len(linears) == 3 * 7 + 1
+    own = own_bytes(model, "model.")
+    for method, s in schedules.items():
+        sizes = dict(zip(s.fqns, s.weight_bytes))
+        assert sizes == {fqn: own[fqn] for fqn in sizes}, method
+        inner = {f"model.{name}.{n}" for name, m in linears.items() for n in m.inner_names}
+        assert inner <= set(sizes), method
+        qdata = sum(own[f"model.{name}.weight_qdata"] for name in linears)
+        weights = sum(m.out_features * m.in_features for m in linears.values())
+        assert qdata == {"int8": weights, "int4": weights // 2}[scheme]
+        bf16 = bf16_equivalent(s, model, "model.")
+        print(f"{scheme} {method}: total {s.total_bytes} bytes ({s.total_bytes / bf16_bytes:.3f} of bf16), floor {s.floor_bytes} "
+              f"({s.floor_bytes / bf16.floor_bytes:.3f} of the same order in bf16)")
+        assert s.total_bytes < QUANTIZED_SHARE[scheme] * bf16_bytes, (method, s.total_bytes, bf16_bytes)
+        assert s.floor_bytes < QUANTIZED_SHARE[scheme] * bf16.floor_bytes, (method, s.floor_bytes, bf16.floor_bytes)
