@@ -73,6 +73,30 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def mapped_h2d_bandwidth(module, device: torch.device, repeats: int = 3) -> float | None:
+    """Bytes/s of copying the streamed weights straight out of the loaded ``.ptd`` mapping (the
+    pages registered with the driver), weight by weight as the pool does, with nothing else
+    running: what the link gives from those pages, beside the pinned-buffer figure that the
+    bound uses (the two differ where, say, the page cache sits on another NUMA node)."""
+    if device.type != "cuda":
+        return None
+    pool = module.pool
+    host = [pool.host[w] for w in pool.streamed_weights()]
+    if not host:
+        return None
+    target = torch.empty(max(t.numel() * t.element_size() for t in host), dtype=torch.uint8, device=device)
+    nbytes = sum(t.numel() * t.element_size() for t in host)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for t in host:
+            target[: t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times)
+
+
 def reference_scores(model, prompt: torch.Tensor, new_tokens: int, static_cache_len: int) -> list[torch.Tensor]:
     """The logits of each greedy step of ``model.generate`` with a static cache (untimed)."""
     from transformers import GenerationConfig
@@ -133,6 +157,8 @@ class Bench:
         self.save()
         per_token = f"{row['ms_per_token']:.2f} ms/token" if row.get("ms_per_token") else ""
         streamed = f" {row['bytes_streamed_per_token'] / 2**20:.0f} MiB/token" if row.get("bytes_streamed_per_token") else ""
+        if row.get("mapped_h2d_bytes_per_s"):
+            streamed += f" (mapping H2D {row['mapped_h2d_bytes_per_s'] / 1e9:.1f} GB/s)"
         config = f"{row['config']} [{row['quantize']}{', all-resident' if row['all_resident'] else ''}]" if row.get("quantize") else row["config"]
         self.log(f"{config:36s} prompt {row['prompt_tokens']:4d} {row['budget_name']:>5s}  prefill {row.get('prefill_ms', 0):7.1f} ms  {per_token}{streamed} {row.get('tokens', '')}")
 
@@ -268,11 +294,12 @@ class Bench:
             g.generate(prompt, 4)  # warm-up: CUDA graph capture, allocator
             out = g.generate(prompt, a.new_tokens)
             s = g.stats
+            mapped = mapped_h2d_bandwidth(g.module, self.device) if s["bytes_streamed_per_token"] else None
         check = min(a.check_tokens, a.new_tokens)
         row = {"config": config, "prompt_tokens": n, "budget_name": budget_name, "budget_bytes": budget, "load_s": load_s,
                "prefill_ms": s["prefill_ms"], "ms_per_token": s["ms_per_token"], "tokens_per_s": s["tokens_per_s"],
                "bytes_streamed_per_token": s["bytes_streamed_per_token"] or 0, "kv_cache_bytes": s["kv_cache_bytes"],
-               "activation_arena_bytes": s["activation_arena_bytes"], **(extra or {})}
+               "activation_arena_bytes": s["activation_arena_bytes"], "mapped_h2d_bytes_per_s": mapped, **(extra or {})}
         if reference is None:
             self.add(dict(row, new_token_ids=out[0, n : n + check].tolist()))
             return
