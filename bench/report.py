@@ -594,7 +594,7 @@ def train_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
         table.append([r["config"], where, f"{r['tokens_per_s']:.0f}", f"{r['step_s']:.2f}", f"{r['forward_backward_s']:.2f}",
                       f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") is not None else "", f"{host / 2**30:.1f}",
                       f"{moved / 1e9:.1f}" if moved else "", f"{r['step_s'] / bound:.2f}" if bound else "", f"{r['loss']:.4f}"])
-    headers = ["configuration", "GPU memory", "tokens/s", "step s", "fwd+bwd s", "peak GiB", "host GiB", "optimizer GB moved", "step / bound", "loss (last step)"]
+    headers = ["configuration", "GPU memory", "tokens/s", "step s", "fwd+bwd s", "peak GiB", "host GiB", "optimizer GB moved", "step / bound", "loss (last step), or the error"]
     text = header + "\n\n" + tabulate(table, headers=headers, tablefmt="github")
     checks = train_targets(rows, bw)
     if checks:
