@@ -596,6 +596,12 @@ def train_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
                       f"{moved / 1e9:.1f}" if moved else "", f"{r['step_s'] / bound:.2f}" if bound else "", f"{r['loss']:.4f}"])
     headers = ["configuration", "GPU memory", "tokens/s", "step s", "fwd+bwd s", "peak GiB", "host GiB", "optimizer GB moved", "step / bound", "loss (last step), or the error"]
     text = header + "\n\n" + tabulate(table, headers=headers, tablefmt="github")
+    chosen = [r for r in rows if r.get("bytes_by_module") and "error" not in r]
+    if chosen:
+        text += "\n\nModule choice (offload only what the named submodules of each offloaded layer save): bytes per step and copy time to host and back\n\n" + tabulate(
+            [[r["config"], pattern, f"{nbytes / 2**30:.2f}", f"{r['transfer_seconds_by_module'].get(pattern, 0) * 1e3:.1f}", f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") is not None else ""]
+             for r in chosen for pattern, nbytes in r["bytes_by_module"].items()],
+            headers=["configuration", "module", "GiB offloaded", "copy ms", "step peak GiB"], tablefmt="github")
     checks = train_targets(rows, bw)
     if checks:
         text += "\n\n" + checks_table(checks)

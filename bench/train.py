@@ -99,10 +99,10 @@ class Config:
 
     def __init__(self, name: str, *, dtype=torch.bfloat16, optimizer: str = "adamw", autocast: bool = False, offload_layers: int = 0,
                  save_on_cpu_layers: int = 0, checkpointing: bool = False, accumulate: int = 1, capped: bool = True,
-                 reload_ahead: int | None = None):
+                 reload_ahead: int | None = None, modules: tuple[str, ...] | None = None):
         self.name, self.dtype, self.optimizer, self.autocast = name, dtype, optimizer, autocast
         self.offload_layers, self.save_on_cpu_layers, self.checkpointing = offload_layers, save_on_cpu_layers, checkpointing
-        self.accumulate, self.capped, self.reload_ahead = accumulate, capped, reload_ahead
+        self.accumulate, self.capped, self.reload_ahead, self.modules = accumulate, capped, reload_ahead, modules
 
 
 def make_optimizer(config: Config, model):
@@ -212,7 +212,8 @@ class Bench:
             layers = model.model.layers
             if config.offload_layers:
                 offload = hostswap.activations.OffloadContext(model_layers=len(layers), num_layers=config.offload_layers,
-                                                               reload_ahead=config.reload_ahead, min_offload_bytes=self.args.min_offload_bytes)
+                                                               reload_ahead=config.reload_ahead, min_offload_bytes=self.args.min_offload_bytes,
+                                                               modules=config.modules)
                 offload.attach(layers)
             if config.save_on_cpu_layers:
                 save_on_cpu_layers(layers, config.save_on_cpu_layers)
@@ -291,6 +292,9 @@ class Bench:
                        loss=losses[-1], losses=losses)
             if offload is not None:
                 row["activation_transfer_s"] = offload.stats["transfer_seconds"] * config.accumulate
+                if config.modules:  # Megatron's choice: what each named submodule's saves cost
+                    row["bytes_by_module"] = offload.stats["bytes_by_module"]
+                    row["transfer_seconds_by_module"] = offload.stats["transfer_seconds_by_module"]
             if config.save_on_cpu_layers:
                 row["activation_offloaded_bytes"] = None  # save_on_cpu does not report it
         except Exception as e:  # recorded in the table, not hidden
@@ -363,6 +367,9 @@ def main(argv=None) -> int:
         b.run(Config(f"hostswap OffloadAdamW + OffloadContext {layers}/{n} layers", optimizer="offload-master", offload_layers=layers))
         b.run(Config(f"hostswap OffloadAdamW + OffloadContext {layers}/{n} layers, reload_ahead=1", optimizer="offload-master", offload_layers=layers, reload_ahead=1))
     b.run(Config(f"hostswap OffloadAdamW + save_on_cpu {k}/{n} layers", optimizer="offload-master", save_on_cpu_layers=k))
+    for modules in (("mlp",), ("self_attn",), ("mlp.down_proj", "self_attn.o_proj")):
+        b.run(Config(f"hostswap OffloadAdamW + OffloadContext {k}/{n} layers, reload_ahead=1, modules {'+'.join(modules)}", optimizer="offload-master",
+                     offload_layers=k, reload_ahead=1, modules=modules))
     b.run(Config("hostswap OffloadAdamW + checkpointing", optimizer="offload-master", checkpointing=True))
     b.run(Config(f"hostswap OffloadAdamW + checkpointing + residual offload {n - 2}/{n}", optimizer="offload-master", checkpointing=True, offload_layers=n - 2))
     b.cap(False)
