@@ -92,6 +92,7 @@ def quantize(model, scheme: str):
         except (ImportError, NotImplementedError, RuntimeError, ValueError) as e:
             raise GenerationError(f"{cannot}: {type(e).__name__}: {e}") from e
         return model
+    linears, config = int4_plan(model, cannot)
     if not torch.cuda.is_available():
         raise GenerationError(f"{cannot}: int4 (torchao's tile_packed_to_4d layout, PyTorch's tinygemm kernel) packs and runs on CUDA only, "
                               "and no CUDA device is available")
@@ -99,24 +100,36 @@ def quantize(model, scheme: str):
     if capability[0] < 8:
         raise GenerationError(f"{cannot}: the tinygemm int4 kernel needs a GPU of compute capability 8.0 or newer, this one is "
                               f"{capability[0]}.{capability[1]}")
+    quantize_each(linears, config, torch.device("cuda", torch.cuda.current_device()), quantize_, cannot)
+    return model
+
+
+def int4_plan(model, cannot: str = "torchao cannot quantize this model to int4"):
+    """([(name, linear)] that int4 quantizes, torchao's config): the linears not yet quantized
+    whose input features are whole groups of 128, which must hold bf16 weights."""
+    from torchao.quantization import Int4WeightOnlyConfig
+
     from hostswap.passes.quantized_linear import is_torchao_tensor
 
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not is_torchao_tensor(m.weight)
                and m.in_features % INT4_GROUP_SIZE == 0]
     other = [f"{name} ({m.weight.dtype})" for name, m in linears if m.weight.dtype != torch.bfloat16]
-    if other:
+    if other:  # the model's own fault first, whatever the machine
         raise GenerationError(f"{cannot}: int4 takes bfloat16 weights, and {len(other)} linear layers are not ({', '.join(other[:3])}); "
                               "convert the model first (model.to(torch.bfloat16), or hostswap export-llm --dtype bfloat16)")
-    config = Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, int4_packing_format="tile_packed_to_4d", version=2, set_inductor_config=False)
-    gpu = torch.device("cuda", torch.cuda.current_device())
+    return linears, Int4WeightOnlyConfig(group_size=INT4_GROUP_SIZE, int4_packing_format="tile_packed_to_4d", version=2, set_inductor_config=False)
+
+
+def quantize_each(linears, config, device: torch.device, quantize_fn, cannot: str = "torchao cannot quantize this model") -> None:
+    """Quantize each (name, linear) on ``device`` with ``quantize_fn`` (torchao's ``quantize_``)
+    and move it back where it was: the device holds one high-precision weight at a time."""
     for name, linear in linears:
-        device = linear.weight.device
+        home = linear.weight.device
         try:
-            quantize_(linear, config, device=gpu)  # quantize_ moves the linear to the GPU first
+            quantize_fn(linear, config, device=device)  # quantize_ moves the linear to the device first
         except (ImportError, NotImplementedError, RuntimeError, ValueError, AssertionError) as e:
             raise GenerationError(f"{cannot}: {name}: {type(e).__name__}: {e}") from e
-        linear.to(device)
-    return model
+        linear.to(home)
 
 
 def reset_state(ep) -> None:

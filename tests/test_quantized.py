@@ -93,18 +93,19 @@ def test_int8_generation_gives_the_quantized_models_tokens(name, tmp_path):
     assert torch.equal(out, expected), (out[0, 6:].tolist(), expected[0, 6:].tolist())
 
 
-def _int4(weight: torch.Tensor, monkeypatch):
-    """An Int4TilePackedTo4dTensor of ``weight``'s shape: the inner shapes torchao's packing
-    gives (run on the meta device; it asks for a CUDA capability first), random contents."""
+def _int4(weight: torch.Tensor) -> torch.Tensor:
+    """An Int4TilePackedTo4dTensor of ``weight``'s shape, random contents, with the inner shapes
+    torchao's packing gives (output features padded to 8, input features to 1024: int32 words
+    of 32 x 4 tiles, a bf16 scale and zero point per group of 128), as its from_hp on the meta
+    device reports them for these shapes."""
     from torchao.quantization import Int4TilePackedTo4dTensor
 
-    with monkeypatch.context() as m:
-        m.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-        shapes = Int4TilePackedTo4dTensor.from_hp(weight.detach().to("meta", torch.bfloat16), [1, 128])
-    g = torch.Generator().manual_seed(weight.shape[0] * 7 + weight.shape[1])
-    qdata = torch.randint(-(2**31), 2**31 - 1, shapes.qdata.shape, dtype=torch.int32, generator=g)
-    scale_and_zero = torch.rand(shapes.scale_and_zero.shape, generator=g).to(torch.bfloat16)
-    return Int4TilePackedTo4dTensor(qdata, scale_and_zero, list(shapes.block_size), weight.shape)
+    n, k = weight.shape
+    n_pad, k_pad = -(-n // 8) * 8, -(-k // 1024) * 1024
+    g = torch.Generator().manual_seed(n * 7 + k)
+    qdata = torch.randint(-(2**31), 2**31 - 1, (n_pad // 8, k_pad // 128, 32, 4), dtype=torch.int32, generator=g)
+    scale_and_zero = torch.rand((k_pad // 128, n_pad, 2), generator=g).to(torch.bfloat16)
+    return Int4TilePackedTo4dTensor(qdata, scale_and_zero, [1, 128], weight.shape)
 
 
 def _int4_bytes(out_features: int, in_features: int) -> dict[str, int]:
@@ -114,7 +115,7 @@ def _int4_bytes(out_features: int, in_features: int) -> dict[str, int]:
     return {"int32": out_features * padded // 2, "bfloat16": out_features * padded // 128 * 2 * 2}
 
 
-def test_int4_tinygemm_layout_rebuilds_and_exports_as_one_kernel_per_linear(tmp_path, monkeypatch):
+def test_int4_tinygemm_layout_rebuilds_and_exports_as_one_kernel_per_linear(tmp_path):
     from torchao.quantization import Int4TilePackedTo4dTensor
 
     from hostswap.passes.quantized_linear import QuantizedLinear, rebuild
@@ -122,7 +123,7 @@ def test_int4_tinygemm_layout_rebuilds_and_exports_as_one_kernel_per_linear(tmp_
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64, bias=False)).to(torch.bfloat16).eval()
     for layer in (model[0], model[2]):
-        layer.weight = torch.nn.Parameter(_int4(layer.weight, monkeypatch), requires_grad=False)
+        layer.weight = torch.nn.Parameter(_int4(layer.weight), requires_grad=False)
     w = model[0].weight
     assert w.qdata.shape == (256 // 8, 1024 // (8 * 16), 32, 4) and w.qdata.dtype == torch.int32
     assert w.scale_and_zero.shape == (1024 // 128, 256, 2) and w.scale_and_zero.dtype == torch.bfloat16
@@ -150,7 +151,7 @@ def test_int4_tinygemm_layout_rebuilds_and_exports_as_one_kernel_per_linear(tmp_
     assert sum(first_bytes.values()) < 0.3 * 256 * 1024 * 2  # a quarter of bf16, and the scales
 
 
-def test_int4_llama_exports_and_counts_the_int4_bytes(tmp_path, monkeypatch):
+def test_int4_llama_exports_and_counts_the_int4_bytes(tmp_path):
     """A transformers Llama whose linears (lm_head too) hold int4 tinygemm weights: both methods
     export, every weight of a schedule is a parameter or buffer of the prepared model at its own
     bytes (the int4 data and scales, not bf16), and floor and total are those bytes' (against
@@ -163,7 +164,7 @@ def test_int4_llama_exports_and_counts_the_int4_bytes(tmp_path, monkeypatch):
     model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            module.weight = torch.nn.Parameter(_int4(module.weight, monkeypatch), requires_grad=False)
+            module.weight = torch.nn.Parameter(_int4(module.weight), requires_grad=False)
     pte, _ = llm.export(model, tmp_path / "q4", max_seq_len=32, prefill_chunk=8)
     linears = quantized_linears(model)
     assert len(linears) == 2 * 7 + 1 and "lm_head" in linears
@@ -205,9 +206,8 @@ def test_a_torchao_subclass_defined_outside_torchao_is_refused_at_prepare():
         hostswap.prepare_quantized(model)
 
 
-def test_int4_quantization_takes_bf16_weights(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+def test_int4_quantization_takes_bf16_weights():
+    """Refused for the model's dtype before anything about the machine is asked."""
     model = build(BY_NAME["Llama"])[0]  # float32, hidden 64: only the down projections (128 inputs) take groups of 128
     with pytest.raises(llm.GenerationError, match=r"int4 takes bfloat16 weights, and 2 linear layers are not \(model.layers.0.mlp.down_proj "
                                                   r"\(torch.float32\), model.layers.1.mlp.down_proj \(torch.float32\)\); convert the model first "
@@ -215,30 +215,32 @@ def test_int4_quantization_takes_bf16_weights(monkeypatch):
         llm.quantize(model, "int4")
 
 
-def test_int4_quantization_hands_each_linear_to_torchao_on_the_gpu_and_puts_it_back(monkeypatch):
-    """llm.quantize(model, "int4") gives torchao each linear whose inputs are whole groups of 128,
-    one at a time, with the tinygemm layout and the GPU as device, and leaves it where it was.
-    (torchao's quantize_ is replaced here: it packs int4 on CUDA only.)"""
-    import torchao.quantization
-
+def test_int4_quantization_hands_each_linear_to_torchao_on_the_device_and_puts_it_back():
+    """int4 quantizes each linear whose inputs are whole groups of 128, one at a time, with the
+    tinygemm layout, on the device given (llm.quantize gives the GPU), and leaves it where it
+    was. (A stand-in for torchao's quantize_ records the calls: it packs int4 on CUDA only.)"""
     calls = []
 
-    def quantize_on_the_gpu(module, config, filter_fn=None, device=None):
+    def quantize_on_the_device(module, config, filter_fn=None, device=None):
         calls.append((module, config, device))
-        module.weight = torch.nn.Parameter(_int4(module.weight, monkeypatch), requires_grad=False)
+        module.weight = torch.nn.Parameter(_int4(module.weight), requires_grad=False)
 
-    monkeypatch.setattr(torchao.quantization, "quantize_", quantize_on_the_gpu)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 100), torch.nn.ReLU(), torch.nn.Linear(100, 8))
     model = model.to(torch.bfloat16)
-    assert llm.quantize(model, "int4") is model
-    assert [m for m, _, _ in calls] == [model[0], model[2]]  # model[4] has 100 inputs: not whole groups, left as it is
-    config = calls[0][1]
+    linears, config = llm.int4_plan(model)
+    assert [m for _, m in linears] == [model[0], model[2]]  # model[4] has 100 inputs: not whole groups, left as it is
     assert (config.int4_packing_format, config.group_size, config.version) == ("tile_packed_to_4d", 128, 2)
-    assert all(device == torch.device("cuda", 0) for *_, device in calls)
+    device = torch.device("cpu")
+    llm.quantize_each(linears, config, device, quantize_on_the_device)
+    assert [(m, c, d) for m, c, d in calls] == [(model[0], config, device), (model[2], config, device)]
+    assert all(m.weight.device.type == "cpu" for m in model if isinstance(m, torch.nn.Linear))
     assert type(model[4].weight) is torch.nn.Parameter and model[4].weight.dtype == torch.bfloat16
+
+    def fails(module, config, filter_fn=None, device=None):
+        raise RuntimeError("no kernel")
+
+    with pytest.raises(llm.GenerationError, match=r"torchao cannot quantize this model: 0: RuntimeError: no kernel"):
+        llm.quantize_each([("0", torch.nn.Linear(128, 8))], config, device, fails)
 
 
 def test_quantize_argument_errors():
