@@ -111,7 +111,7 @@ class _Transfers:
         self.cuda = device.type == "cuda"
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.timed: list[tuple[int, object]] = []  # (tag, seconds on CPU | (start, done) events on CUDA), this step
+        self.timed: list[tuple[list, object]] = []  # ([(tag, share)], seconds on CPU | (start, done) events on CUDA), this step
 
     def main(self):
         return torch.cuda.current_stream(self.device)
@@ -120,20 +120,20 @@ class _Transfers:
         """Copy on the offload stream after the work the main stream has queued so far (the
         source was produced there, or the destination allocated there); returns the copy's
         event (None on CPU, where it is synchronous). Its duration is kept under ``tag``."""
-        return self.copy_group([(src, dst, tag)])
+        return self.copy_group([(src, dst, tag)])[0]
 
     def copy_group(self, copies: list[tuple[torch.Tensor, torch.Tensor, int]]):
         """``copy`` for several (src, dst, tag) at once: a layer's reload. One wait for the main
         stream and one timed span for the group, so the host work per tensor is a copy call and
         an event, which matters where the host is what bounds the step (the GPU waits while
-        Python queues). Returns each copy's event (a list; one event for one copy); the group's
-        duration is shared among the tags by bytes."""
+        Python queues). Returns each copy's event (None on CPU); the group's duration is shared
+        among the tags by bytes."""
         if not self.cuda:
             for src, dst, tag in copies:
                 t = time.perf_counter()
                 dst.copy_(src)
                 self.timed.append(([(tag, 1.0)], time.perf_counter() - t))
-            return None
+            return [None] * len(copies)
         queued = torch.cuda.Event()
         queued.record(self.main())
         self.stream.wait_event(queued)
@@ -152,7 +152,7 @@ class _Transfers:
         sizes = [src.numel() * src.element_size() for src, _, _ in copies]
         total = sum(sizes) or 1
         self.timed.append(([(tag, size / total) for (_, _, tag), size in zip(copies, sizes)], (start, done)))
-        return arrived if len(copies) > 1 else done
+        return arrived
 
     def seconds_by_tag(self) -> dict[int, float]:
         """Seconds of this step's copies per tag (waits for those still running on CUDA)."""
@@ -331,7 +331,7 @@ class OffloadSynchronizer:
             group.append(state)
         if group:
             events = t.copy_group([(state.host, state.gpu, state.tensor) for state in group])
-            for state, event in zip(group, events if isinstance(events, list) else [events] * len(group)):
+            for state, event in zip(group, events):
                 state.reloaded = event
                 self.reloads.append(state.tensor)
             self.on_gpu.add(layer)
