@@ -296,13 +296,8 @@ class Bench:
         with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, **options) as g:
             load_s = time.perf_counter() - t
             if whole:  # A/B: the whole .ptd mapping registered instead of the streamed weights' pages
-                from hostswap.runtime.ptd import unregister_host_memory
-
-                mapping = g.module.ptd
-                for pointer, _ in mapping.registered:
-                    unregister_host_memory(pointer)
-                mapping.registered = []
-                mapping.register_with_cuda()
+                g.module.ptd.unregister_from_cuda()
+                g.module.ptd.register_with_cuda()
             g.generate(prompt, 4)  # warm-up: CUDA graph capture, allocator
             out = g.generate(prompt, a.new_tokens)
             s = g.stats

@@ -135,6 +135,12 @@ class PtdFile:
             self.registered.append((self.base_pointer + start, length))
         return self.pinned_bytes
 
+    def unregister_from_cuda(self) -> None:
+        """Undo ``register_with_cuda``: every range registered goes back to pageable."""
+        for pointer, _ in self.registered:
+            unregister_host_memory(pointer)
+        self.registered = []
+
     def __enter__(self) -> "PtdFile":
         return self
 
@@ -147,9 +153,7 @@ class PtdFile:
         if self.closed:
             return
         self.closed = True
-        for pointer, _ in self.registered:
-            unregister_host_memory(pointer)
-        self.registered = []
+        self.unregister_from_cuda()
         self._bytes = None
         try:
             self.mapping.close()
