@@ -24,7 +24,6 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
 
-
 class OffloadAdamW(Optimizer):
     """AdamW with its state in host memory; see the module docstring.
 
@@ -143,33 +142,27 @@ class OffloadAdamW(Optimizer):
                     piece[name] = buffer[offset:offset + nbytes].view(t.dtype)
                     if not p.is_contiguous():
                         piece[name] = piece[name].view(t.shape)
-                    offset += -(-nbytes // _ALIGN) * _ALIGN
+                    offset += _aligned(nbytes)
             views.append(piece)
         return views
 
-    def _host_slice(self, p: torch.Tensor, name: str, a: int, b: int) -> torch.Tensor:
-        t = self.state[p][name]
-        return t if not p.is_contiguous() else t.view(-1)[a:b]
-
-    def _update(self, group: dict, chunk: list[tuple], views: list[dict]) -> None:
+    def _update(self, group: dict, chunk: list[tuple], views: list[dict], step_of: dict) -> None:
         beta1, beta2 = group["betas"]
         targets, grads, avgs, avg_sqs, steps = [], [], [], [], []
         for (p, a, b), device in zip(chunk, views):
             master = device.get("master")
-            whole = not p.is_contiguous()
-            param = p.detach() if whole else p.detach().view(-1)[a:b]
-            grad = p.grad if whole else p.grad.reshape(-1)[a:b]
-            targets.append(master if master is not None else param)
+            grad = _piece(p.grad, p, a, b)
+            targets.append(master if master is not None else _piece(p.detach(), p, a, b))
             grads.append(grad.float() if master is not None else grad)
             avgs.append(device["exp_avg"])
             avg_sqs.append(device["exp_avg_sq"])
-            steps.append(self._step_of[p].clone())  # adamw advances it; every piece sees the same step
+            steps.append(step_of[p].clone())  # adamw advances it; every piece sees the same step
         adamw(targets, grads, avgs, avg_sqs, [], steps, foreach=False, fused=False, amsgrad=False, beta1=beta1, beta2=beta2,
               lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
         for (p, a, b), device in zip(chunk, views):
             master = device.get("master")
             if master is not None:  # the working weight from the fp32 master
-                (p.detach() if not p.is_contiguous() else p.detach().view(-1)[a:b]).copy_(master)
+                _piece(p.detach(), p, a, b).copy_(master)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -179,7 +172,7 @@ class OffloadAdamW(Optimizer):
                 loss = closure()
         t = time.perf_counter()
         chunks = self._chunks()
-        self._step_of = {p: self.state[p]["step"].clone() for _, chunk in chunks for p, _, _ in chunk}
+        step_of = {p: self.state[p]["step"].clone() for _, chunk in chunks for p, _, _ in chunk}
         cuda = self._h2d_stream is not None
         compute = torch.cuda.current_stream(self.device) if cuda else None
         capacity = max((_layout_bytes_of(self.state, chunk) for _, chunk in chunks), default=0)
@@ -199,25 +192,25 @@ class OffloadAdamW(Optimizer):
                     self._h2d_stream.wait_event(gone[slot])
                 for (p, a, b), piece in zip(chunk, views):
                     for name, view in piece.items():
-                        view.copy_(self._host_slice(p, name, a, b), non_blocking=True)
+                        view.copy_(_piece(self.state[p][name], p, a, b), non_blocking=True)
                         self.stats["bytes_h2d"] += view.numel() * view.element_size()
                 arrived = torch.cuda.Event() if cuda else None
                 if cuda:
                     arrived.record(self._h2d_stream)
             if cuda:
                 compute.wait_event(arrived)
-            self._update(group, chunk, views)
+            self._update(group, chunk, views, step_of)
             with stream(self._d2h_stream):
                 if cuda:
                     self._d2h_stream.wait_stream(compute)  # after the update
                 for (p, a, b), piece in zip(chunk, views):
                     for name, view in piece.items():
-                        self._host_slice(p, name, a, b).copy_(view, non_blocking=True)
+                        _piece(self.state[p][name], p, a, b).copy_(view, non_blocking=True)
                         self.stats["bytes_d2h"] += view.numel() * view.element_size()
                 if cuda:
                     gone[slot] = torch.cuda.Event()
                     gone[slot].record(self._d2h_stream)
-        for p, step in self._step_of.items():
+        for p, step in step_of.items():
             self.state[p]["step"] = step + 1
         if cuda:
             self._d2h_stream.synchronize()  # host state is the truth once step() returns; the buffers are free
@@ -232,8 +225,19 @@ _MOVED = ("exp_avg", "exp_avg_sq", "master")  # the state that goes to the devic
 _ALIGN = 512  # bytes between the views of one buffer
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _piece(t: torch.Tensor, p: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Elements a..b of ``t`` (``p``, its gradient, or its state) flattened, or ``t`` whole where
+    ``p`` is not contiguous (it is then one piece). A non-contiguous gradient of a contiguous
+    parameter is read through a contiguous copy."""
+    return t if not p.is_contiguous() else t.reshape(-1)[a:b]
+
+
 def _layout_bytes(state: dict, elements: int) -> int:
-    return sum(-(-elements * state[name].element_size() // _ALIGN) * _ALIGN for name in _MOVED if name in state)
+    return sum(_aligned(elements * state[name].element_size()) for name in _MOVED if name in state)
 
 
 def _layout_bytes_of(states, chunk: list[tuple]) -> int:
