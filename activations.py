@@ -61,6 +61,7 @@ class OffloadContext:
         self._reads_left: dict[int, int] = {}  # tensor id -> unpacks left this backward (a tensor saved twice)
         self._reloaded: dict[int, torch.Tensor] = {}
         self._packed: dict[tuple, int] = {}  # (storage, offset, shape, stride) -> tensor id, this layer
+        self._attached: list[torch.nn.Module] = []  # the layers attach() changed
 
     @property
     def stats(self) -> dict:
@@ -119,7 +120,7 @@ class OffloadContext:
 
     def detach(self) -> None:
         """Undo ``attach``: the layers are called as before."""
-        for module in getattr(self, "_attached", ()):
+        for module in self._attached:
             module.__dict__.pop("_hostswap_offload", None)
             module.__class__ = module.__class__.__bases__[0]
         self._attached = []
