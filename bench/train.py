@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -94,15 +95,21 @@ def bandwidths(device: torch.device, nbytes: int = 1 << 30, repeats: int = 8) ->
     return {"h2d": timed(True, False), "d2h": timed(False, True), "both": timed(True, True)}
 
 
+@dataclasses.dataclass
 class Config:
     """One configuration: how the model is made, how a step runs, what moves where."""
 
-    def __init__(self, name: str, *, dtype=torch.bfloat16, optimizer: str = "adamw", autocast: bool = False, offload_layers: int = 0,
-                 save_on_cpu_layers: int = 0, checkpointing: bool = False, accumulate: int = 1, capped: bool = True,
-                 reload_ahead: int | None = None, modules: tuple[str, ...] | None = None):
-        self.name, self.dtype, self.optimizer, self.autocast = name, dtype, optimizer, autocast
-        self.offload_layers, self.save_on_cpu_layers, self.checkpointing = offload_layers, save_on_cpu_layers, checkpointing
-        self.accumulate, self.capped, self.reload_ahead, self.modules = accumulate, capped, reload_ahead, modules
+    name: str
+    dtype: torch.dtype = torch.bfloat16
+    optimizer: str = "adamw"  # adamw | cpu-offload (torchao) | offload | offload-master (hostswap)
+    autocast: bool = False
+    offload_layers: int = 0
+    save_on_cpu_layers: int = 0
+    checkpointing: bool = False
+    accumulate: int = 1
+    capped: bool = True
+    reload_ahead: int | None = None
+    modules: tuple[str, ...] | None = None
 
 
 def make_optimizer(config: Config, model):
