@@ -149,19 +149,22 @@ def _eos_ids(model) -> list[int]:
 
 
 def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int = 128, prefetch_depth: int = 1,
-           progress: Callable[[str], None] | None = None) -> tuple[str, str]:
+           gather_from_host: bool = True, progress: Callable[[str], None] | None = None) -> tuple[str, str]:
     """Write ``<path>.pte`` (methods ``prefill`` and ``decode``, their schedules, the KV cache
     as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths.
 
     The model is changed in place: moved to the CPU if it is elsewhere (a model quantized on
-    the GPU, say), and its torchao quantized linears swapped by ``prepare_quantized``."""
+    the GPU, say), and its torchao quantized linears swapped by ``prepare_quantized``.
+    ``gather_from_host``: as in ``apply_weight_offload`` (an untied token table stays in host
+    memory, read a row per token)."""
     from hostswap.passes import save
 
-    programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth, progress=progress)
+    programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
+                                          gather_from_host=gather_from_host, progress=progress)
     return save(programs, path, constant_methods=constants, progress=progress)
 
 
-def export_programs(model, *, max_seq_len: int, prefill_chunk: int = 128, prefetch_depth: int = 1,
+def export_programs(model, *, max_seq_len: int, prefill_chunk: int = 128, prefetch_depth: int = 1, gather_from_host: bool = True,
                     progress: Callable[[str], None] | None = None) -> tuple[dict, dict]:
     """The probed ``prefill`` and ``decode`` programs of ``export``, and the constant methods
     that describe them, before lowering."""
@@ -181,7 +184,7 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int = 128, prefet
         with torch.no_grad():
             ep = wrapper.export(input_ids=ids, cache_position=torch.arange(length, dtype=torch.long))
             reset_state(ep)
-        programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth)
+        programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host)
     eos = _eos_ids(model)
     vocab = model.get_input_embeddings().num_embeddings
     return programs, {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, VOCAB_SIZE: vocab, **({EOS_TOKEN_IDS: eos} if eos else {})}

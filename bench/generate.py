@@ -204,8 +204,6 @@ class Bench:
         configs = [("hostswap planned, decode graphed", dict(policy="planned"))]
         if a.eager:
             configs.append(("hostswap planned, eager", dict(policy="planned", cuda_graph=False)))
-        if a.register_whole_mapping:
-            configs.append(("hostswap planned, decode graphed, whole mapping registered", dict(policy="planned", register_whole_mapping=True)))
         for budget_name, budget in budgets:
             for config, options in configs:
                 if config.endswith("eager") and budget_name not in ("floor", "50%"):
@@ -291,13 +289,8 @@ class Bench:
         """One row; tokens are checked against ``reference`` (transformers') where it is given."""
         a = self.args
         t = time.perf_counter()
-        options = dict(options)
-        whole = options.pop("register_whole_mapping", False)
         with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, **options) as g:
             load_s = time.perf_counter() - t
-            if whole:  # A/B: the whole .ptd mapping registered instead of the streamed weights' pages
-                g.module.ptd.unregister_from_cuda()
-                g.module.ptd.register_with_cuda()
             g.generate(prompt, 4)  # warm-up: CUDA graph capture, allocator
             out = g.generate(prompt, a.new_tokens)
             s = g.stats
@@ -357,8 +350,6 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=128)
     p.add_argument("--eager", action="store_true", help="also run decode eagerly (no CUDA graph) at the floor and 50 %%")
     p.add_argument("--skip-accelerate", action="store_true")
-    p.add_argument("--register-whole-mapping", action="store_true",
-                   help="also run each budget with the whole .ptd mapping registered with the driver (the runtime registers the streamed weights' pages)")
     p.add_argument("--quantize", type=lambda v: [s for s in v.split(",") if s], default=[],
                    help="also quantize the model (torchao weight-only, of int8,int4) and run each at the same budgets (default none)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

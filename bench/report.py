@@ -455,8 +455,10 @@ def generation_section(paths: list[str], plot_path: str | None) -> tuple[str, st
     header = (f"{env.get('gpu')}, torch {env['torch']}{', transformers ' + env['transformers'] if env.get('transformers') else ''}, accelerate {env.get('accelerate')}; "
               f"pinned H2D {', '.join('%.1f' % (r['bw'] / 1e9) for r in runs)} GB/s; {runs[0]['args']['new_tokens']} new tokens "
               f"(accelerate: {runs[0]['args']['peer_tokens']})")
+    # a run made to compare quantized schemes shows its bf16 rows in the quantized table only
+    plain = [run for run in runs if not run["args"].get("quantize")] or runs
     wide = []
-    for run in runs:
+    for run in plain:
         for prompt in dict.fromkeys(r["prompt_tokens"] for r in run["rows"]):
             for config in dict.fromkeys(r["config"] for r in run["rows"]):
                 cells = []
@@ -472,7 +474,7 @@ def generation_section(paths: list[str], plot_path: str | None) -> tuple[str, st
             long.append([_model_name(run), r["prompt_tokens"], r["config"], r["budget_name"], f"{r['prefill_ms']:.1f}", f"{r['ms_per_token']:.2f}",
                          f"{r['tokens_per_s']:.1f}", f"{(r.get('bytes_streamed_per_token') or 0) / 2**20:.0f}", f"{r['bound_ms_per_token']:.2f}",
                          r.get("tokens", "")])
-    checks = checks_table(generation_targets(runs) + quantized_targets(runs))
+    checks = checks_table(generation_targets(plain) + quantized_targets(runs))
     full = short + "\n\n" + tabulate(long, headers=["model", "prompt", "configuration", "budget", "prefill ms", "ms/token", "tokens/s", "MiB streamed/token", "bound ms/token", "tokens vs transformers"], tablefmt="github") + "\n\n" + checks
     if quantized_short:
         short += "\n\n" + quantized_short

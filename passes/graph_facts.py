@@ -101,3 +101,29 @@ def views_and_readers(node: torch.fx.Node) -> tuple[list[torch.fx.Node], set[tor
         else:
             readers.add(user)
     return views, readers
+
+
+
+# Row gathers: ops that read only the rows of a table that their indices name, by the
+# schema name of the table argument. A kernel on the device can read those few rows
+# straight out of host memory, so such a table need not be copied to the device at all.
+ROW_GATHER_TABLE_ARGUMENT = {"aten::embedding": "weight"}
+
+
+def reads_rows_of(node: torch.fx.Node, table: torch.fx.Node) -> bool:
+    """``node`` is a row gather whose table argument is ``table`` itself (no view between),
+    and ``table`` is no other argument of it."""
+    if node.op != "call_function":
+        return False
+    op = underlying_op(node.target)
+    name = ROW_GATHER_TABLE_ARGUMENT.get(op._schema.name) if op is not None else None
+    if name is None:
+        return False
+    bound = dict(zip((a.name for a in op._schema.arguments), node.args)) | dict(node.kwargs)
+    return bound.get(name) is table and sum(v is table for v in bound.values()) == 1
+
+
+def gathered_only(placeholder: torch.fx.Node) -> bool:
+    """``placeholder`` has readers, and each gathers rows of it."""
+    users = list(placeholder.users)
+    return bool(users) and all(reads_rows_of(u, placeholder) for u in users)

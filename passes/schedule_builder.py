@@ -23,6 +23,7 @@ def schedule_from_graph(
     prefetch_depth: int,
     pin: Sequence[str],
     weight_dtypes: Mapping[str, str] | None = None,
+    host_read: Sequence[str] = (),
 ) -> WeightSchedule:
     """Build the schedule of a probed graph: probes in node order, kernels as their readers."""
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -68,4 +69,6 @@ def schedule_from_graph(
         prefetch_depth=prefetch_depth,
         pin=tuple(pin),
         weight_dtypes=tuple(weight_dtypes[f] for f in fqns) if weight_dtypes else (),
+        host_read=tuple(host_read),
+        host_read_bytes=tuple(int(weight_bytes[f]) for f in host_read),
     )

@@ -13,7 +13,7 @@ from torch.export.graph_signature import InputKind
 from hostswap.passes import probe_op
 from hostswap.passes.fused_attention import KeepFusedAttentionPass
 from hostswap.passes.quantized_linear import is_torchao_tensor
-from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, reads_no_data, underlying_op, view_chain_root, views_and_readers
+from hostswap.passes.graph_facts import first_tensor_input, gathered_only, is_probe, is_view_like, reads_no_data, underlying_op, view_chain_root, views_and_readers
 from hostswap.passes.schedule_builder import schedule_from_graph
 from hostswap.schedules.weight_schedule import WeightSchedule, check_prefetch_depth
 
@@ -31,6 +31,7 @@ class WeightOffloadError(ValueError):
 class WeightOffloadOptions:
     prefetch_depth: int
     pin: tuple[str, ...]
+    host_read: tuple[str, ...] = ()  # weights that kernels read in place from host memory, unprobed
 
 
 # ExecuTorch keeps a constant whose placeholder name contains this inline in the .pte, not in
@@ -239,6 +240,15 @@ def _written_in_place(ep: ExportedProgram, by_placeholder: dict[str, str]) -> se
     return written
 
 
+def host_read_weights(ep: ExportedProgram, by_placeholder: dict[str, str], pin: Iterable[str]) -> tuple[str, ...]:
+    """FQNs of the weights that only row gathers read (an untied embedding table), pinned
+    ones aside: a gather on the device reads its few rows from host memory, so the table is
+    neither copied nor counted in the budget."""
+    pin = set(pin)
+    return tuple(by_placeholder[n.name] for n in ep.graph.nodes
+                 if n.op == "placeholder" and n.name in by_placeholder and by_placeholder[n.name] not in pin and gathered_only(n))
+
+
 def _validate(ep: ExportedProgram, prefetch_depth: int, pin: Iterable[str]) -> tuple[dict[str, str], tuple[str, ...]]:
     if not isinstance(ep, ExportedProgram):
         raise WeightOffloadError(
@@ -282,18 +292,24 @@ def _validate(ep: ExportedProgram, prefetch_depth: int, pin: Iterable[str]) -> t
     return by_placeholder, pin
 
 
-def apply_weight_offload(ep: ExportedProgram, *, prefetch_depth: int = 1, pin: Sequence[str] = ()) -> ExportedProgram:
+def apply_weight_offload(ep: ExportedProgram, *, prefetch_depth: int = 1, pin: Sequence[str] = (), gather_from_host: bool = True) -> ExportedProgram:
     """Read every weight of ``ep`` through ``hostswap::probe`` and record the access order and floor.
 
     Rewrites ``ep`` in place (after every check has passed, so a refused program is left as
-    it was) and returns it. ``pin`` FQNs stay resident for the program's lifetime.
+    it was) and returns it. ``pin`` FQNs stay resident for the program's lifetime. With
+    ``gather_from_host``, a weight that only row gathers read (an embedding table not tied
+    to the output layer) gets no probe: on the GPU the gather reads the rows it needs
+    straight from the registered host mapping, so the table takes no budget and no copies.
     """
     by_placeholder, pin = _validate(ep, prefetch_depth, pin)
+    if not isinstance(gather_from_host, bool):
+        raise WeightOffloadError(f"gather_from_host must be True or False, got {gather_from_host!r}")
+    host_read = host_read_weights(ep, by_placeholder, pin) if gather_from_host else ()
     _make_contiguous(ep, by_placeholder)
-    WeightOffloadPass(by_placeholder).call(ep.graph_module)
+    WeightOffloadPass({name: fqn for name, fqn in by_placeholder.items() if fqn not in host_read}).call(ep.graph_module)
     # lowering would otherwise decompose attention into the math reference (see fused_attention.py)
     KeepFusedAttentionPass().call(ep.graph_module)
-    options = WeightOffloadOptions(prefetch_depth=prefetch_depth, pin=pin)
+    options = WeightOffloadOptions(prefetch_depth=prefetch_depth, pin=pin, host_read=host_read)
     ep.graph_module.meta[OPTIONS_META_KEY] = options
     schedule = schedule_from_exported_program(ep)
     ep.graph_module.meta[SCHEDULE_META_KEY] = schedule
@@ -314,6 +330,13 @@ def schedule_with_options(ep: ExportedProgram, options: WeightOffloadOptions) ->
         t = weight_tensor(ep, fqn)
         weight_bytes[fqn] = t.numel() * t.element_size()
         weight_dtypes[fqn] = str(t.dtype).removeprefix("torch.")
+    # Lowering must leave a host-read table to row gathers alone; a kernel that read it whole
+    # on the device would read host memory at PCIe speed, unscheduled.
+    still = set(host_read_weights(ep, by_placeholder, options.pin))
+    lost = [fqn for fqn in options.host_read if fqn not in still]
+    if lost:
+        raise WeightOffloadError(f"weight '{lost[0]}' was read only by row gathers (embedding) before lowering, but not after; "
+                                 "export with apply_weight_offload(..., gather_from_host=False)")
     return schedule_from_graph(
         ep.graph_module.graph,
         fqn_of_placeholder=by_placeholder,
@@ -321,6 +344,7 @@ def schedule_with_options(ep: ExportedProgram, options: WeightOffloadOptions) ->
         weight_dtypes=weight_dtypes,
         prefetch_depth=options.prefetch_depth,
         pin=options.pin,
+        host_read=options.host_read,
     )
 
 

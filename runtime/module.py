@@ -223,7 +223,11 @@ class Module:
         del host
         if self.device.type == "cuda":
             # only what is copied after load; resident weights were copied once, above
-            self.ptd.register_with_cuda([self.schedule.fqns[w] for w in self.pool.streamed_weights()])
+            # only what is copied after load (resident weights were copied once, above), and
+            # the tables row gathers read in place
+            self.ptd.register_with_cuda([self.schedule.fqns[w] for w in self.pool.streamed_weights()] + list(self.schedule.host_read))
+        self._host_read = {fqn: self.ptd.device_view(fqn, self.device) if self.device.type == "cuda" else self.ptd.host_tensor(fqn)
+                           for fqn in self.schedule.host_read}
         self._executors: dict[str, MethodExecutor] = {}
         self._probed: dict[str, _ProbedMethod] = {}
         # Program state (buffers the methods mutate, a KV cache): one zeroed device tensor
@@ -249,7 +253,7 @@ class Module:
     def _check_weights(self) -> None:
         for name in self.schedules:
             expected = external_weights(plan_by_name(self.program, name))
-            for fqn in self.schedules[name].fqns:
+            for fqn in self.schedules[name].fqns + self.schedules[name].host_read:
                 if fqn not in expected:
                     raise ArtifactError(self.pte_path, f"method '{name}'", f"schedules weight '{fqn}', which it does not read from the .ptd")
             for fqn, t in expected.items():
@@ -265,8 +269,11 @@ class Module:
                     raise ArtifactError(self.ptd.path, f"weight '{fqn}'", f"has shape {list(have[0])} {have[1]}; {self.pte_path} expects {list(want[0])} {want[1]}")
 
     def _unprobed_weight(self, fqn: str):
-        # External tensors that are probed are bound per call by the pool; the placeholder
-        # value itself is never read by a kernel. Keep the host view for completeness.
+        # A table that row gathers read in place: its device view of the host pages. External
+        # tensors that are probed are bound per call by the pool; the placeholder value
+        # itself is never read by a kernel. Keep the host view for completeness.
+        if fqn in self._host_read:
+            return self._host_read[fqn]
         return self.ptd.host_tensor(fqn)
 
     def _load_executor(self, plan) -> MethodExecutor:
@@ -416,6 +423,7 @@ class Module:
         s["state_bytes"] = self.state_bytes
         s["budget_bytes"] = self.budget_bytes
         s["pinned_host_bytes"] = self.ptd.pinned_bytes
+        s["host_read_bytes"] = sum(self.schedule.host_read_bytes)  # gathered in place, never copied
         s["policy"] = self.policy
         return s
 
@@ -442,6 +450,7 @@ class Module:
         self._executors = {}
         self._probed = {}
         self.state = {}
+        self._host_read = {}
         self._finalizer()
 
 

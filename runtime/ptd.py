@@ -26,6 +26,10 @@ from hostswap.schedules.ptd_index import PtdEntry, read_ptd_index
 from hostswap.schedules.serialization import saved_weights_digest
 
 CUDA_HOST_REGISTER_READ_ONLY = 8
+# Also mapped into the device's address space: a kernel may read the pages in place (a row
+# gather out of an embedding table); copies are as fast as without it.
+CUDA_HOST_REGISTER_MAPPED = 2
+CUDA_HOST_REGISTER_FLAGS = CUDA_HOST_REGISTER_READ_ONLY | CUDA_HOST_REGISTER_MAPPED
 
 __all__ = ["ArtifactError", "HostRegistrationError", "PtdEntry", "PtdFile", "check_pair", "open_pair", "register_host_memory", "unregister_host_memory", "verify_showing_progress"]
 
@@ -135,6 +139,23 @@ class PtdFile:
             self.registered.append((self.base_pointer + start, length))
         return self.pinned_bytes
 
+    def device_view(self, fqn: str, device: torch.device) -> torch.Tensor:
+        """A ``device`` tensor over one weight's registered host pages: kernels read it in
+        place over the bus, nothing is copied. The pages must be registered (``register_with_cuda``)."""
+        host = self.host_tensor(fqn)
+        pointer, nbytes = host.data_ptr(), host.numel() * host.element_size()
+        if not any(start <= pointer and pointer + nbytes <= start + length for start, length in self.registered):
+            raise HostRegistrationError(f"weight '{fqn}' of {self.path} is not in a range registered with CUDA; register it before viewing it on the device")
+        cudart = _cudart()
+        with torch.cuda.device(device):
+            err, device_pointer = cudart.cudaHostGetDevicePointer(pointer, 0)
+        if err != cudart.cudaError_t.cudaSuccess:
+            cudart.cudaGetLastError()
+            _, name = cudart.cudaGetErrorName(err)
+            raise HostRegistrationError(f"cudaHostGetDevicePointer(weight '{fqn}' of {self.path}) failed: {name.decode()}")
+        raw = torch.as_tensor(_MappedBytes(int(device_pointer), nbytes, host), device=device)
+        return raw.view(host.dtype).view(host.shape)
+
     def unregister_from_cuda(self) -> None:
         """Undo ``register_with_cuda``: every range registered goes back to pageable."""
         for pointer, _ in self.registered:
@@ -160,6 +181,17 @@ class PtdFile:
         except BufferError:
             pass  # views handed out still reference it; the mapping goes with them
         self._file.close()
+
+
+class _MappedBytes:
+    """Bytes of registered host memory as the device addresses them, for ``torch.as_tensor``
+    (the CUDA array interface); holds the host view, so the mapping outlives the tensor.
+    Marked writable because torch refuses read-only arrays; nothing writes a weight (the pass
+    refuses programs that do) and the pages are registered read-only."""
+
+    def __init__(self, device_pointer: int, nbytes: int, owner: torch.Tensor):
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (device_pointer, False), "version": 3, "strides": None}
 
 
 def check_pair(pte_path: str, pte_bytes: bytes, program, ptd: PtdFile) -> None:
@@ -233,14 +265,14 @@ def _cudart():
 
 def register_host_memory(pointer: int, nbytes: int, what: str = "host memory") -> None:
     cudart = _cudart()
-    (err,) = cudart.cudaHostRegister(pointer, nbytes, CUDA_HOST_REGISTER_READ_ONLY)
+    (err,) = cudart.cudaHostRegister(pointer, nbytes, CUDA_HOST_REGISTER_FLAGS)
     if err != cudart.cudaError_t.cudaSuccess:
         # Clear the sticky error so the next CUDA call does not report it instead.
         cudart.cudaGetLastError()
         _, name = cudart.cudaGetErrorName(err)
         _, text = cudart.cudaGetErrorString(err)
         raise HostRegistrationError(
-            f"cudaHostRegister({what}, {nbytes} bytes, cudaHostRegisterReadOnly) failed: "
+            f"cudaHostRegister({what}, {nbytes} bytes, cudaHostRegisterReadOnly | cudaHostRegisterMapped) failed: "
             f"{name.decode()}: {text.decode()}"
         )
 

@@ -36,6 +36,8 @@ def schedule_report(schedule: WeightSchedule, budget_bytes: int | None = None) -
             "pinned_bytes": floor.pinned_bytes,
             "prefetch_depth": schedule.prefetch_depth,
             "pinned": list(schedule.pin),
+            "host_read_bytes": sum(schedule.host_read_bytes),
+            "host_read": [{"fqn": f, "bytes": b} for f, b in zip(schedule.host_read, schedule.host_read_bytes)],
         },
         "access_order": [
             {
@@ -91,6 +93,8 @@ def render_tables(schedule: WeightSchedule, budget_bytes: int | None = None) -> 
                 ["  lru window / planned ring", f"{s['lru_window_bytes']} / {s['planned_ring_bytes']} bytes"],
                 ["  pinned", f"{s['pinned_bytes']} bytes: {', '.join(s['pinned']) or '-'}"],
                 ["prefetch depth", s["prefetch_depth"]],
+                *([["read in place from host", ", ".join(f"{h['fqn']} ({_mb(h['bytes'])} MB)" for h in s["host_read"]) + ": row gathers, no budget, no copies"]]
+                  if s["host_read"] else []),
             ],
             tablefmt="simple",
         )

@@ -23,6 +23,7 @@ PROBE_KERNEL = "probe_kernel"
 KERNEL_OPS = "kernel_ops"
 PREFETCH_DEPTH = "prefetch_depth"
 PIN = "pin"
+HOST_READ = "host_read"
 FLOOR_BYTES = "floor_bytes"
 TOTAL_BYTES = "total_bytes"
 
@@ -43,6 +44,7 @@ def encode(schedules: dict[str, WeightSchedule], weights_digest: str) -> dict[st
             _key(method, KERNEL_OPS): list(schedule.kernel_ops),
             _key(method, PREFETCH_DEPTH): schedule.prefetch_depth,
             _key(method, PIN): list(schedule.pin),
+            _key(method, HOST_READ): list(schedule.host_read),
             _key(method, FLOOR_BYTES): schedule.floor_bytes,
             _key(method, TOTAL_BYTES): schedule.total_bytes,
         })
@@ -103,9 +105,11 @@ def _decode_method(program, source: str, method: str, get) -> WeightSchedule:
         raise ArtifactError(source, METHODS, f"names method '{method}', which the program does not have")
     fqns = get(_key(method, FQNS))
     weights = external_weights(plan)
-    missing = [f for f in fqns if f not in weights]
-    if missing:
-        raise ArtifactError(source, _key(method, FQNS), f"names '{missing[0]}', which is not an external constant of method '{method}'")
+    host_read = get(_key(method, HOST_READ))
+    for field, names in ((FQNS, fqns), (HOST_READ, host_read)):
+        missing = [f for f in names if f not in weights]
+        if missing:
+            raise ArtifactError(source, _key(method, field), f"names '{missing[0]}', which is not an external constant of method '{method}'")
     (prefetch_depth,) = get(_key(method, PREFETCH_DEPTH))
     schedule = WeightSchedule(
         fqns=tuple(fqns),
@@ -116,6 +120,8 @@ def _decode_method(program, source: str, method: str, get) -> WeightSchedule:
         kernel_ops=tuple(get(_key(method, KERNEL_OPS))),
         prefetch_depth=prefetch_depth,
         pin=tuple(get(_key(method, PIN))),
+        host_read=tuple(host_read),
+        host_read_bytes=tuple(tensor_nbytes(weights[f]) for f in host_read),
     ).check()
     (stored_floor,) = get(_key(method, FLOOR_BYTES))
     if stored_floor != schedule.floor_bytes:

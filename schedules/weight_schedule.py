@@ -7,7 +7,7 @@ import functools
 
 from hostswap.schedules.floor import Floor, compute_floor
 
-SCHEDULE_VERSION = 3
+SCHEDULE_VERSION = 4
 MAX_PREFETCH_DEPTH = 1024  # far beyond any useful depth; bounds what a corrupt file may ask for
 
 
@@ -35,6 +35,10 @@ class WeightSchedule:
     prefetch_depth: int
     pin: tuple[str, ...]
     weight_dtypes: tuple[str, ...] = ()  # dtype name per weight id (from the program, not stored; quantized data is int8/uint8)
+    # Weights with no probe that row gathers read in place from host memory (an embedding
+    # table): outside the budget, the floor and the copies.
+    host_read: tuple[str, ...] = ()
+    host_read_bytes: tuple[int, ...] = ()  # per host_read entry (from the program, not stored)
 
     def check(self) -> "WeightSchedule":
         """Raise ScheduleError unless every id and count is in range (a schedule read from a
@@ -57,6 +61,13 @@ class WeightSchedule:
         check_prefetch_depth(self.prefetch_depth)
         if self.weight_dtypes and len(self.weight_dtypes) != n:
             raise ScheduleError(f"weight_dtypes gives {len(self.weight_dtypes)} dtypes for {n} weights")
+        if len(set(self.host_read)) != len(self.host_read) or not all(isinstance(f, str) and f for f in self.host_read):
+            raise ScheduleError("host_read must be distinct non-empty names")
+        both = sorted(set(self.host_read) & set(self.fqns))
+        if both:
+            raise ScheduleError(f"weight '{both[0]}' is both probed and read in place from host memory")
+        if len(self.host_read_bytes) != len(self.host_read):
+            raise ScheduleError(f"host_read_bytes gives {len(self.host_read_bytes)} sizes for {len(self.host_read)} weights")
         unknown = [f for f in self.pin if f not in self.fqns]
         if unknown:
             raise ScheduleError(f"pin names {unknown[:3]}, which are not weights of the schedule")
@@ -113,6 +124,7 @@ class WeightSchedule:
             and self.probe_kernel == other.probe_kernel
             and self.prefetch_depth == other.prefetch_depth
             and self.pin == other.pin
+            and self.host_read == other.host_read
         )
 
     # Rendering lives in schedules/render.py; these are conveniences over it.

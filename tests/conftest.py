@@ -38,8 +38,9 @@ def _nonuniform():
 
 
 MODELS = {
-    # embed + pos + 4 layers x (2 norms x 2 + 6 linears x 2) + final norm x 2 + lm_head
-    "demo_transformer": (_demo, 2 + 4 * 16 + 2 + 1),
+    # 4 layers x (2 norms x 2 + 6 linears x 2) + final norm x 2 + lm_head; the token and
+    # position embeddings are read in place from host memory (row gathers), unprobed
+    "demo_transformer": (_demo, 4 * 16 + 2 + 1),
     # 3 convs x (w, b) + 3 batch norms x (w, b, running mean, running var) + classifier (w, b)
     "convnet": (_conv, 6 + 12 + 2),
     # embedding and head share one weight: two uses; mix (w, b)

@@ -167,7 +167,7 @@ def test_matrix_on_gpu(exported, name, mode, budget, policy):
     if cuda_graph and name in HOST_SYNCING:
         with hostswap.runtime.Module(case.pte, data_path=case.ptd, weight_offload_budget_mb=case.budget_mb(budget), device="cuda", cuda_graph=True) as m:
             for _ in range(2):  # refused for good: the pool was left mid-forward
-                with pytest.raises(ProgramError, match="cannot be captured as a CUDA graph .*capturing stream.* synchronizes with the host"):
+                with pytest.raises(ProgramError, match="cannot be captured as a CUDA graph .* synchronizes with the host"):
                     m(*[t.cuda() for t in case.inputs])
         cuda_graph = False
     with hostswap.runtime.Module(case.pte, data_path=case.ptd, weight_offload_budget_mb=case.budget_mb(budget), device="cuda", policy=policy, cuda_graph=cuda_graph) as m:

@@ -183,7 +183,8 @@ def test_planned_keeps_resident_all_but_what_streaming_needs():
             budget = max(budget, s.floor_bytes)
             layout = plan_layout(s, budget)
             assert layout.resident_bytes + layout.ring_bytes <= budget
-            assert layout.streamed_bytes <= 1.01 * (total - (budget - s.floor_bytes)), (depth, budget)
+            # within 3 %: the resident set is whole weights, the ring a multiple of ring_step()
+            assert layout.streamed_bytes <= 1.03 * (total - (budget - s.floor_bytes)), (depth, budget)
 
 
 def _meta_llama_schedule(layers):

@@ -219,3 +219,48 @@ def test_pinned_weights_are_resident_and_counted():
     assert f.floor_bytes == f.pinned_bytes + max(f.lru_bytes, f.ring_bytes)
     # big.weight left streaming: the floor without it pinned needs it in a window
     assert plain.floor.lru_bytes > f.lru_bytes
+
+
+def test_embedding_tables_are_read_in_place_from_host(lowered_by_name):
+    """An embedding table that only row gathers read takes no probe, no budget and no floor;
+    the stored schedule names it, and the runtime serves it from the mapping."""
+    demo = lowered_by_name("demo_transformer")
+    assert set(demo.schedule.host_read) == {"embed.weight", "pos.weight"}
+    assert demo.schedule.host_read == demo.pass_schedule.host_read
+    assert dict(zip(demo.schedule.host_read, demo.schedule.host_read_bytes)) == {"embed.weight": 4096 * 256 * 4, "pos.weight": 128 * 256 * 4}
+    assert not set(demo.schedule.host_read) & set(demo.schedule.fqns)
+    assert "read in place from host" in demo.schedule.table() and "embed.weight" in demo.schedule.table()
+    # a table the output layer also reads is streamed whole: the head needs every row
+    assert lowered_by_name("tied").schedule.host_read == ()
+
+
+def test_embedding_probed_when_asked_or_pinned():
+    model, args = models.demo_transformer(seed=0)
+    everything = hostswap.get_weight_schedule(hostswap.apply_weight_offload(_export(model, args), gather_from_host=False))
+    assert everything.host_read == () and {"embed.weight", "pos.weight"} <= set(everything.fqns)
+    pinned = hostswap.get_weight_schedule(hostswap.apply_weight_offload(_export(model, args), pin=["pos.weight"]))
+    assert pinned.host_read == ("embed.weight",) and "pos.weight" in pinned.fqns
+
+
+def test_embedding_served_from_host_gives_eager_output(tmp_path):
+    """On the CPU the gather reads the mapping itself, outside the pool, and the answer is
+    eager's, bitwise."""
+    from hostswap.runtime import Module
+
+    model, args = models.demo_transformer(seed=0)
+    ep = hostswap.apply_weight_offload(_export(model, args))
+    pte, ptd = hostswap.save(ep, tmp_path / "demo")
+    schedule = hostswap.schedules.load_weight_schedule(pte)
+    with Module(pte, ptd, weight_offload_budget_mb=schedule.floor_bytes / 2**20, device="cpu") as m:
+        assert torch.equal(m(*args), model(*args))
+        assert m.stats["host_read_bytes"] == sum(schedule.host_read_bytes)
+        assert "embed.weight" not in m.schedule.fqns and m.stats["peak_weight_bytes"] <= m.stats["budget_bytes"]
+
+
+@pytest.mark.parametrize("value", [1, None, "yes"])
+def test_error_gather_from_host_not_a_bool(value):
+    model, args = models.demo_transformer(seed=0)
+    ep = _export(model, args)
+    with pytest.raises(WeightOffloadError, match="gather_from_host must be True or False"):
+        hostswap.apply_weight_offload(ep, gather_from_host=value)
+    assert not any(is_probe(n) for n in ep.graph.nodes)  # refused before any rewrite
