@@ -97,6 +97,7 @@ class OffloadContext:
                 stack.enter_context(_module_stack(self._names, self._running))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(i, x), self._unpack))
             yield self
+        self.synchronizer.flush_offloads()  # the layer's copies to host start beside the next layer's forward
 
     def attach(self, layers) -> None:
         """Run every call of ``layers[i]`` (for example a transformers model's ``model.model.layers``)

@@ -122,12 +122,13 @@ class _Transfers:
         event (None on CPU, where it is synchronous). Its duration is kept under ``tag``."""
         return self.copy_group([(src, dst, tag)])[0]
 
-    def copy_group(self, copies: list[tuple[torch.Tensor, torch.Tensor, int]]):
-        """``copy`` for several (src, dst, tag) at once: a layer's reload. One wait for the main
-        stream and one timed span for the group, so the host work per tensor is a copy call and
-        an event, which matters where the host is what bounds the step (the GPU waits while
-        Python queues). Returns each copy's event (None on CPU); the group's duration is shared
-        among the tags by bytes."""
+    def copy_group(self, copies: list[tuple[torch.Tensor, torch.Tensor, int]], one_event: bool = False):
+        """``copy`` for several (src, dst, tag) at once: a layer's offload or reload. One wait for
+        the main stream and one timed span for the group, so the host work per tensor is a copy
+        call (and an event, unless ``one_event``), which matters where the host is what bounds
+        the step (the GPU waits while Python queues). Returns each copy's event (None on CPU;
+        with ``one_event`` the group's last for all); the group's duration is shared among the
+        tags by bytes."""
         if not self.cuda:
             for src, dst, tag in copies:
                 t = time.perf_counter()
@@ -143,12 +144,12 @@ class _Transfers:
             start.record(self.stream)
             for k, (src, dst, _) in enumerate(copies):
                 dst.copy_(src, non_blocking=True)
-                if k < len(copies) - 1:  # the backward may start on the first tensor that landed
+                if not one_event and k < len(copies) - 1:  # the backward may start on the first tensor that landed
                     arrived.append(torch.cuda.Event())
                     arrived[-1].record(self.stream)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
-        arrived.append(done)
+        arrived = arrived + [done] if not one_event else [done] * len(copies)
         sizes = [src.numel() * src.element_size() for src, _, _ in copies]
         total = sum(sizes) or 1
         self.timed.append(([(tag, size / total) for (_, _, tag), size in zip(copies, sizes)], (start, done)))
@@ -185,6 +186,9 @@ class OffloadSynchronizer:
         self.bytes_offloaded = 0  # last step
         self.pinned_allocations = 0  # over the synchronizer's life: constant after the first step
         self.log: list[tuple[str, int]] = []  # (action, layer) of the last step
+        # tensor id -> state, pushed since the last flush: their copies to host are queued
+        # together (flush_offloads) when the layer's forward ends
+        self._pending: dict[int, _TensorState] = {}
         self.reloads: list[int] = []  # tensors in the order their reload copies were queued, last step
         self._read: list[int] = []  # tensors in the order the backward read them, this step
         # Set to a list to record, at every point of a step on CUDA, (point, bytes allocated
@@ -244,11 +248,20 @@ class OffloadSynchronizer:
         state.reload_started = False
         state.offloaded, state.copied = None, False
         if not self.schedule.manual:
-            self._copy_to_host(state)
+            self._pending[tensor] = state
         self.log.append(("offload", state.layer))
         return x.new_empty((0,))
 
+    def flush_offloads(self) -> None:
+        """Queue the copies to host of the tensors pushed since the last flush as one group: one
+        wait on the main stream and one event for the lot, rather than per tensor. Called when
+        a layer's forward ends, and at every point before anything waits on those copies."""
+        if self._pending:
+            states, self._pending = list(self._pending.values()), {}
+            self._copy_to_host(states)
+
     def at_point(self, p: int) -> None:
+        self.flush_offloads()
         if self.memory_trace is not None and torch.cuda.is_available():
             device = self._transfers.device if self._transfers is not None else torch.device("cuda", torch.cuda.current_device())
             self.memory_trace.append((point_name(p, self.schedule.model_layers), torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
@@ -260,6 +273,7 @@ class OffloadSynchronizer:
             self.start_reload_layer(layer)
 
     def pop(self, tensor: int, size: tuple | None = None, stride: tuple | None = None) -> torch.Tensor:
+        self.flush_offloads()
         state = self.tensors[tensor]
         self._phase = "bwd"
         self._read.append(tensor)
@@ -286,25 +300,31 @@ class OffloadSynchronizer:
     # --- the manual API (also what the automatic schedule calls) -----------------------------
     def start_offload_layer(self, layer: int) -> None:
         """Queue the copies to host of a layer whose tensors were saved (manual mode)."""
-        for i in self.layer_tensors.get(layer, []):
-            state = self.tensors[i]
-            if state.gpu is not None and not state.copied:
-                self._copy_to_host(state)
+        states = [self.tensors[i] for i in self.layer_tensors.get(layer, [])]
+        self._copy_to_host([s for s in states if s.gpu is not None and not s.copied])
 
-    def _copy_to_host(self, state: _TensorState) -> None:
-        state.offloaded = self._transfers.copy(state.gpu, state.host, state.tensor)
-        state.copied = True
-        self.bytes_offloaded += state.gpu.numel() * state.gpu.element_size()
+    def _copy_to_host(self, states: list[_TensorState]) -> None:
+        if not states:
+            return
+        events = self._transfers.copy_group([(s.gpu, s.host, s.tensor) for s in states], one_event=True)
+        for state, event in zip(states, events):
+            state.offloaded, state.copied = event, True
+            self.bytes_offloaded += state.gpu.numel() * state.gpu.element_size()
+        self.log.append(("offload copies", states[0].layer))
 
     def release_activation_forward_gpu_memory(self, layer: int) -> None:
         """Wait for the layer's copies to host, then drop the GPU references."""
+        self.flush_offloads()
         t = self._transfers
         released = False
+        waited = None
         for i in self.layer_tensors.get(layer, []):
             state = self.tensors[i]
             if state.gpu is None or not state.copied or state.reload_started:
                 continue  # not offloaded (manual mode without start_offload_layer): stays
-            t.main_waits(state.offloaded)
+            if state.offloaded is not waited:  # a group's copies share one event
+                t.main_waits(state.offloaded)
+                waited = state.offloaded
             state.gpu = None
             released = True
         if released:
@@ -344,6 +364,7 @@ class OffloadSynchronizer:
             self.set_reload_order(self._read)
             self._read = []
         self.bytes_offloaded = 0
+        self._pending = {}
         if self._transfers is not None:
             self._transfers.timed = []
         self.log = []

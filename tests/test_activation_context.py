@@ -59,6 +59,24 @@ def test_gradients_are_bitwise_those_without_offload(num_layers):
     assert offload.stats["max_offloaded_layers_on_gpu"] <= 4 - num_layers
 
 
+def test_a_layers_copies_to_host_are_queued_together_when_its_forward_ends():
+    """One group of copies per offloaded layer and step, queued after every tensor of that
+    layer was saved and before the next layer's first: the host work per tensor is the copy
+    call alone."""
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    model = _llama()
+    offload = activations.OffloadContext(model_layers=4, num_layers=2, min_offload_bytes=1024)
+    _step(model, ids, offload)
+    log = offload.stats["log"]
+    groups = [entry for entry in log if entry[0] == "offload copies"]
+    assert groups == [("offload copies", 0), ("offload copies", 1)]
+    for layer in (0, 1):
+        saves = [k for k, entry in enumerate(log) if entry == ("offload", layer)]
+        assert saves and max(saves) < log.index(("offload copies", layer)) < log.index(("release", layer))
+    assert log.index(("offload copies", 0)) < log.index(("offload", 1))  # queued at layer 0's end, not later
+    assert offload.stats["bytes_offloaded"] == sum(t.host.numel() * t.host.element_size() for t in offload.synchronizer.tensors.values())
+
+
 def test_arguments_are_checked():
     with pytest.raises(SyncDictError, match="give num_layers .* or synchronization_dict, not both"):
         activations.OffloadContext(model_layers=4)

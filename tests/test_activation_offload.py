@@ -98,7 +98,7 @@ def test_offloaded_gradients_bitwise_equal_no_offload(block, compiler):
     _assert_bitwise(reference, _steps(model, backend, x))
     sync = backend.synchronizer
     assert sync.bytes_offloaded == sum(r["offloaded_bytes"] for r in backend.schedule.rows()) > 0
-    log = [a for a in sync.log if a[0] != "offload"]
+    log = [a for a in sync.log if not a[0].startswith("offload")]
     assert [a for a in log if a[0] == "release"] == [("release", 0), ("release", 1)]
     assert [a for a in log if a[0] == "reload"] == [("reload", 1), ("reload", 0)]
     for layer in (0, 1):  # released before its reload starts, reloaded before consumed
@@ -209,7 +209,7 @@ def test_manual_mode_follows_the_calls():
     backend.release_activation_forward_gpu_memory(1)
     backend.start_reload_layer(1)
     loss.backward()
-    assert [a for a in backend.synchronizer.log if a[0] != "offload"][:2] == [("release", 1), ("reload", 1)]
+    assert [a for a in backend.synchronizer.log if not a[0].startswith("offload")][:2] == [("release", 1), ("reload", 1)]
     _assert_bitwise(reference, [(loss.detach(), [p.grad for p in m.parameters()])])
 
 
@@ -251,7 +251,7 @@ def test_reload_ahead_reloads_late_and_stays_bitwise():
     reference = _steps(model, hostswap.activation_offload_backend(model_layers=4, num_layers=0, min_tensor_size_to_offload=0), x)
     backend = hostswap.activation_offload_backend(model_layers=4, num_layers=2, reload_ahead=1, min_tensor_size_to_offload=0)
     _assert_bitwise(reference, _steps(model, backend, x))
-    log = [a for a in backend.synchronizer.log if a[0] != "offload"]
+    log = [a for a in backend.synchronizer.log if not a[0].startswith("offload")]
     # layer 1 is reloaded only after layer 3's backward (the last non-offloaded one) is done with
     assert [a for a in log if a[0] == "reload"] == [("reload", 1), ("reload", 0)]
     assert backend.schedule.rows()[1]["reload_start"] == "bwd 2" and backend.schedule.rows()[0]["reload_start"] == "bwd 1"
