@@ -158,3 +158,27 @@ def test_errors_at_export_and_load(lowered_by_name, tmp_path):
     demo = lowered_by_name("demo_transformer")
     with pytest.raises(llm.GenerationError, match="has no method 'prefill' that reads weights: write it with hostswap.llm.export"):
         llm.Generator(demo.pte, demo.ptd, weight_offload_budget_mb=100, device="cpu")
+
+
+def test_decode_queues_the_next_step_before_the_host_reads_a_token():
+    """Each decode step is called with the previous token and its position as tensors, before
+    the host reads that token; an end-of-sequence token's one extra step is dropped."""
+    vocab, calls, seen = 10, [], []
+
+    def step(method, ids, positions):
+        assert method == llm.DECODE and isinstance(positions, torch.Tensor)
+        calls.append((int(ids), int(positions), len(seen)))  # len(seen): tokens the host had read by then
+        logits = torch.zeros(1, 1, vocab)
+        logits[0, 0, (int(ids) + 3) % vocab] = 1  # the next token: the fed one plus 3
+        return logits
+
+    first = torch.zeros(vocab)
+    first[1] = 1
+    new = llm.decode_greedily(step, first, 5, 6, on_token=seen.append)
+    assert new == seen == [1, 4, 7, 0, 3, 6]
+    # the step for token i+1 is queued while the host has read only tokens before i
+    assert calls == [(1, 5, 0), (4, 6, 1), (7, 7, 2), (0, 8, 3), (3, 9, 4)]
+    calls.clear()
+    seen.clear()
+    assert llm.decode_greedily(step, first, 5, 6, eos={7}, on_token=seen.append) == seen == [1, 4, 7]
+    assert [c[0] for c in calls] == [1, 4, 7]  # the step after the end token ran, its token dropped
