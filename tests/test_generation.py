@@ -182,3 +182,14 @@ def test_decode_queues_the_next_step_before_the_host_reads_a_token():
     seen.clear()
     assert llm.decode_greedily(step, first, 5, 6, eos={7}, on_token=seen.append) == seen == [1, 4, 7]
     assert [c[0] for c in calls] == [1, 4, 7]  # the step after the end token ran, its token dropped
+
+
+def test_cache_counter_copies_do_not_copy_the_state_arena(llama):
+    """Each layer's static cache keeps a 0-d counter that decode updates with ``copy.out``;
+    ATen's kernel for it copies the whole storage, here the state arena of every layer's cache."""
+    from hostswap.runtime.instructions import ELEMENTWISE_OUT_OPS
+
+    with llm.Generator(llama.pte, llama.ptd, weight_offload_budget_mb=llama.floor / MB, device="cpu") as g:
+        ops = [ins.op for ins in g.module._probed[llm.DECODE].executor.instructions if ins.tag == "kernel"]
+    assert ops.count(ELEMENTWISE_OUT_OPS[("aten::copy", "out")]) >= 1
+    assert torch.ops.aten.copy.out not in ops

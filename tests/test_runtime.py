@@ -671,3 +671,40 @@ def test_error_none_input_loses_nothing(lowered_by_name):
             m(None)
         assert m.stats["forwards"] == 0
         assert torch.equal(m(*demo.args), demo.lowered_expected)
+
+
+def _arena_views(shape, dtype=torch.float32, fill=7.0):
+    """Two tensors of ``shape`` viewed into one larger arena, as the executor plans them."""
+    numel = torch.Size(shape).numel()
+    arena = torch.full((3 * numel + 5,), fill, dtype=dtype)
+    return arena, arena[1 : 1 + numel].view(shape), arena[2 * numel + 3 : 3 * numel + 3].view(shape)
+
+
+@pytest.mark.parametrize("name, args", [
+    ("copy", lambda s: (torch.tensor(2.5),)),
+    ("copy", lambda s: (torch.arange(s.shape[-1], dtype=torch.float64),)),  # broadcast and cast
+    ("slice_scatter", lambda s: (torch.ones(s.shape[0], 2), 1, 1, 5, 2)),
+    ("select_scatter", lambda s: (torch.full((s.shape[0],), 3.0), 1, 2)),
+    ("diagonal_scatter", lambda s: (torch.full((min(s.shape),), -1.0), 0, 0, 1)),
+])
+def test_elementwise_out_kernels_equal_aten_and_leave_the_arena_alone(name, args):
+    """copy.out and the *_scatter.out ops write ``out`` from ``self``'s elements alone (ATen's
+    functional forms copy the whole storage), with ATen's result, in place too."""
+    from hostswap.runtime.instructions import ELEMENTWISE_OUT_OPS
+
+    kernel = ELEMENTWISE_OUT_OPS[(f"aten::{name}", "out")]
+    aten = getattr(torch.ops.aten, name).out
+    arena, this, out = _arena_views((4, 6))
+    this.copy_(torch.arange(24, dtype=torch.float32).view(4, 6))
+    extra = args(this)
+    expected = aten(this.clone(), *extra, out=torch.empty(4, 6))
+    before = arena.clone()
+    assert kernel(this, *extra, out=out) is out
+    assert torch.equal(out, expected)
+    outside = torch.ones_like(arena, dtype=torch.bool)
+    outside[2 * 24 + 3 : 3 * 24 + 3] = False
+    assert torch.equal(arena[outside], before[outside])  # only out's bytes were written
+    arena, this, _ = _arena_views((4, 6))
+    this.copy_(torch.arange(24, dtype=torch.float32).view(4, 6))
+    assert torch.equal(kernel(this, *extra, out=this), expected)  # out is self: in place
+
