@@ -293,3 +293,55 @@ def test_carried_fills_wait_for_every_reader_of_their_bytes(depth):
             assert readers and layout.carry_waits_for[p] == max(readers)  # its own read at least
             carried_any = True
     assert carried_any
+
+
+def _quantized_like_schedule(layers: int = 6) -> "hostswap.schedules.WeightSchedule":
+    """Per layer a 4 KiB norm weight and two linears, each read with its 4 KiB scale and zero
+    point by one kernel (a quantized linear): many copies of few bytes beside large ones."""
+    from hostswap.schedules.weight_schedule import WeightSchedule
+
+    fqns, sizes, probe_weight, probe_kernel, ops = [], [], [], [], []
+    for layer in range(layers):
+        linear = [("qdata", 1 << 20), ("scale", 4096), ("zero_point", 4096)]
+        for name, parts in (("norm", [("weight", 4096)]), ("up", linear), ("down", linear)):
+            kernel = len(ops)
+            ops.append("aten::mm.default")
+            for part, nbytes in parts:
+                probe_weight.append(len(fqns))
+                probe_kernel.append(kernel)
+                fqns.append(f"layers.{layer}.{name}.{part}")
+                sizes.append(nbytes)
+    return WeightSchedule(fqns=tuple(fqns), weight_bytes=tuple(sizes), probe_weight=tuple(probe_weight), probe_kernel=tuple(probe_kernel),
+                          kernel_ops=tuple(ops), prefetch_depth=1, pin=()).check()
+
+
+def test_keep_order_puts_small_weights_first_only_beside_large_ones():
+    from hostswap.schedules.policies import keep_order
+
+    sizes = [4 << 20, 16384, 4096, 1 << 20, 300 * 1024]
+    assert keep_order(sizes, set(range(5))) == [0, 3, 4, 1, 2]  # largest first
+    assert keep_order(sizes, set(range(5)), small_first=True) == [2, 1, 0, 3, 4]  # small ascending, then largest first
+    same_magnitude = [4096, 2048, 3000]
+    assert keep_order(same_magnitude, {0, 1, 2}, small_first=True) == [0, 2, 1]  # nothing small beside the largest
+
+
+@pytest.mark.parametrize("extra, small_first_wins", [(256 << 10, False), (1 << 20, True), (3 << 20, False), (4 << 20, True)])
+def test_planner_takes_the_keep_order_that_costs_the_link_less(extra, small_first_wins):
+    """The planned layout is the cheaper, in bytes plus a fixed cost per copy, of keeping the
+    largest weights first and keeping the small ones (scales, zero points) first. Where
+    small-first wins, every scale is resident and each streamed linear is one copy; where
+    keeping the small weights would displace a large one, largest-first stays."""
+    from hostswap.schedules.policies import _plan_layout_in_order, link_cost
+
+    s = _quantized_like_schedule()
+    budget = s.floor_bytes + extra
+    largest_first, small_first = (_plan_layout_in_order(s, budget, f) for f in (False, True))
+    layout = plan_layout(s, budget)
+    assert link_cost(layout) == min(link_cost(largest_first), link_cost(small_first))
+    assert (link_cost(small_first) < link_cost(largest_first)) == small_first_wins
+    scales = {w for w, f in enumerate(s.fqns) if f.endswith(".scale")}
+    if small_first_wins:
+        assert layout == small_first and scales <= layout.resident
+        assert {s.fqns[s.probe_weight[p]].rsplit(".", 1)[1] for p in layout.fill_offset} <= {"qdata", "weight"}
+    else:
+        assert layout == largest_first
