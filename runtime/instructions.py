@@ -106,6 +106,8 @@ class FunctionalAsOut:
 def resolve_operator(name: str, overload: str):
     if name == ET_VIEW_OPERATOR:
         return torch.ops.aten.reshape.default
+    if (name, overload) in ELEMENTWISE_OUT_OPS:
+        return ELEMENTWISE_OUT_OPS[(name, overload)]
     namespace, _, op_name = name.partition("::")
     try:
         packet = getattr(getattr(torch.ops, namespace), op_name)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from hostswap.runtime.instructions import (
-    DIM_ORDER_OUT_OPS, ELEMENTWISE_OUT_OPS, ET_VIEW_OPERATOR, Free, FunctionalAsOut, Instruction, JumpFalse, Kernel, ListRef, Move, Probe,
+    DIM_ORDER_OUT_OPS, ET_VIEW_OPERATOR, Free, FunctionalAsOut, Instruction, JumpFalse, Kernel, ListRef, Move, Probe,
     ProgramError, copy_into, register_executorch_ops, resolve_operator, value_of,
 )
 from hostswap.schedules.custom_ops import PROBE_OPERATOR
@@ -241,5 +241,4 @@ class LoadedMethod:
             op = DIM_ORDER_OUT_OPS[op_meta.name]
             accepted = op.accepted if op is copy_into else {a.name for a in op._schema.arguments}
             keyword = {name: value_id for name, value_id in keyword.items() if name in accepted}
-        op = ELEMENTWISE_OUT_OPS.get((op_meta.name, op_meta.overload), op)
         return Kernel("kernel", op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword)
