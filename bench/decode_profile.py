@@ -69,16 +69,16 @@ def replay_timeline(trace_events: list[dict], fills: list[Fill]) -> dict:
     copies = [e for e in gpu if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]]
     kernels = [e for e in gpu if e["cat"] == "kernel"]
     replays = len(launches)
-    if fills and len(copies) != replays * len(fills):
+    if len(copies) != replays * len(fills):
         raise ValueError(f"{len(copies)} host-to-device copies in {replays} replays, but the layout issues {len(fills)} fills per forward")
     gaps: dict[int, list[float]] = {}
     for i, (before, after) in enumerate(zip(copies, copies[1:])):
-        gaps.setdefault((i + 1) % len(fills) if fills else 0, []).append(after["ts"] - before["ts"] - before["dur"])
+        gaps.setdefault((i + 1) % len(fills), []).append(after["ts"] - before["ts"] - before["dur"])
     copy_busy = _union_us((e["ts"], e["ts"] + e["dur"]) for e in copies)
     copied = sum(e.get("args", {}).get("bytes", 0) for e in copies)
     per_fill = []
     for index, values in gaps.items():
-        fill = fills[index] if fills else Fill("", 0, -1)
+        fill = fills[index]
         per_fill.append({"fill": index, "weight": fill.weight, "bytes": fill.nbytes, "waits_for_kernel": fill.waits_for_kernel,
                          "mean_gap_us": sum(values) / len(values)})
     per_fill.sort(key=lambda g: -g["mean_gap_us"])
@@ -184,11 +184,11 @@ def main(argv=None) -> int:
                 trace = os.path.join(traces, f"decode_profile_{name.replace('%', 'pct')}.json")
                 prof.export_chrome_trace(trace)
                 with open(trace) as f:
-                    events = json.load(f)["traceEvents"]
-                with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as z:
-                    z.write(f.read())
+                    text = f.read()
+                with gzip.open(trace + ".gz", "wt") as z:
+                    z.write(text)
                 os.remove(trace)
-                timeline = replay_timeline(events, fills)
+                timeline = replay_timeline(json.loads(text)["traceEvents"], fills)
                 row.update({k: v for k, v in timeline.items() if k != "gaps"}, largest_gaps=timeline["gaps"][: args.show], trace=trace + ".gz")
         result["rows"].append(row)
         ratio = row["ms_per_token"] / row["transfer_ms_per_token"] if streamed else None

@@ -21,7 +21,7 @@ def _event(cat, name, ts, dur, correlation, **args):
 def _trace():
     """Two replays of a forward with two fills: A (no wait) then B (waits for kernel 0)."""
     events = []
-    for replay, (start, correlation) in enumerate(((0.0, 7), (100.0, 9))):
+    for start, correlation in ((0.0, 7), (100.0, 9)):
         events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": start - 50, "dur": 5, "args": {"correlation": correlation}})
         events.append(_event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", start + 10, 20, correlation, bytes=2000))  # fill A
         events.append(_event("kernel", "mm", start + 30, 30, correlation))  # kernel 0 reads A
@@ -48,7 +48,7 @@ def test_errors_name_the_mismatch():
     with pytest.raises(ValueError, match="4 host-to-device copies in 2 replays, but the layout issues 3 fills per forward"):
         replay_timeline(_trace(), [Fill("a", 1, -1)] * 3)
     with pytest.raises(ValueError, match="no GPU work of a graph replay"):
-        replay_timeline([e for e in _trace() if e["name"] != "cudaGraphLaunch"], [])
+        replay_timeline([e for e in _trace() if e["name"] != "cudaGraphLaunch"], [Fill("a", 1, -1)])
 
 
 def test_budget_names():
