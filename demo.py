@@ -16,11 +16,11 @@ def _say(message: str) -> None:
     print(f"[hostswap demo] {message}", flush=True)
 
 
-def demo_llama(seed: int = 0):
+def demo_llama(random_state: int = 0):
     """A transformers LlamaForCausalLM with random weights: 4 layers, hidden 256, GQA, vocabulary 4096 (about 17 MB of float32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
+    torch.manual_seed(random_state)
     config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     return LlamaForCausalLM(config).eval()

@@ -1,4 +1,4 @@
-"""Built-in models: random weights from a fixed seed, no downloads. Used by the demo, tests and benches."""
+"""Built-in models: random weights from a fixed random state, no downloads. Used by the demo, tests and benches."""
 
 from __future__ import annotations
 
@@ -93,17 +93,17 @@ class DecoderLM(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def demo_transformer(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def demo_transformer(random_state: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """The demo's model: 4 layers, hidden 256, vocabulary 4096, about 8 MB of float32 weights."""
-    torch.manual_seed(seed)
+    torch.manual_seed(random_state)
     model = DecoderLM(vocab=4096, hidden=256, layers=4, heads=4, intermediate=1024, max_seq=128).eval()
     tokens = torch.randint(0, 4096, (1, 32))
     return model, (tokens,)
 
 
-def llama_decoder(layers: int, hidden: int = 4096, intermediate: int = 11008, vocab: int = 32000, heads: int = 32, max_seq: int = 4096, seed: int = 0, dtype=torch.bfloat16, device="cpu") -> nn.Module:
-    """The benchmark's Llama-style decoder (untied lm head), random weights from ``seed``."""
-    torch.manual_seed(seed)
+def llama_decoder(layers: int, hidden: int = 4096, intermediate: int = 11008, vocab: int = 32000, heads: int = 32, max_seq: int = 4096, random_state: int = 0, dtype=torch.bfloat16, device="cpu") -> nn.Module:
+    """The benchmark's Llama-style decoder (untied lm head), random weights from ``random_state``."""
+    torch.manual_seed(random_state)
     with torch.device(device):
         model = DecoderLM(vocab, hidden, layers, heads, intermediate, max_seq=max_seq, llama=True)
     return model.to(dtype).eval()
@@ -112,9 +112,9 @@ def llama_decoder(layers: int, hidden: int = 4096, intermediate: int = 11008, vo
 class ConvNet(nn.Module):
     """Convolutions with batch-norm buffers (eval mode), pooling and a classifier."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, random_state: int = 0):
         super().__init__()
-        torch.manual_seed(seed)
+        torch.manual_seed(random_state)
         self.features = nn.Sequential(
             nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
             nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
@@ -134,9 +134,9 @@ class ConvNet(nn.Module):
 class TiedLM(nn.Module):
     """Embedding and output projection share one weight (read by two kernels)."""
 
-    def __init__(self, vocab: int = 512, hidden: int = 64, seed: int = 0):
+    def __init__(self, vocab: int = 512, hidden: int = 64, random_state: int = 0):
         super().__init__()
-        torch.manual_seed(seed)
+        torch.manual_seed(random_state)
         self.embed = nn.Embedding(vocab, hidden)
         self.mix = nn.Linear(hidden, hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
@@ -150,9 +150,9 @@ class TiedLM(nn.Module):
 class NonUniformMLP(nn.Module):
     """Weights of very different sizes (a large outlier among small ones) and a tensor constant."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, random_state: int = 0):
         super().__init__()
-        torch.manual_seed(seed)
+        torch.manual_seed(random_state)
         self.small1 = nn.Linear(32, 32)
         self.big = nn.Linear(32, 2048)
         self.small2 = nn.Linear(2048, 16)

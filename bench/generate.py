@@ -57,12 +57,12 @@ BUDGETS = (("floor", None), ("25%", 0.25), ("50%", 0.50), ("75%", 0.75), ("100%"
 SCHEMES = ("int8", "int4")
 
 
-def llama(layers: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+def llama(layers: int, dtype: torch.dtype = torch.bfloat16, random_state: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
                          num_key_value_heads=8, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    torch.manual_seed(seed)
+    torch.manual_seed(random_state)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(dtype)  # random init on the GPU: seconds, not minutes
     return model.cpu().eval()

@@ -52,15 +52,15 @@ class LogitsOnly(torch.nn.Module):
         return self.model(input_ids=input_ids).logits
 
 
-def hf_llama(layers: int, hidden: int = 2048, intermediate: int = 5632, vocab: int = 32000, heads: int = 32, kv_heads: int = 8, max_seq: int = 4096, seed: int = 0) -> torch.nn.Module:
-    """transformers' LlamaForCausalLM with grouped-query attention in bf16, random weights from ``seed``."""
+def hf_llama(layers: int, hidden: int = 2048, intermediate: int = 5632, vocab: int = 32000, heads: int = 32, kv_heads: int = 8, max_seq: int = 4096, random_state: int = 0) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM with grouped-query attention in bf16, random weights from ``random_state``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_seq, use_cache=False,
     )
-    torch.manual_seed(seed)
+    torch.manual_seed(random_state)
     return LogitsOnly(LlamaForCausalLM(config).to(torch.bfloat16)).eval()
 
 
@@ -303,7 +303,7 @@ class Bench:
             self.model = hf_llama(a.layers, max_seq=max(a.prefill_tokens, 2048), **small, **({"kv_heads": 2} if a.quick else {}))
             vocab = self.model.model.config.vocab_size
         else:
-            self.model = llama_decoder(a.layers, seed=0, max_seq=max(a.prefill_tokens, 2048), **small)
+            self.model = llama_decoder(a.layers, random_state=0, max_seq=max(a.prefill_tokens, 2048), **small)
             vocab = self.model.embed.num_embeddings
         gen = torch.Generator().manual_seed(1)
         self.inputs = {

@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
 
 # name -> (factory, expected number of (consumer, weight) uses)
 def _demo():
-    return models.demo_transformer(seed=0)
+    return models.demo_transformer(random_state=0)
 
 
 def _conv():

@@ -518,7 +518,7 @@ def test_embedding_table_is_read_in_place_on_cuda(tmp_path):
     of the same program streaming the tables through the pool."""
     from hostswap import models
 
-    model, args = models.demo_transformer(seed=0)
+    model, args = models.demo_transformer(random_state=0)
     pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, args)), tmp_path / "in_place")
     pte_c, ptd_c = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, args), gather_from_host=False), tmp_path / "copied")
     s = hostswap.schedules.load_weight_schedule(pte)

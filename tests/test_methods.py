@@ -17,7 +17,7 @@ MB = 2**20
 @pytest.fixture(scope="module")
 def two_lengths(tmp_path_factory):
     """The demo transformer exported for 32 tokens ("long") and for one ("short")."""
-    model, (tokens,) = demo_transformer(seed=0)
+    model, (tokens,) = demo_transformer(random_state=0)
     short = tokens[:, :1].clone()
     programs = {
         "long": hostswap.apply_weight_offload(torch.export.export(model, (tokens,))),

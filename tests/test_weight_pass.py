@@ -235,7 +235,7 @@ def test_embedding_tables_are_read_in_place_from_host(lowered_by_name):
 
 
 def test_embedding_probed_when_asked_or_pinned():
-    model, args = models.demo_transformer(seed=0)
+    model, args = models.demo_transformer(random_state=0)
     everything = hostswap.get_weight_schedule(hostswap.apply_weight_offload(_export(model, args), gather_from_host=False))
     assert everything.host_read == () and {"embed.weight", "pos.weight"} <= set(everything.fqns)
     pinned = hostswap.get_weight_schedule(hostswap.apply_weight_offload(_export(model, args), pin=["pos.weight"]))
@@ -247,7 +247,7 @@ def test_embedding_served_from_host_gives_eager_output(tmp_path):
     eager's, bitwise."""
     from hostswap.runtime import Module
 
-    model, args = models.demo_transformer(seed=0)
+    model, args = models.demo_transformer(random_state=0)
     ep = hostswap.apply_weight_offload(_export(model, args))
     pte, ptd = hostswap.save(ep, tmp_path / "demo")
     schedule = hostswap.schedules.load_weight_schedule(pte)
@@ -259,7 +259,7 @@ def test_embedding_served_from_host_gives_eager_output(tmp_path):
 
 @pytest.mark.parametrize("value", [1, None, "yes"])
 def test_error_gather_from_host_not_a_bool(value):
-    model, args = models.demo_transformer(seed=0)
+    model, args = models.demo_transformer(random_state=0)
     ep = _export(model, args)
     with pytest.raises(WeightOffloadError, match="gather_from_host must be True or False"):
         hostswap.apply_weight_offload(ep, gather_from_host=value)
