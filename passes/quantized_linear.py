@@ -13,7 +13,11 @@ for a module whose inner tensors are plain parameters read by one custom op: one
 reads the whole unit, so it is one probe group, fetched together and counted together in
 the floor and the budget. The op rebuilds the torchao tensor from its inner tensors
 (``__tensor_unflatten__``) and calls ``F.linear`` on it: torchao's own kernels run, on the
-CPU and on CUDA, and the result is bitwise the quantized model's.
+CPU and on CUDA, and the result is bitwise the quantized model's. One exception: the decode
+rows (at most four) of an int8 linear on CUDA run ``kernels/int8_weight_only.py``, which
+reads the int8 bytes once where torchao's eager path writes and reads a full-precision copy
+of the weight (four times slower than the kernel on an H100); its results agree with
+torchao's to the last bit or two of the output dtype.
 
 The op's ``layout`` argument is JSON: the torchao class, the inner tensor names, their
 non-tensor attributes and the outer size. A program is untrusted input: only classes of
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import Library
 
+from hostswap.kernels import int8_weight_only
 from hostswap.passes.probe_op import NAMESPACE
 
 _ARGS = "Tensor input, Tensor[] weight, Tensor? bias, str layout"
@@ -146,13 +151,34 @@ def rebuild(inner: list[torch.Tensor], layout: str) -> torch.Tensor:
     return cls.__tensor_unflatten__(dict(zip(spec["names"], inner)), attributes, torch.Size(spec["size"]), tuple(spec["stride"]))
 
 
-def _quantized_linear(input, weight, bias, layout):
-    return F.linear(input, rebuild(list(weight), layout), bias)
+INT8_ROW_SCALED = "torchao.quantization:Int8Tensor"
+
+
+@functools.lru_cache(maxsize=None)
+def _is_int8_weight_only_per_row(layout: str) -> bool:
+    """An ``Int8Tensor`` torchao runs as ``x @ qdata.t() * scale``: weight-only (no activation
+    quantization or pre-scale) with one scale per output row."""
+    spec = json.loads(layout)
+    attributes = spec["attributes"] if isinstance(spec["attributes"], dict) else {}
+    return (spec["class"] == INT8_ROW_SCALED and spec["names"][:2] == ["qdata", "scale"] and "act_pre_scale" not in spec["names"]
+            and attributes.get("act_quant_kwargs") is None and attributes.get("block_size") == [1, spec["size"][-1]])
+
+
+def _quantized_linear(input, weight, bias, layout, out=None):
+    # decode rows of an int8 weight-only linear on CUDA: one kernel reading the int8 bytes once
+    # (kernels/int8_weight_only.py) instead of torchao's eager path, which writes and reads a
+    # full-precision copy of the weight; everything else runs torchao's own kernels
+    if _is_int8_weight_only_per_row(layout) and int8_weight_only.applies(input, weight[0], weight[1], bias):
+        return int8_weight_only.int8_weight_only_linear(input, weight[0], weight[1], bias, out=out)
+    result = F.linear(input, rebuild(list(weight), layout), bias)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def _quantized_linear_out(input, weight, bias, layout, *, out):
-    out.copy_(_quantized_linear(input, weight, bias, layout))
-    return out
+    return _quantized_linear(input, weight, bias, layout, out=out)
 
 
 def _quantized_linear_fake(input, weight, bias, layout):

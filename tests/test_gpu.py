@@ -539,3 +539,56 @@ def test_embedding_table_is_read_in_place_on_cuda(tmp_path):
 
 def _device_allocations():
     return [(seg["address"], seg["total_size"]) for seg in torch.cuda.memory_snapshot()]
+
+
+# the int8 decode kernel against torchao's eager int8 linear: only the fp32 accumulation
+# order differs, so at most a step or two of the output dtype's last bit
+INT8_KERNEL_TOLERANCE = {torch.bfloat16: 2 * 2**-8, torch.float16: 2 * 2**-11, torch.float32: 1e-6}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int8_decode_kernel_is_torchaos_linear_and_the_op_takes_it_for_decode_rows(dtype):
+    """kernels/int8_weight_only.py against torchao's Int8Tensor linear on CUDA, for one to
+    MAX_ROWS rows, with and without bias, at a Llama's shapes and odd ones; the quantized_linear
+    op takes the kernel for decode rows (bitwise its result, also inside a CUDA graph) and
+    torchao's path for more rows (bitwise torchao's)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    from hostswap.kernels import int8_weight_only
+    from hostswap.passes.quantized_linear import QuantizedLinear
+
+    torch.manual_seed(0)
+    for n, k, bias in ((2048, 2048, False), (512, 2048, True), (2048, 5632, False), (32000, 2048, False), (100, 300, True)):
+        linear = torch.nn.Linear(k, n, bias=bias).to("cuda", dtype)
+        quantize_(linear, Int8WeightOnlyConfig(set_inductor_config=False))
+        w = linear.weight
+        op = QuantizedLinear(linear, "linear")
+        for rows in (1, int8_weight_only.MAX_ROWS):
+            x = torch.randn(1, rows, k, device="cuda", dtype=dtype)
+            with torch.no_grad():
+                expected = linear(x)
+                ours = int8_weight_only.int8_weight_only_linear(x, w.qdata, w.scale, linear.bias)
+                assert ours.shape == expected.shape and ours.dtype == dtype
+                diff = (ours.float() - expected.float()).abs().max().item()
+                largest = expected.float().abs().max().item()
+                assert diff <= INT8_KERNEL_TOLERANCE[dtype] * largest, (n, k, rows, diff, largest)
+                assert torch.equal(op(x), ours)
+        x = torch.randn(int8_weight_only.MAX_ROWS + 1, k, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            assert torch.equal(op(x), linear(x))
+    # inside a CUDA graph, writing into a given output (the runtime's out variant)
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    out = torch.empty(1, n, device="cuda", dtype=dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        torch.ops.hostswap.quantized_linear.out(x, [getattr(op, name) for name in op.inner_names], op.bias, op.layout, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        torch.ops.hostswap.quantized_linear.out(x, [getattr(op, name) for name in op.inner_names], op.bias, op.layout, out=out)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        assert torch.equal(out, int8_weight_only.int8_weight_only_linear(x, w.qdata, w.scale, linear.bias))

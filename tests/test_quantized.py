@@ -250,3 +250,51 @@ def test_quantize_argument_errors():
     if not torch.cuda.is_available():
         with pytest.raises(llm.GenerationError, match="torchao cannot quantize this model to int4 here"):
             llm.quantize(model, "int4")
+
+
+def test_int8_decode_kernel_takes_only_weight_only_per_row_layouts_and_few_cuda_rows():
+    """The int8 decode kernel (kernels/int8_weight_only.py) computes torchao's per-row weight-only
+    linear; per-group scales, quantized activations, the CPU and prefill rows stay on torchao's
+    own path (on the CPU: bitwise the quantized model, above)."""
+    from torchao.quantization import Int8WeightOnlyConfig, PerGroup, quantize_
+
+    from hostswap.kernels import int8_weight_only
+    from hostswap.passes.quantized_linear import _is_int8_weight_only_per_row, describe
+
+    def layout(config):
+        linear = torch.nn.Linear(256, 64)
+        quantize_(linear, config)
+        return describe(linear.weight, "linear")[2], linear.weight
+
+    per_row, weight = layout(Int8WeightOnlyConfig())
+    assert _is_int8_weight_only_per_row(per_row)
+    assert not _is_int8_weight_only_per_row(layout(Int8WeightOnlyConfig(granularity=PerGroup(128)))[0])
+    spec = json.loads(per_row)  # quantized activations (which a program cannot store today) would not be weight-only
+    spec["attributes"]["act_quant_kwargs"] = {"symmetric": True}
+    assert not _is_int8_weight_only_per_row(json.dumps(spec))
+    # the CPU never takes the kernel
+    assert not int8_weight_only.applies(torch.randn(1, 256), weight.qdata, weight.scale, None)
+    # on a (meta stand-in for a) CUDA device: up to MAX_ROWS rows, row-major int8, one scale per row
+    meta = lambda t: t.to("meta")  # noqa: E731
+    q, s = meta(weight.qdata), meta(weight.scale)
+    cuda = pytest.MonkeyPatch.context()
+    with cuda as mp:
+        mp.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+        mp.setattr(int8_weight_only, "triton_available", lambda: False)  # a CUDA build without Triton: torchao's path
+        assert not int8_weight_only.applies(torch.empty(1, 256, device="meta"), q, s, None)
+        mp.setattr(int8_weight_only, "triton_available", lambda: True)
+        assert int8_weight_only.applies(torch.empty(1, 1, 256, device="meta"), q, s, None)
+        assert int8_weight_only.applies(torch.empty(int8_weight_only.MAX_ROWS, 256, device="meta"), q, s, torch.empty(64, device="meta"))
+        assert not int8_weight_only.applies(torch.empty(int8_weight_only.MAX_ROWS + 1, 256, device="meta"), q, s, None)
+        assert not int8_weight_only.applies(torch.empty(1, 256, device="meta"), q.t().contiguous().t(), s, None)
+        assert not int8_weight_only.applies(torch.empty(1, 256, device="meta"), q, s[:32], None)
+        assert not int8_weight_only.applies(torch.empty(1, 256, device="meta", dtype=torch.int32), q, s, None)
+
+
+@pytest.mark.parametrize("n, k", [(64, 256), (2048, 2048), (32000, 2048), (100, 300)])
+def test_int8_decode_kernel_blocks_cover_the_weight(n, k):
+    from hostswap.kernels.int8_weight_only import block_config
+
+    block_n, block_k, warps = block_config(n, k)
+    assert block_n & (block_n - 1) == 0 and block_k & (block_k - 1) == 0 and warps in (4, 8)
+    assert 128 <= block_k <= 1024 and (block_k >= k or block_k == 1024 or (n > 8192 and block_k == 512))
