@@ -9,6 +9,15 @@ leaves its numbers. bench/report.py turns the JSON into the README's table and p
 
     python bench/weights.py --layers 12 --out bench/results           # GPU machine
     python bench/weights.py --quick --device cpu --out /tmp/bench      # smoke test anywhere
+
+``--quantize int8,int4``: after the bf16 rows, for each scheme a deepcopy of the same bf16
+model is quantized with ``hostswap.llm.quantize`` (torchao weight-only; int4 needs CUDA),
+exported per workload and run at the quantized program's floor and at 25/50/75 % of the
+*bf16* weight bytes (all-resident where the quantized total fits), in the configurations
+``--quantized-configs`` names. Rows carry ``quantize``; their bound is the quantized bytes
+streamed over the pinned bandwidth or the scheme's own all-resident latency, and their
+quality is the logits against plain PyTorch's bf16 ones: max difference and the share of
+positions whose top-1 token agrees (prefill: every position of the fixed prompt).
 """
 
 from __future__ import annotations
@@ -32,7 +41,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hostswap  # noqa: E402
 from hostswap.models import DecoderBlock, llama_decoder  # noqa: E402
-from hostswap.passes.lowering import to_executorch  # noqa: E402
 from hostswap.runtime import Module  # noqa: E402
 from hostswap.schedules import load_weight_schedule  # noqa: E402
 from hostswap.schedules.policies import mb_ceil  # noqa: E402
@@ -198,6 +206,8 @@ def compare(out: torch.Tensor, reference: torch.Tensor) -> dict:
     return {
         "max_abs_diff_vs_plain": (a - b).abs().max().item(),
         "rel_err_vs_plain": ((a - b).norm() / b.norm()).item(),
+        # logits: the share of positions whose most likely token is plain PyTorch's
+        "top1_agreement_vs_plain": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
     }
 
 
@@ -292,10 +302,23 @@ class Bench:
             extra += f" (host: others {row['host_other_cpu_cores']:.2f} cores, steal {row['host_steal_cores']:.2f})"
         if row.get("gc_collections"):
             extra += f" gc {row['gc_collections']} ({row['gc_full_collections']} full) {row['gc_seconds'] * 1e3:.1f} ms"
-        self.log(f"{row['workload']:7s} {row['config']:22s} {row['budget_name']:>6s} "
+        config = f"{row['config']} [{row['quantize']}]" if row.get("quantize") else row["config"]
+        self.log(f"{row['workload']:7s} {config:22s} {row['budget_name']:>6s} "
                  f"{'' if lat is None else f'{lat * 1e3:9.2f} ms'} H2D/fwd {row.get('bytes_h2d_per_forward', 0) / 2**20:9.1f} MB{extra}")
 
     # --- model and programs
+    def export_programs(self, model: torch.nn.Module, name: str) -> dict[str, tuple[str, str]]:
+        """{workload: (.pte, .ptd)} of ``model``: exported, passed and saved once per workload
+        (a .ptd records the .pte saved with it, so each workload has its own pair)."""
+        programs = {}
+        for workload, tokens in self.inputs.items():
+            t = time.perf_counter()
+            with torch.no_grad():
+                ep = hostswap.apply_weight_offload(torch.export.export(model, (tokens,), strict=False))
+            programs[workload] = hostswap.save(ep, os.path.join(self.args.workdir, f"{name}_{workload}"))
+            self.log(f"{name} {workload}: exported, passed and lowered in {time.perf_counter() - t:.1f} s -> {programs[workload][0]}")
+        return programs
+
     def build(self):
         a = self.args
         small = dict(hidden=256, intermediate=688, vocab=2048, heads=4) if a.quick else {}
@@ -311,23 +334,9 @@ class Bench:
             "prefill": torch.randint(0, vocab, (1, a.prefill_tokens), generator=gen),
         }
         self.inputs = {w: t for w, t in self.inputs.items() if w in a.workloads}
-        self.programs = {}
-        for i, (workload, tokens) in enumerate(self.inputs.items()):
-            t = time.perf_counter()
-            with torch.no_grad():
-                ep = hostswap.apply_weight_offload(torch.export.export(self.model, (tokens,), strict=False))
-            base = os.path.join(a.workdir, f"{a.model}{a.layers}_{workload}")
-            if i == 0:
-                pte, ptd = hostswap.save(ep, base)
-                self.ptd = ptd
-            else:  # same weights, same FQNs: write only the .pte and share the first .ptd
-                manager = to_executorch(ep)
-                pte = base + ".pte"
-                with open(pte, "wb") as f:
-                    manager.write_to_file(f)
-            self.programs[workload] = pte
-            self.log(f"{workload}: exported, passed and lowered in {time.perf_counter() - t:.1f} s -> {pte}")
-        self.schedule = load_weight_schedule(next(iter(self.programs.values())))
+        self.variants = {None: self.export_programs(self.model, f"{a.model}{a.layers}")}
+        first_pte, self.ptd = next(iter(self.variants[None].values()))
+        self.schedule = load_weight_schedule(first_pte)
         self.total_bytes = self.schedule.total_bytes
         self.result["model"] = {
             "name": a.model,
@@ -371,23 +380,25 @@ class Bench:
         self.log(f"pinned H2D {self.pinned_bw / 1e9:.1f} GB/s, pageable {self.result['pageable_h2d_bytes_per_s'] / 1e9:.1f} GB/s")
 
     def registered_bandwidth(self, m: Module) -> None:
-        """Bandwidth from the registered .ptd mapping itself (largest weight), once."""
-        if self.device.type != "cuda" or "registered_h2d_bytes_per_s" in self.result:
+        """Bandwidth from the registered .ptd mapping itself (the largest weight ``m`` streams:
+        only streamed weights are registered), once, from the first configuration that streams."""
+        streamed = list(m.pool.streamed_weights())
+        if self.device.type != "cuda" or "registered_h2d_bytes_per_s" in self.result or not streamed:
             return
-        largest = max(range(len(self.schedule.fqns)), key=lambda w: self.schedule.weight_bytes[w])
-        host = m.ptd.host_tensor(self.schedule.fqns[largest])
+        largest = max(streamed, key=lambda w: m.schedule.weight_bytes[w])
+        host = m.ptd.host_tensor(m.schedule.fqns[largest])
         self.result["registered_h2d_bytes_per_s"] = h2d_bandwidth(self.device, host)
         self.log(f"registered .ptd H2D {self.result['registered_h2d_bytes_per_s'] / 1e9:.1f} GB/s")
 
-    def bound(self, workload: str, streamed: int) -> float | None:
-        resident = self.resident_latency.get(workload)
+    def bound(self, workload: str, streamed: int, quantize: str | None = None) -> float | None:
+        resident = self.resident_latency.get(workload) if quantize is None else self.quantized_resident_latency.get((quantize, workload))
         if resident is None or not getattr(self, "pinned_bw", None):
             return None
         return max(resident, streamed / self.pinned_bw)
 
     # --- plain PyTorch
     def run_plain(self) -> None:
-        self.reference, self.resident_latency, self.hostswap_resident_out = {}, {}, {}
+        self.reference, self.resident_latency, self.hostswap_resident_out, self.quantized_resident_latency = {}, {}, {}, {}
         for workload, tokens in self.inputs.items():
             x = tokens.to(self.device)
             # exported on the device: .to() after export would leave lifted constants behind
@@ -411,21 +422,25 @@ class Bench:
                 torch.cuda.empty_cache()
 
     # --- hostswap
-    def run_hostswap(self, workload: str, budget_name: str, budget: int, config: str, policy: str, depth: int, cuda_graph: bool = False, warm_pool: bool = True) -> dict | None:
-        if self.args.only and not any(o in config for o in self.args.only):
+    def run_hostswap(self, workload: str, budget_name: str, budget: int, config: str, policy: str, depth: int, cuda_graph: bool = False, warm_pool: bool = True,
+                     quantize: str | None = None) -> dict | None:
+        if self.args.only and not any(o in config for o in self.args.only) and quantize is None:
             return None
         try:
-            return self._run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph, warm_pool)
+            return self._run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph, warm_pool, quantize)
         except Exception as e:  # recorded, not hidden: the table shows the failure
             self.add_row({"workload": workload, "config": config, "policy": policy, "prefetch_depth": depth, "cuda_graph": cuda_graph,
-                          "budget_name": budget_name, "budget_bytes": budget, "error": f"{type(e).__name__}: {e}"})
+                          "budget_name": budget_name, "budget_bytes": budget, "error": f"{type(e).__name__}: {e}",
+                          **({"quantize": quantize} if quantize else {})})
             gc.collect()
             return None
 
-    def _run_hostswap(self, workload, budget_name, budget, config, policy, depth, cuda_graph, warm_pool) -> dict:
+    def _run_hostswap(self, workload, budget_name, budget, config, policy, depth, cuda_graph, warm_pool, quantize=None) -> dict:
         x = self.inputs[workload].to(self.device)
-        m = Module(self.programs[workload], self.ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, policy=policy, prefetch_depth=depth, cuda_graph=cuda_graph, warm_pool=warm_pool)
-        self.registered_bandwidth(m)
+        pte, ptd = self.variants[quantize][workload]
+        m = Module(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, policy=policy, prefetch_depth=depth, cuda_graph=cuda_graph, warm_pool=warm_pool)
+        if quantize is None:
+            self.registered_bandwidth(m)
         try:
             for _ in range(self.args.warmup):
                 m(x)
@@ -457,12 +472,17 @@ class Bench:
             if policy == "planned":
                 row["planned_resident_bytes"] = m.pool.layout.resident_bytes
                 row["planned_ring_bytes"] = m.pool.layout.ring_bytes
-            resident = self.hostswap_resident_out.get(workload)
+            if quantize is not None:
+                total = m.schedule.total_bytes
+                row.update(quantize=quantize, quantized_total_bytes=total, all_resident=streamed == 0)
+                if streamed == 0:  # the scheme's own all-resident forward bounds its streamed ones
+                    self.quantized_resident_latency.setdefault((quantize, workload), timing["latency_s"])
+            resident = self.hostswap_resident_out.get((quantize, workload))
             if resident is None:
-                self.hostswap_resident_out[workload] = out.float().cpu().clone()
+                self.hostswap_resident_out[(quantize, workload)] = out.float().cpu().clone()
             else:
                 row["bitwise_vs_hostswap_resident"] = bool(torch.equal(out.float().cpu(), resident))
-            row["bound_s"] = self.bound(workload, streamed)
+            row["bound_s"] = self.bound(workload, streamed, quantize)
             # what handing the caller its own outputs costs: one device copy of each (included
             # in latency_s), timed alone
             copy_timing, _ = time_calls(lambda: out.clone(), self.device, 10, 2)
@@ -504,6 +524,43 @@ class Bench:
         floor_name, floor = self.budgets()[0]
         if "decode" in self.inputs:
             self.run_hostswap("decode", floor_name, floor, "lru d1 unwarmed", "lru", 1, warm_pool=False)
+
+    # --- quantized weights
+    def run_quantized(self, scheme: str) -> None:
+        """The same model quantized with ``scheme``, at the quantized floor and the shares of the
+        bf16 bytes; each configuration of --quantized-configs, all-resident first."""
+        from hostswap import llm
+
+        t = time.perf_counter()
+        quantized = llm.quantize(copy.deepcopy(self.model), scheme)
+        hostswap.prepare_quantized(quantized)
+        quantize_s = time.perf_counter() - t
+        self.variants[scheme] = self.export_programs(quantized, f"{self.args.model}{self.args.layers}_{scheme}")
+        del quantized
+        gc.collect()
+        schedule = load_weight_schedule(next(iter(self.variants[scheme].values()))[0])
+        floor = mb_ceil(schedule.floor_bytes) * 2**20
+        total = schedule.total_bytes
+        self.result.setdefault("quantized", {})[scheme] = {"total_bytes": total, "floor_bytes": schedule.floor_bytes, "quantize_s": quantize_s,
+                                                          "bytes_by_dtype": schedule.bytes_by_dtype()}
+        self.save()
+        self.log(f"{scheme}: {total / 2**30:.2f} GiB ({total / self.total_bytes:.2f} of bf16), floor {schedule.floor_bytes / 2**20:.0f} MiB")
+        budgets = [("100%", mb_ceil(total) * 2**20 + 2**20), ("floor", floor)]
+        budgets += [(f"{round(f * 100)}%", max(floor, int(f * self.total_bytes))) for f in BUDGET_FRACTIONS]
+        known = self.hostswap_configs() + [("hostswap all-resident", "planned", 1, False)]
+        configs = [c for c in known if c[0] in self.args.quantized_configs]
+        if len(configs) != len(set(self.args.quantized_configs)):
+            raise SystemExit(f"--quantized-configs {self.args.quantized_configs}: choose from {[c[0] for c in known]}")
+        for workload in self.inputs:
+            for budget_name, budget in budgets:
+                for config, policy, depth, graph in configs:
+                    if self.time_left() < self.args.reserve_s:
+                        self.result["notes"].append(f"stopped before {scheme} {workload} {config} {budget_name}: deadline")
+                        self.log(self.result["notes"][-1])
+                        return
+                    if config == "hostswap all-resident" and budget_name != "100%":
+                        continue
+                    self.run_hostswap(workload, budget_name, budget, config, policy, depth, cuda_graph=graph, quantize=scheme)
 
     # --- accelerate
     def run_accelerate(self) -> None:
@@ -566,14 +623,15 @@ class Bench:
     # --- load time, cold and warm page cache
     def run_load(self) -> None:
         workload = next(iter(self.inputs))
+        pte, ptd = self.variants[None][workload]
         for budget_name, budget in (self.budgets()[0], self.budgets()[-1]):
             for cache in ("cold", "warm"):
                 if self.time_left() < 20:
                     return
                 if cache == "cold":
-                    drop_page_cache(self.ptd)
+                    drop_page_cache(ptd)
                 t = time.perf_counter()
-                m = Module(self.programs[workload], self.ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, prefault=True)
+                m = Module(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=self.device, prefault=True)
                 load = time.perf_counter() - t
                 x = self.inputs[workload].to(self.device)
                 t = time.perf_counter()
@@ -606,7 +664,18 @@ def main(argv=None) -> int:
     p.add_argument("--only", type=lambda v: v.split(","), default=[], help="run only hostswap configurations whose names contain one of these")
     p.add_argument("--skip", default="", help="comma-separated: accelerate,load,budgets")
     p.add_argument("--part", help="suffix of the result file, for a run split over several processes (weights_<device>_<part>.json)")
+    p.add_argument("--quantize", type=lambda v: [s for s in v.split(",") if s], default=[],
+                   help="also quantize the model (torchao weight-only, of int8,int4) and run it at the same budgets (default none)")
+    p.add_argument("--quantized-configs", type=lambda v: [s for s in v.split(",") if s], default=None,
+                   help="configurations the quantized programs run in (default: planned d1 cuda_graph on CUDA, planned d1 elsewhere)")
     args = p.parse_args(argv)
+    unknown = [q for q in args.quantize if q not in ("int8", "int4")]
+    if unknown:
+        p.error(f"--quantize: unknown {unknown}; choose from int8,int4")
+    if "int4" in args.quantize and not args.device.startswith("cuda"):
+        p.error("--quantize int4: torchao's tinygemm int4 layout packs and runs on CUDA only")
+    if args.quantized_configs is None:
+        args.quantized_configs = ["planned d1 cuda_graph" if args.device.startswith("cuda") else "planned d1"]
     skip = set(filter(None, args.skip.split(",")))
     bench = Bench(args)
     bench.log(f"writing {bench.path}")
@@ -615,6 +684,8 @@ def main(argv=None) -> int:
     bench.log(f"weights {bench.total_bytes / 2**30:.2f} GiB, budgets {[(n, round(b / 2**20)) for n, b in bench.budgets()]} MiB")
     bench.run_plain()
     bench.run_hostswap_all(budgets="budgets" not in skip)
+    for scheme in args.quantize:
+        bench.run_quantized(scheme)
     if "accelerate" not in skip:
         bench.run_accelerate()
     if "load" not in skip:

@@ -112,3 +112,47 @@ def test_quantized_rows_get_their_own_table_bound_and_speed_up_over_bf16(tmp_pat
     # the bf16 targets see bf16 rows alone
     assert checks[f"{model}: decode <= 1.10 x bound at every budget"] == (True, "worst 1.05 (prompt 128, floor)")
     assert "| target | met | measured |" in full and f"{model}, int4: decode <= 1.10 x bound" in full
+
+
+def _weights_run(tmp_path):
+    """A weights result: bf16 plain, all-resident and graphed rows; int8 graphed rows at the
+    floor, 50 % and 100 % (all-resident); an int4 row that failed."""
+    import json
+
+    def row(config, budget, latency, streamed, bound=None, **extra):
+        return {"workload": "decode", "config": config, "policy": None if config == "plain PyTorch" else "planned", "prefetch_depth": 1,
+                "cuda_graph": "graph" in config, "budget_name": budget, "budget_bytes": 5, "floor_bytes": 1, "latency_s": latency,
+                "bytes_h2d_per_forward": streamed, "bound_s": bound, "max_abs_diff_vs_plain": 0.0, **extra}
+
+    graph = "planned d1 cuda_graph"
+    rows = [row("plain PyTorch", "100%", 0.002, 0), row("hostswap all-resident", "100%", 0.002, 0, 0.002), row(graph, "100%", 0.002, 0, 0.002),
+            row(graph, "floor", 0.021, 1e9, 0.02), row(graph, "50%", 0.0105, 5e8, 0.01),
+            row(graph, "100%", 0.0015, 0, 0.0015, quantize="int8", all_resident=True, max_abs_diff_vs_plain=0.25, top1_agreement_vs_plain=0.5),
+            row(graph, "floor", 0.0105, 5e8, 0.01, quantize="int8", all_resident=False, max_abs_diff_vs_plain=0.25, top1_agreement_vs_plain=0.5),
+            row(graph, "50%", 0.0018, 5e7, 0.0015, quantize="int8", all_resident=False, max_abs_diff_vs_plain=0.25, top1_agreement_vs_plain=0.5),
+            {"workload": "decode", "config": graph, "budget_name": "floor", "budget_bytes": 1, "error": "RuntimeError: x", "quantize": "int4"}]
+    result = {"environment": {"gpu": "GPU", "torch": "2.11"}, "model": {"layers": 12, "class": "LlamaForCausalLM", "weight_bytes": 10 * 2**30},
+              "pinned_h2d_bytes_per_s": 5e10, "registered_h2d_bytes_per_s": 5e10, "rows": rows, "load": [], "notes": [],
+              "quantized": {"int8": {"total_bytes": 5.5 * 2**30, "floor_bytes": 2**27}}}
+    path = tmp_path / "weights_gpu.json"
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
+def test_weights_quantized_rows_get_their_own_table_bound_speed_up_and_quality(tmp_path):
+    short, full = _report.weights_section([_weights_run(tmp_path)], None)
+    flat = lambda text: " ".join(text.split())  # noqa: E731
+    bf16_part, quantized = (flat(part) for part in short.split("**decode, quantized**"))
+    assert "[int8]" not in bf16_part and "1.5 (1.00)" not in bf16_part  # bf16 tables hold bf16 rows alone
+    # floor: 21 / 10.5 = 2.0 x bf16; 50 %: 10.5 / 1.8 = 5.8 x, its bound the scheme's all-resident 1.5 ms; 100 %: all fit
+    assert "| int8, 5.50 GiB | planned d1 cuda_graph | 10.5 (1.05) 2.0 x | | 1.8 (1.20) 5.8 x | | 1.5 (1.00) 1.3 x R | 0.25 | 0.5 |" in quantized
+    assert "| int4 | planned d1 cuda_graph | fails at load | | | | | | |" in quantized
+    checks = {name: (met, detail) for name, met, detail in _report.weights_quantized_targets(
+        [r for r in _report.load_weights([_weights_run(tmp_path)])[1] if not r.get("quantize")],
+        [r for r in _report.load_weights([_weights_run(tmp_path)])[1] if r.get("quantize")])}
+    assert checks["decode, int8: <= 1.10 x bound (quantized bytes) at every streamed budget"] == (False, "worst 1.20 (planned d1 cuda_graph 50%)")
+    # bf16 at 100 % streams nothing: not transfer-bound, not counted
+    assert checks["decode, int8: >= 1.8 x faster than bf16 at the same budget, where bf16 is transfer-bound"] == (
+        True, "lowest 2.00 x (floor); floor: 2.00, 50%: 5.83")
+    assert checks["decode, int4: <= 1.10 x bound (quantized bytes) at every streamed budget"] == (False, "not measured: no streamed row")
+    assert "decode, int8: >= 1.8 x faster" in full
