@@ -62,6 +62,13 @@ class OffloadContext:
         self._reloaded: dict[int, torch.Tensor] = {}
         self._packed: dict[tuple, int] = {}  # (storage, offset, shape, stride) -> tensor id, this layer
         self._attached: list[torch.nn.Module] = []  # the layers attach() changed
+        # Saved-tensor hooks run Python for every tensor a layer saves, which a step bound by
+        # the host launching kernels (a transformers model at batch 1) pays in full. Offloaded
+        # layers take the full hooks; a layer whose backward start the schedule acts on (a
+        # reload, or a release) takes hooks that only mark that start; any other layer none.
+        n = model_layers
+        self._marks = {layer: self._backward_mark(layer) for layer in range(n)
+                       if layer not in self.schedule.sync and any(self.schedule.actions_at(point(False, layer, n)))}
 
     @property
     def stats(self) -> dict:
@@ -92,10 +99,13 @@ class OffloadContext:
         self.synchronizer.at_point(point(True, i, n))
         self._packed = {}
         with contextlib.ExitStack() as stack:
-            if self.modules is not None:
-                self._names = {id(m): name for name, m in module.named_modules() if name}
-                stack.enter_context(_module_stack(self._names, self._running))
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(i, x), self._unpack))
+            if i in self.schedule.sync:
+                if self.modules is not None:
+                    self._names = {id(m): name for name, m in module.named_modules() if name}
+                    stack.enter_context(_module_stack(self._names, self._running))
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda x: self._pack(i, x), self._unpack))
+            elif i in self._marks:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_saved_as_is, self._marks[i]))
             yield self
         self.synchronizer.flush_offloads()  # the layer's copies to host start beside the next layer's forward
 
@@ -125,6 +135,19 @@ class OffloadContext:
             module.__dict__.pop("_hostswap_offload", None)
             module.__class__ = module.__class__.__bases__[0]
         self._attached = []
+
+    def _backward_mark(self, layer: int):
+        """The unpack hook of a layer that offloads nothing: its first read is the point where
+        the layer's backward begins."""
+        n = self.schedule.model_layers
+
+        def unpack(x):
+            if layer not in self._backward_began:
+                self._backward_began.add(layer)
+                self.synchronizer.at_point(point(False, layer, n))
+            return x
+
+        return unpack
 
     def _stays(self, x: torch.Tensor) -> bool:
         base = x._base if x._base is not None else x
@@ -178,6 +201,10 @@ class OffloadContext:
         if self._reads_left[value] == 0:
             del self._reloaded[value]
         return out
+
+
+def _saved_as_is(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 @contextlib.contextmanager

@@ -216,3 +216,28 @@ def test_attach_checks_its_layers():
         activations.OffloadContext(model_layers=4, num_layers=1).attach(model.model.layers)
     first.detach()
     activations.OffloadContext(model_layers=4, num_layers=1).attach(model.model.layers)
+
+
+def test_only_offloaded_layers_and_the_layers_whose_backward_the_schedule_acts_on_take_hooks():
+    """Saved-tensor hooks cost Python per saved tensor (all of it, where the host bounds the step):
+    offloaded layers take the full hooks, a layer at whose backward start a reload begins takes
+    hooks that mark that start, and every other layer none. Seen from outside: hooks entered
+    around the whole step see the tensors of the layers that have none of their own."""
+    model, ids = _llama(8), torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(1))
+    offload = activations.OffloadContext(model_layers=8, num_layers=2, min_offload_bytes=0)
+    # offloaded: 0 and 1; reloaded when layers 5 and 6 begin their backward (n - k + i - 1)
+    assert sorted(offload._marks) == [5, 6]
+    seen, running = set(), []
+    original = offload.layer
+
+    def layer(i, module=None):
+        running[:] = [i]
+        return original(i, module)
+
+    offload.layer = layer
+    _, expected = _step(_llama(8), ids)
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: (seen.add(running[0]) if running else None, x)[1], lambda x: x):
+        _, grads = _step(model, ids, offload)
+    assert seen == {2, 3, 4, 7}
+    assert [a for a in offload.stats["log"] if a[0] in ("release", "reload")] == [("release", 0), ("release", 1), ("reload", 1), ("reload", 0)]
+    assert all(torch.equal(grads[n], expected[n]) for n in expected)
