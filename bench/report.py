@@ -590,6 +590,7 @@ def verify_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
 
 # --- training ---------------------------------------------------------------------------------
 TRAIN_OPTIMIZER_ROW = "hostswap OffloadAdamW, fp32 master"
+MASTER_REFERENCE_ROW = "plain AdamW on fp32 masters, bf16 weights, whole GPU"  # bench/train.py: its arithmetic without offload
 
 
 def train_bound(row: dict, bandwidth: dict) -> float | None:
@@ -610,6 +611,12 @@ def train_targets(rows: list[dict], bandwidth: dict) -> list[tuple[str, bool, st
                        "; ".join(f"{r['config']}: {'out of memory' if 'error' in r else 'fits'}" for r in plain)))
     if ours:
         checks.append(("hostswap's capped step fits", "error" not in ours, ours.get("error", f"peak {(ours.get('peak_bytes') or 0) / 2**30:.2f} GiB")))
+    reference = by.get(MASTER_REFERENCE_ROW)
+    if ours and reference and "error" not in ours and "error" not in reference:
+        # the same arithmetic; a GPU's backward (atomic adds) is not bitwise run to run
+        worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], reference["losses"]))
+        checks.append((f"{TRAIN_OPTIMIZER_ROW}: the losses of {MASTER_REFERENCE_ROW}, within 0.1 %", worst <= 1e-3,
+                       f"largest difference {worst:.2e} of the loss over {len(ours['losses'])} steps"))
     # like for like: the same weights' dtype and master
     for mine, theirs in (("hostswap OffloadAdamW, bf16", "torchao CPUOffloadOptimizer, bf16"),
                          (TRAIN_OPTIMIZER_ROW, "torchao CPUOffloadOptimizer, fp32 master (bf16 autocast)")):

@@ -12,6 +12,9 @@ process at ``--cap-gib`` and every configuration runs under the cap:
 
 - plain ``torch.optim.AdamW`` (fused), with fp32 weights under bf16 autocast (fp32 master
   weights, the usual mixed-precision recipe: 16 bytes per parameter on the GPU), and in bf16;
+- plain ``torch.optim.AdamW`` on fp32 master copies beside bf16 working weights, with the whole
+  GPU: the arithmetic of ``OffloadAdamW(offload_master=True)`` without offload, the reference
+  for its losses (the autocast rows run their forward on fp32 weights: other numbers);
 - torchao's ``CPUOffloadOptimizer`` (bf16 weights on the GPU, its AdamW on the CPU);
 - ``hostswap.optim.OffloadAdamW`` with bf16 state, and with ``offload_master`` (fp32 masters
   and moments on the host); with gradient accumulation;
@@ -101,7 +104,7 @@ class Config:
 
     name: str
     dtype: torch.dtype = torch.bfloat16
-    optimizer: str = "adamw"  # adamw | cpu-offload (torchao) | offload | offload-master (hostswap)
+    optimizer: str = "adamw"  # adamw | adamw-master (fp32 masters beside bf16 weights) | cpu-offload (torchao) | offload | offload-master (hostswap)
     autocast: bool = False
     offload_layers: int = 0
     save_on_cpu_layers: int = 0
@@ -112,8 +115,37 @@ class Config:
     modules: tuple[str, ...] | None = None
 
 
+MASTER_REFERENCE_ROW = "plain AdamW on fp32 masters, bf16 weights, whole GPU"
+
+
+class MasterWeightAdamW:
+    """``torch.optim.AdamW`` on fp32 copies of bf16 parameters, all on the device, the bf16
+    working weights rounded from them after each step: the arithmetic of
+    ``OffloadAdamW(offload_master=True)`` without the offload, so its losses are the like-for-like
+    reference for hostswap's fp32-master rows (fp32 weights under autocast run another forward)."""
+
+    def __init__(self, params, lr: float):
+        self.params = list(params)
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.inner = torch.optim.AdamW(self.masters, lr=lr, foreach=False)
+
+    def step(self) -> None:
+        for master, p in zip(self.masters, self.params):
+            master.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        with torch.no_grad():
+            for master, p in zip(self.masters, self.params):
+                p.copy_(master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for t in self.params + self.masters:
+            t.grad = None
+
+
 def make_optimizer(config: Config, model):
     params = list(model.parameters())
+    if config.optimizer == "adamw-master":
+        return MasterWeightAdamW(params, lr=LR)
     if config.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=LR, fused=model.device.type == "cuda")
     if config.optimizer == "cpu-offload":
@@ -367,6 +399,7 @@ def main(argv=None) -> int:
     b.run(Config("torchao CPUOffloadOptimizer, fp32 master (bf16 autocast)", optimizer="cpu-offload", **fp32_master))
     b.run(Config("torchao CPUOffloadOptimizer, fp32 master (bf16 autocast), whole GPU", optimizer="cpu-offload", capped=False, **fp32_master))
     b.run(Config("hostswap OffloadAdamW, bf16", optimizer="offload"))
+    b.run(Config(MASTER_REFERENCE_ROW, optimizer="adamw-master", capped=False))
     b.run(Config("hostswap OffloadAdamW, fp32 master", optimizer="offload-master"))
     b.run(Config(f"hostswap OffloadAdamW + OffloadContext {k}/{n} layers, reload_ahead=1, {args.accumulate} micro-batches", optimizer="offload-master",
                  accumulate=args.accumulate, offload_layers=k, reload_ahead=1))

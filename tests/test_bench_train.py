@@ -22,6 +22,8 @@ def test_quick_run_trains_every_configuration_with_the_losses_of_its_reference(t
     assert rows["hostswap OffloadAdamW, bf16"]["losses"] == rows["plain AdamW, bf16, whole GPU"]["losses"]
     # activation offload and checkpointing change where tensors live, not the numbers
     master = rows["hostswap OffloadAdamW, fp32 master"]
+    # fp32 masters beside bf16 weights: the arithmetic of torch.optim.AdamW on the masters
+    assert master["losses"] == rows["plain AdamW on fp32 masters, bf16 weights, whole GPU"]["losses"]
     for name, row in rows.items():
         if name.startswith("hostswap OffloadAdamW +") and "micro-batches" not in name:
             assert row["losses"] == master["losses"], name
