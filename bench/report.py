@@ -79,6 +79,10 @@ def load_weights(paths: list[str]) -> tuple[list[dict], list[dict]]:
     return results, rows
 
 
+def _gbps(bytes_per_s) -> str:
+    return "n/a" if bytes_per_s is None else f"{bytes_per_s / 1e9:.1f}"  # None: a CPU run measures no link
+
+
 def _ms(seconds):
     return "" if seconds is None else f"{seconds * 1e3:.1f}"
 
@@ -253,8 +257,8 @@ def weights_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
     model = results[0]["model"]
     parts = [f"{env.get('gpu')}, torch {env['torch']}, accelerate {env.get('accelerate')}; "
              f"{model['layers']}-layer {model.get('class', 'Llama-style decoder')}, {model['weight_bytes'] / 2**30:.2f} GiB of bf16 weights; "
-             f"pinned H2D {', '.join('%.1f' % (r['pinned_h2d_bytes_per_s'] / 1e9) for r in results)} GB/s, "
-             f"registered .ptd {', '.join('%.1f' % (r.get('registered_h2d_bytes_per_s', 0) / 1e9) for r in results)} GB/s"]
+             f"pinned H2D {', '.join(_gbps(r.get('pinned_h2d_bytes_per_s')) for r in results)} GB/s, "
+             f"registered .ptd {', '.join(_gbps(r.get('registered_h2d_bytes_per_s')) for r in results)} GB/s"]
     for workload in dict.fromkeys(r["workload"] for r in rows):
         parts.append(f"**{workload}**: median ms per forward (ratio to the physical bound)\n\n" + latency_table(rows, workload))
     quantized_parts = [f"**{workload}, quantized** (torchao weight-only; budgets are shares of the bf16 weight bytes, the floor is the "
