@@ -65,6 +65,7 @@ def _static_cache_wrapper(model, max_seq_len: int):
 
 
 INT4_GROUP_SIZE = 128
+QUANTIZATION_SCHEMES = ("int4", "int8")  # what quantize() applies
 
 
 def quantize(model, scheme: str):
@@ -79,12 +80,12 @@ def quantize(model, scheme: str):
     the CPU stays there and the GPU holds one bf16 weight at a time. Linears whose input
     features are not a multiple of 128 stay unquantized (torchao skips them); the tinygemm
     layout pads input features to a multiple of 1024. Both leave torch.compile's settings alone
-    (``set_inductor_config=False``): the program runs torchao's eager kernels."""
+    (``set_inductor_config=False``): the program runs torchao's eager kernels, except int8
+    decode rows on CUDA, which run ``kernels/int8_weight_only.py``."""
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
-    schemes = ("int4", "int8")
-    if scheme not in schemes:
-        raise GenerationError(f"quantization must be one of {list(schemes)}, got {scheme!r}")
+    if scheme not in QUANTIZATION_SCHEMES:
+        raise GenerationError(f"quantization must be one of {list(QUANTIZATION_SCHEMES)}, got {scheme!r}")
     cannot = f"torchao cannot quantize this model to {scheme} here"
     if scheme == "int8":
         try:

@@ -54,7 +54,7 @@ import hostswap.llm as llm  # noqa: E402
 from weights import environment, h2d_bandwidth, result_path  # noqa: E402
 
 BUDGETS = (("floor", None), ("25%", 0.25), ("50%", 0.50), ("75%", 0.75), ("100%", 1.0))
-SCHEMES = ("int8", "int4")
+SCHEMES = llm.QUANTIZATION_SCHEMES
 
 
 def llama(layers: int, dtype: torch.dtype = torch.bfloat16, random_state: int = 0):

@@ -231,11 +231,11 @@ def weights_quantized_targets(bf16: list[dict], quantized: list[dict]) -> list[t
             else:
                 out.append((name, False, "not measured: no streamed row"))
             target = QUANTIZED_SPEEDUP.get(scheme) if workload == "decode" else None  # a decode target; prefill is reported
+            if target is None:
+                continue
             # bf16 is transfer-bound where its streamed bytes over the bandwidth make its bound
             pairs = [(r, t) for r in mine if (t := _weights_twin(bf16, r)) and "error" not in t and t.get("pinned_bw") and t.get("bound_s")
                      and t["bytes_h2d_per_forward"] / t["pinned_bw"] >= 0.999 * t["bound_s"]]
-            if target is None:
-                continue
             name = f"{workload}, {scheme}: >= {target:g} x faster than bf16 at the same budget, where bf16 is transfer-bound"
             if pairs:
                 speedups = [(t["latency_s"] / r["latency_s"], r) for r, t in pairs]

@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hostswap  # noqa: E402
+from hostswap.llm import QUANTIZATION_SCHEMES  # noqa: E402
 from hostswap.models import DecoderBlock, llama_decoder  # noqa: E402
 from hostswap.runtime import Module  # noqa: E402
 from hostswap.schedules import load_weight_schedule  # noqa: E402
@@ -540,6 +541,14 @@ class Bench:
             self.run_hostswap("decode", floor_name, floor, "lru d1 unwarmed", "lru", 1, warm_pool=False)
 
     # --- quantized weights
+    def quantized_configs(self) -> list[tuple[str, str, int, bool]]:
+        """The configurations --quantized-configs names; an unknown name is refused."""
+        known = self.hostswap_configs() + [("hostswap all-resident", "planned", 1, False)]
+        configs = [c for c in known if c[0] in self.args.quantized_configs]
+        if len(configs) != len(set(self.args.quantized_configs)):
+            raise SystemExit(f"--quantized-configs {self.args.quantized_configs}: choose from {[c[0] for c in known]}")
+        return configs
+
     def run_quantized(self, scheme: str) -> None:
         """The same model quantized with ``scheme``, at the quantized floor and the shares of the
         bf16 bytes; each configuration of --quantized-configs, all-resident first."""
@@ -561,13 +570,9 @@ class Bench:
         self.log(f"{scheme}: {total / 2**30:.2f} GiB ({total / self.total_bytes:.2f} of bf16), floor {schedule.floor_bytes / 2**20:.0f} MiB")
         budgets = [("100%", mb_ceil(total) * 2**20 + 2**20), ("floor", floor)]
         budgets += [(f"{round(f * 100)}%", max(floor, int(f * self.total_bytes))) for f in BUDGET_FRACTIONS]
-        known = self.hostswap_configs() + [("hostswap all-resident", "planned", 1, False)]
-        configs = [c for c in known if c[0] in self.args.quantized_configs]
-        if len(configs) != len(set(self.args.quantized_configs)):
-            raise SystemExit(f"--quantized-configs {self.args.quantized_configs}: choose from {[c[0] for c in known]}")
         for workload in self.inputs:
             for budget_name, budget in budgets:
-                for config, policy, depth, graph in configs:
+                for config, policy, depth, graph in self.quantized_configs():
                     if self.time_left() < self.args.reserve_s:
                         self.result["notes"].append(f"stopped before {scheme} {workload} {config} {budget_name}: deadline")
                         self.log(self.result["notes"][-1])
@@ -683,15 +688,17 @@ def main(argv=None) -> int:
     p.add_argument("--quantized-configs", type=lambda v: [s for s in v.split(",") if s], default=None,
                    help="configurations the quantized programs run in (default: planned d1 cuda_graph on CUDA, planned d1 elsewhere)")
     args = p.parse_args(argv)
-    unknown = [q for q in args.quantize if q not in ("int8", "int4")]
+    unknown = [q for q in args.quantize if q not in QUANTIZATION_SCHEMES]
     if unknown:
-        p.error(f"--quantize: unknown {unknown}; choose from int8,int4")
+        p.error(f"--quantize: unknown {unknown}; choose from {','.join(QUANTIZATION_SCHEMES)}")
     if "int4" in args.quantize and not args.device.startswith("cuda"):
         p.error("--quantize int4: torchao's tinygemm int4 layout packs and runs on CUDA only")
     if args.quantized_configs is None:
         args.quantized_configs = ["planned d1 cuda_graph" if args.device.startswith("cuda") else "planned d1"]
     skip = set(filter(None, args.skip.split(",")))
     bench = Bench(args)
+    if args.quantize:
+        bench.quantized_configs()  # refused before anything is exported
     bench.log(f"writing {bench.path}")
     bench.measure_bandwidth()
     bench.build()

@@ -33,3 +33,12 @@ def test_quick_run_measures_every_configuration_and_int8_beside_bf16(tmp_path):
     short, full = _report.weights_section([str(tmp_path / "weights_cpu.json")], None)
     assert "pinned H2D n/a GB/s" in short and "**decode, quantized**" in short and "**prefill, quantized**" in full
     assert "| int8, " in full and "| target | met | measured |" in full
+
+
+def test_an_unknown_quantized_configuration_is_refused_before_anything_is_exported(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "weights.py"), "--quick", "--device", "cpu", "--quantize", "int8",
+                          "--quantized-configs", "planned d9", "--out", str(tmp_path), "--workdir", str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "--quantized-configs ['planned d9']: choose from" in run.stderr and "'planned d1'" in run.stderr
+    assert not list((tmp_path / "work").glob("*.pte"))
