@@ -269,11 +269,11 @@ ARCHITECTURES = [
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 
 
-def build(arch: Architecture, seed: int = 0) -> tuple[torch.nn.Module, tuple, dict]:
-    """The model in eval mode with seeded random weights, and seeded inputs."""
-    torch.manual_seed(seed)
+def build(arch: Architecture, random_state: int = 0) -> tuple[torch.nn.Module, tuple, dict]:
+    """The model in eval mode with random weights and inputs drawn from ``random_state``."""
+    torch.manual_seed(random_state)
     model = arch.build().eval()
-    args, kwargs = arch.inputs(torch.Generator().manual_seed(seed + 1))
+    args, kwargs = arch.inputs(torch.Generator().manual_seed(random_state + 1))
     return model, args, kwargs
 
 

@@ -23,11 +23,11 @@ CASES = 240
 CASE_TIMEOUT_S = 60
 
 
-def _save(tmp_path, seed):
-    torch.manual_seed(seed)
+def _save(tmp_path, random_state):
+    torch.manual_seed(random_state)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
     x = torch.randn(3, 16)
-    pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (x,))), tmp_path / f"m{seed}")
+    pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (x,))), tmp_path / f"m{random_state}")
     return model, x, open(pte, "rb").read(), open(ptd, "rb").read()
 
 

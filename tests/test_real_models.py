@@ -118,7 +118,7 @@ def test_bitwise_on_cpu(exported, name, mode, budget, policy):
 def test_outputs_belong_to_the_caller(exported, name, mode):
     """A second call with other inputs leaves the first call's outputs as they were."""
     case = exported(name, mode)
-    other_model, other_args, other_kwargs = build(BY_NAME[name], seed=7)
+    other_model, other_args, other_kwargs = build(BY_NAME[name], random_state=7)
     other_inputs = list(other_args) + list(other_kwargs.values())
     with hostswap.runtime.Module(case.pte, data_path=case.ptd, weight_offload_budget_mb=case.budget_mb("floor"), device="cpu") as m:
         first = m(*case.inputs)
@@ -161,7 +161,7 @@ GPU_CASES = [(a.name, "export under no_grad") for a in ARCHITECTURES if a.refuse
 @pytest.mark.parametrize("name,mode", GPU_CASES, ids=[n for n, _ in GPU_CASES])
 def test_matrix_on_gpu(exported, name, mode, budget, policy):
     case = exported(name, mode)
-    _, other_args, other_kwargs = build(BY_NAME[name], seed=7)
+    _, other_args, other_kwargs = build(BY_NAME[name], random_state=7)
     other = [t.cuda() for t in list(other_args) + list(other_kwargs.values())]
     cuda_graph = policy == "planned" and budget == "floor"  # the captured forward's outputs are the caller's too
     if cuda_graph and name in HOST_SYNCING:
