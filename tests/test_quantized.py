@@ -298,3 +298,45 @@ def test_int8_decode_kernel_blocks_cover_the_weight(n, k):
     block_n, block_k, warps = block_config(n, k)
     assert block_n & (block_n - 1) == 0 and block_k & (block_k - 1) == 0 and warps in (4, 8)
     assert 128 <= block_k <= 1024 and (block_k >= k or block_k == 1024 or (n > 8192 and block_k == 512))
+
+
+def test_fills_adjacent_in_the_mapping_and_the_ring_are_one_copy():
+    """A run of ring fills that wait for the same kernel, each slot right after the last, their
+    bytes in the mapping at the same distances, is one copy; anything else breaks the run."""
+    from hostswap.runtime.planned_pool import coalesced_fills
+
+    fills = [1, 2, 3, 5, 6, 7, 8]
+    ring = {1: 0, 2: 512, 3: 1024, 5: 1536, 6: 0, 7: 512, 8: 1024}  # 6 wraps to the ring's start
+    host = {1: (9, 100), 2: (9, 612), 3: (9, 1124), 5: (9, 1636), 6: (9, 3000), 7: (9, 3512), 8: (4, 4024)}  # 8: another storage
+    slots = dict.fromkeys(fills, 512)
+    waits = {1: 0, 2: 0, 3: 0, 5: 1, 6: 1, 7: 1, 8: 1}  # 5 waits for another kernel than 3
+    assert coalesced_fills(fills, ring, host, slots, waits, frozenset()) == {1: [2, 3], 6: [7]}
+    # fills a forward may carry into the next stay single
+    assert coalesced_fills(fills, ring, host, slots, waits, frozenset({1})) == {2: [3], 6: [7]}
+    # the mapping's distance must be the slot's: a gap there is another weight's bytes
+    assert coalesced_fills(fills, ring, {**host, 2: (9, 700)}, slots, waits, frozenset()) == {6: [7]}
+
+
+def test_an_int8_programs_adjacent_fills_stream_as_one_copy_and_outputs_stay_bitwise(tmp_path):
+    """Six int8 linears at the floor: a linear's data and scale are adjacent in the .ptd and in
+    the ring, so their fills are one copy at prefetch depth 1 and 2 (not at depth 0, the
+    no-prefetch reference); the output is bitwise the quantized model's at every depth, and the
+    bytes counted are the fills' own."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).eval()
+    quantize_(model, Int8WeightOnlyConfig())
+    x = torch.randn(1, 256)
+    expected = model(x)
+    hostswap.prepare_quantized(model)
+    pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (x,))), tmp_path / "q")
+    schedule = hostswap.schedules.load_weight_schedule(pte)
+    for depth in (0, 1, 2):
+        with Module(pte, ptd, weight_offload_budget_mb=schedule.floor_bytes / MB, device="cpu", policy="planned", prefetch_depth=depth) as m:
+            for _ in range(2):
+                assert torch.equal(m(x), expected), depth
+            fills = m.pool.layout.fill_offset
+            streamed = sum(schedule.weight_bytes[schedule.probe_weight[p]] for p in fills)
+            assert m.stats["bytes_h2d"] == 2 * streamed  # two forwards
+            assert (m.stats["fills_coalesced"] > 0) == (depth > 0), (depth, m.stats["fills_coalesced"])
