@@ -32,19 +32,35 @@ import weakref
 
 import torch
 
-from hostswap.runtime.activation_offload import OffloadSynchronizer
-from hostswap.schedules.sync_dict import ActivationSchedule, SyncDictError, default_sync_dict, point, validate_sync_dict
+from hostswap.runtime.activation_offload import OffloadSynchronizer, StepTimes
+from hostswap.schedules.sync_dict import ActivationSchedule, SyncDictError, default_sync_dict, fitted_sync_dict, point, validate_sync_dict
 
 
 class OffloadContext:
     """Offloads the saved activations of the layers a synchronization dictionary names."""
 
     def __init__(self, model_layers: int, num_layers: int | None = None, *, synchronization_dict: dict | None = None,
-                 reload_ahead: int | None = None, min_offload_bytes: int = 2**20, modules: tuple[str, ...] | None = None, device=None):
+                 reload_ahead: int | str | None = None, min_offload_bytes: int = 2**20, modules: tuple[str, ...] | None = None, device=None,
+                 calibration_steps: int = 2):
         if (num_layers is None) == (synchronization_dict is None):
             raise SyncDictError("give num_layers (offload the first k layers) or synchronization_dict, not both")
-        sync = (default_sync_dict(model_layers, num_layers, reload_ahead) if synchronization_dict is None
-                else validate_sync_dict(synchronization_dict, model_layers))
+        self._fit_steps_left = 0
+        if isinstance(reload_ahead, str) and reload_ahead != "auto":
+            raise SyncDictError(f"reload_ahead must be an int >= 1 (layers) or 'auto', got {reload_ahead!r}")
+        if reload_ahead == "auto":
+            if synchronization_dict is not None:
+                raise SyncDictError("reload_ahead='auto' fits the reload points of the num_layers schedule; a synchronization_dict sets its own")
+            if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) or calibration_steps < 1:
+                raise ValueError(f"calibration_steps must be an int >= 1, got {calibration_steps!r}")
+            # measured with the leanest schedule (each layer reloaded one layer ahead), then fitted
+            sync = default_sync_dict(model_layers, num_layers, 1)
+            self._fit_steps_left = calibration_steps if sync else 0
+        elif synchronization_dict is None:
+            sync = default_sync_dict(model_layers, num_layers, reload_ahead)
+        else:
+            sync = validate_sync_dict(synchronization_dict, model_layers)
+        self._backward_s: dict[int, float] = {}  # calibration: the fastest of each layer's backward
+        self._reload_s: dict[int, float] = {}  # and of each offloaded layer's copy back
         self.schedule = ActivationSchedule(model_layers, sync)
         self.synchronizer = OffloadSynchronizer(self.schedule, device)
         self.min_offload_bytes = min_offload_bytes
@@ -66,9 +82,42 @@ class OffloadContext:
         # the host launching kernels (a transformers model at batch 1) pays in full. Offloaded
         # layers take the full hooks; a layer whose backward start the schedule acts on (a
         # reload, or a release) takes hooks that only mark that start; any other layer none.
-        n = model_layers
+        self._marks: dict[int, object] = {}
+        self._place_marks()
+
+    def _place_marks(self) -> None:
+        n = self.schedule.model_layers
+        measuring = self._fit_steps_left > 0  # every layer's backward start is timed
         self._marks = {layer: self._backward_mark(layer) for layer in range(n)
-                       if layer not in self.schedule.sync and any(self.schedule.actions_at(point(False, layer, n)))}
+                       if layer not in self.schedule.sync and (measuring or any(self.schedule.actions_at(point(False, layer, n))))}
+
+    @property
+    def synchronization_dict(self) -> dict:
+        """The dictionary the offload runs on now (with ``reload_ahead='auto'``, the fitted one
+        once calibration is over)."""
+        return dict(self.schedule.sync)
+
+    def _measure_step(self) -> None:
+        """With ``reload_ahead='auto'``, at the start of each step: take what the last one
+        measured, and after ``calibration_steps`` measured steps fit the reload points. The first
+        step is not measured: it allocates the pinned buffers and the allocator's blocks."""
+        s = self.synchronizer
+        if s.times is not None:
+            n = self.schedule.model_layers
+            backward, reload = s.times.backward_seconds(n), s.reload_seconds()
+            first = min(self.schedule.sync)
+            if all(j in backward for j in range(first + 1, n)) and all(i in reload for i in self.schedule.sync):
+                for table, measured in ((self._backward_s, backward), (self._reload_s, reload)):
+                    for key, seconds in measured.items():
+                        table[key] = min(table.get(key, seconds), seconds)
+                self._fit_steps_left -= 1
+            s.times = None
+            if self._fit_steps_left == 0:
+                self.schedule.sync = fitted_sync_dict(self.schedule.sync, n, self._backward_s, self._reload_s)
+                self._place_marks()
+                return
+        if s._transfers is not None:  # the device is known once a step has run
+            s.times = StepTimes(s._transfers.device)
 
     @property
     def stats(self) -> dict:
@@ -92,6 +141,8 @@ class OffloadContext:
         if self.modules is not None and not isinstance(module, torch.nn.Module):
             raise ValueError("OffloadContext(modules=...) matches submodule names: give the layer, offload.layer(i, module=layer)")
         if i == 0:  # a new step's forward
+            if self._fit_steps_left:
+                self._measure_step()
             self._saved_in_layer = {}
             self._backward_began = set()
             self.bytes_by_module = {}

@@ -111,7 +111,7 @@ class Config:
     checkpointing: bool = False
     accumulate: int = 1
     capped: bool = True
-    reload_ahead: int | None = None
+    reload_ahead: int | str | None = None
     modules: tuple[str, ...] | None = None
 
 
@@ -157,9 +157,11 @@ def make_optimizer(config: Config, model):
     raise ValueError(config.optimizer)
 
 
-def save_on_cpu_layers(layers, k: int) -> None:
-    """``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the first ``k`` layers."""
-    for layer in list(layers)[:k]:
+def save_on_cpu_layers(layers, k: int):
+    """``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the first ``k`` layers;
+    returns what undoes it."""
+    wrapped_layers = list(layers)[:k]
+    for layer in wrapped_layers:
         forward = layer.forward
 
         def wrapped(*args, _forward=forward, **kwargs):
@@ -167,6 +169,12 @@ def save_on_cpu_layers(layers, k: int) -> None:
                 return _forward(*args, **kwargs)
 
         layer.forward = wrapped
+
+    def undo() -> None:
+        for layer in wrapped_layers:
+            del layer.forward  # the instance attribute: the class's forward again
+
+    return undo
 
 
 def release(model, opt) -> None:
@@ -228,6 +236,96 @@ class Bench:
         g = torch.Generator().manual_seed(1)
         return [torch.randint(0, self.args.vocab, (self.args.batch, self.args.seq), generator=g).to(self.device) for _ in range(n)]
 
+    def activation_overhead(self, batch: int) -> None:
+        """What activation offload costs a forward+backward, and the peak it saves: one bf16
+        model, no cap and no optimizer, the configurations' steps interleaved round by round
+        with the step that offloads nothing, so that they share the machine's state."""
+        a, cuda = self.args, self.device.type == "cuda"
+        if time.perf_counter() - self.t0 > a.deadline_s:
+            self.log(f"activation overhead at batch {batch}: skipped, past the deadline")
+            return
+        model = llama(a, torch.bfloat16, self.device)
+        layers = model.model.layers
+        n = len(layers)
+        g = torch.Generator().manual_seed(2)
+        ids = torch.randint(0, a.vocab, (batch, a.seq), generator=g).to(self.device)
+        made: dict[str, object] = {"no offload": None}
+        for k in sorted({max(1, n // 8), max(1, n // 4)}):
+            for ahead in ("auto", 1, None):
+                name = f"OffloadContext {k}/{n} layers" + (f", reload_ahead={ahead}" if ahead is not None else "")
+                made[name] = hostswap.activations.OffloadContext(model_layers=n, num_layers=k, reload_ahead=ahead, min_offload_bytes=a.min_offload_bytes)
+        made[f"save_on_cpu {max(1, n // 8)}/{n} layers"] = max(1, n // 8)
+        samples = {name: {"forward_backward_s": [], "first_forward_s": [], "peak_bytes": 0} for name in made}
+
+        def steps(name: str, count: int, keep: bool) -> None:
+            how = made[name]
+            undo = None
+            if isinstance(how, hostswap.activations.OffloadContext):
+                how.attach(layers)
+            elif isinstance(how, int):
+                undo = save_on_cpu_layers(layers, how)
+            try:
+                for _ in range(count):
+                    sync(self.device)
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats(self.device)
+                        start, forward, done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                        start.record()
+                    t = time.perf_counter()
+                    loss = model(input_ids=ids, labels=ids).loss
+                    if cuda:
+                        forward.record()
+                    t_forward = time.perf_counter()
+                    loss.backward()
+                    if cuda:
+                        done.record()
+                    sync(self.device)
+                    t_done = time.perf_counter()
+                    for p in model.parameters():
+                        p.grad = None
+                    if keep:
+                        s = samples[name]
+                        s["forward_backward_s"].append(start.elapsed_time(done) / 1e3 if cuda else t_done - t)
+                        s["first_forward_s"].append(start.elapsed_time(forward) / 1e3 if cuda else t_forward - t)
+                        s["peak_bytes"] = max(s["peak_bytes"], torch.cuda.max_memory_allocated(self.device)) if cuda else None
+            finally:
+                if isinstance(how, hostswap.activations.OffloadContext):
+                    how.detach()
+                elif undo is not None:
+                    undo()
+
+        try:
+            for name in made:  # pinned buffers, the allocator's blocks, and 'auto''s calibration steps
+                steps(name, 4, keep=False)
+            for _ in range(a.overhead_rounds):
+                for name in made:
+                    steps(name, 3, keep=True)
+        except Exception as e:  # recorded, not hidden
+            self.result.setdefault("activation_overhead", []).append({"batch": batch, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:240]}"})
+            self.log(f"activation overhead at batch {batch} FAILED {e}")
+            return
+        finally:
+            release(model, None)
+            del model
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        rows = []
+        for name, how in made.items():
+            s = samples[name]
+            row = {"config": name, "forward_backward_s": statistics.median(s["forward_backward_s"]), "first_forward_s": statistics.median(s["first_forward_s"]),
+                   "samples_s": s["forward_backward_s"], "peak_bytes": s["peak_bytes"]}
+            if isinstance(how, hostswap.activations.OffloadContext):
+                row.update(activation_offloaded_bytes=how.stats["bytes_offloaded"], activation_transfer_s=how.stats["transfer_seconds"],
+                           reload_points=[list(e) for _, e in sorted(how.synchronization_dict.items())])
+            rows.append(row)
+            base = rows[0]["forward_backward_s"]
+            self.log(f"batch {batch} {name:48s} fwd+bwd {row['forward_backward_s'] * 1e3:7.1f} ms ({row['forward_backward_s'] / base - 1:+.1%})"
+                     + (f"  peak {row['peak_bytes'] / 2**30:6.2f} GiB" if row["peak_bytes"] is not None else "")
+                     + (f"  reloads at bwd {[e[3] for e in row['reload_points']]}" if "reload_points" in row else ""))
+        self.result.setdefault("activation_overhead", []).append({"batch": batch, "tokens_per_step": batch * a.seq, "rows": rows})
+        self.save()
+
     def run(self, config: Config) -> dict | None:
         if self.args.only and not any(o in config.name for o in self.args.only):
             return None
@@ -274,11 +372,13 @@ class Bench:
                     phases.append((name, torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)))
                     torch.cuda.reset_peak_memory_stats(self.device)
 
-            for i in range(self.args.warmup + self.args.steps + 1):
-                if i == self.args.warmup and cuda:
+            # reload_ahead='auto' times two steps after the first, then runs on its fitted points
+            warmup = max(self.args.warmup, -(-3 // config.accumulate)) if config.reload_ahead == "auto" else self.args.warmup
+            for i in range(warmup + self.args.steps + 1):
+                if i == warmup and cuda:
                     sync(self.device)
                     torch.cuda.reset_peak_memory_stats(self.device)
-                if i == self.args.warmup + self.args.steps:  # the traced step
+                if i == warmup + self.args.steps:  # the traced step
                     peak = torch.cuda.max_memory_allocated(self.device) if cuda else None
                     phases = []
                     phase("before the step")
@@ -307,7 +407,7 @@ class Bench:
                 phase("optimizer step")
                 opt.zero_grad(set_to_none=True)
                 sync(self.device)
-                if self.args.warmup <= i < self.args.warmup + self.args.steps:
+                if warmup <= i < warmup + self.args.steps:
                     steps.append(time.perf_counter() - t)
                     fwd_bwd.append(start.elapsed_time(backward_done) / 1e3 if cuda else t_bwd - t)
                     fwd.append(start.elapsed_time(forward_done) / 1e3 if cuda else t_fwd - t)
@@ -373,7 +473,7 @@ def main(argv=None) -> int:
     p.add_argument("--cap-gib", type=float, default=12.0, help="the process's GPU memory cap")
     p.add_argument("--min-offload-bytes", type=int, default=2**20, help="OffloadContext keeps smaller saved tensors on the GPU")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (reload_ahead='auto' takes at least 3: it times two after the first)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="a small model (smoke test; numbers mean nothing)")
     p.add_argument("--only", type=lambda v: v.split("|"), default=[], help="run only configurations whose names contain one of these ('|' between them)")
@@ -381,10 +481,13 @@ def main(argv=None) -> int:
     p.add_argument("--part", help="suffix of the result file (train_<device>_<part>.json)")
     p.add_argument("--profile", type=lambda v: v.split("|"), default=[], help="profile the traced step of configurations whose names contain one of these: a table and a Chrome trace beside the results")
     p.add_argument("--deadline-s", type=float, default=540, help="start nothing new after this many seconds")
+    p.add_argument("--overhead-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[1, 4],
+                   help="batch sizes of the activation offload overhead part (no cap, no optimizer, steps interleaved); empty to skip it")
+    p.add_argument("--overhead-rounds", type=int, default=4, help="rounds of the overhead part: each runs every configuration for 3 steps")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab, args.seq = 4, 128, 256, 4, 2, 512, 64
-        args.steps, args.warmup, args.accumulate, args.min_offload_bytes = 2, 1, 2, 1024
+        args.steps, args.warmup, args.accumulate, args.min_offload_bytes = 2, 3, 2, 1024
     b = Bench(args)
     if b.device.type == "cuda":
         b.result["bandwidth_bytes_per_s"] = bandwidths(b.device)
@@ -405,7 +508,9 @@ def main(argv=None) -> int:
                  accumulate=args.accumulate, offload_layers=k, reload_ahead=1))
     for layers in (n // 4, k):
         b.run(Config(f"hostswap OffloadAdamW + OffloadContext {layers}/{n} layers", optimizer="offload-master", offload_layers=layers))
-        b.run(Config(f"hostswap OffloadAdamW + OffloadContext {layers}/{n} layers, reload_ahead=1", optimizer="offload-master", offload_layers=layers, reload_ahead=1))
+        for ahead in (1, "auto"):
+            b.run(Config(f"hostswap OffloadAdamW + OffloadContext {layers}/{n} layers, reload_ahead={ahead}", optimizer="offload-master",
+                         offload_layers=layers, reload_ahead=ahead))
     b.run(Config(f"hostswap OffloadAdamW + save_on_cpu {k}/{n} layers", optimizer="offload-master", save_on_cpu_layers=k))
     for modules in (("mlp",), ("self_attn",), ("mlp.down_proj", "self_attn.o_proj")):
         b.run(Config(f"hostswap OffloadAdamW + OffloadContext {k}/{n} layers, reload_ahead=1, modules {'+'.join(modules)}", optimizer="offload-master",
@@ -413,6 +518,8 @@ def main(argv=None) -> int:
     b.run(Config("hostswap OffloadAdamW + checkpointing", optimizer="offload-master", checkpointing=True))
     b.run(Config(f"hostswap OffloadAdamW + checkpointing + residual offload {n - 2}/{n}", optimizer="offload-master", checkpointing=True, offload_layers=n - 2))
     b.cap(False)
+    for batch in args.overhead_batches:
+        b.activation_overhead(batch)
     b.save()
     b.log(f"wrote {b.path}")
     return 0

@@ -111,29 +111,26 @@ class _Transfers:
         self.cuda = device.type == "cuda"
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.timed: list[tuple[list, object]] = []  # ([(tag, share)], seconds on CPU | (start, done) events on CUDA), this step
+        # ([(tag, share)], seconds on CPU | (start, done) events on CUDA, "offload" | "reload"), this step
+        self.timed: list[tuple[list, object, str]] = []
 
     def main(self):
         return torch.cuda.current_stream(self.device)
 
-    def copy(self, src: torch.Tensor, dst: torch.Tensor, tag: int = -1):
-        """Copy on the offload stream after the work the main stream has queued so far (the
-        source was produced there, or the destination allocated there); returns the copy's
-        event (None on CPU, where it is synchronous). Its duration is kept under ``tag``."""
-        return self.copy_group([(src, dst, tag)])[0]
-
-    def copy_group(self, copies: list[tuple[torch.Tensor, torch.Tensor, int]], one_event: bool = False):
-        """``copy`` for several (src, dst, tag) at once: a layer's offload or reload. One wait for
-        the main stream and one timed span for the group, so the host work per tensor is a copy
-        call (and an event, unless ``one_event``), which matters where the host is what bounds
-        the step (the GPU waits while Python queues). Returns each copy's event (None on CPU;
-        with ``one_event`` the group's last for all); the group's duration is shared among the
-        tags by bytes."""
+    def copy_group(self, copies: list[tuple[torch.Tensor, torch.Tensor, int]], one_event: bool = False, kind: str = "offload"):
+        """Copy each (src, dst, tag) on the offload stream after the work the main stream has
+        queued so far (the sources were produced there, or the destinations allocated there):
+        a layer's offload or reload. One wait for the main stream and one timed span for the
+        group, so the host work per tensor is a copy call (and an event, unless ``one_event``),
+        which matters where the host is what bounds the step (the GPU waits while Python
+        queues). Returns each copy's event (None on CPU, where copies are synchronous; with
+        ``one_event`` the group's last for all). The group's duration is kept under ``kind``
+        ("offload" or "reload") and shared among the tags by bytes."""
         if not self.cuda:
             for src, dst, tag in copies:
                 t = time.perf_counter()
                 dst.copy_(src)
-                self.timed.append(([(tag, 1.0)], time.perf_counter() - t))
+                self.timed.append(([(tag, 1.0)], time.perf_counter() - t, kind))
             return [None] * len(copies)
         queued = torch.cuda.Event()
         queued.record(self.main())
@@ -152,13 +149,16 @@ class _Transfers:
         arrived = arrived + [done] if not one_event else [done] * len(copies)
         sizes = [src.numel() * src.element_size() for src, _, _ in copies]
         total = sum(sizes) or 1
-        self.timed.append(([(tag, size / total) for (_, _, tag), size in zip(copies, sizes)], (start, done)))
+        self.timed.append(([(tag, size / total) for (_, _, tag), size in zip(copies, sizes)], (start, done), kind))
         return arrived
 
-    def seconds_by_tag(self) -> dict[int, float]:
-        """Seconds of this step's copies per tag (waits for those still running on CUDA)."""
+    def seconds_by_tag(self, kind: str | None = None) -> dict[int, float]:
+        """Seconds of this step's copies (of one ``kind``, or all) per tag; waits for those still
+        running on CUDA."""
         out: dict[int, float] = {}
-        for shares, timing in self.timed:
+        for shares, timing, copied in self.timed:
+            if kind is not None and copied != kind:
+                continue
             if isinstance(timing, tuple):
                 timing[1].synchronize()
                 timing = timing[0].elapsed_time(timing[1]) / 1e3
@@ -166,9 +166,67 @@ class _Transfers:
                 out[tag] = out.get(tag, 0.0) + timing * share
         return out
 
-    def main_waits(self, event) -> None:
-        if event is not None:
-            self.main().wait_event(event)
+    def main_waits(self, event, times: "StepTimes | None" = None) -> None:
+        """The main stream waits for a copy; ``times`` keeps how long it stood still."""
+        if event is None:
+            return
+        before = times.stamp() if times is not None else None
+        self.main().wait_event(event)
+        if times is not None:
+            times.waits.append((before, times.stamp()))
+
+
+class StepTimes:
+    """When one step reached each point, and how long the main stream stood waiting for copies
+    in between: CUDA events on the main stream (the GPU's clock), or the host clock on a
+    machine without CUDA, where every copy is synchronous and nothing waits."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.points: list[tuple[int, object]] = []
+        self.waits: list[tuple[object, object]] = []
+
+    def stamp(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self) -> tuple[dict[int, float], list[tuple[float, float]]]:
+        """(point -> seconds since the step's first point, [(wait began, ended)]); waits for the
+        step's last event on CUDA."""
+        if not self.points:
+            return {}, []
+        first = self.points[0][1]
+        if self.cuda:
+            for _, stamp in self.points:
+                stamp.synchronize()
+            for _, stamp in self.waits:
+                stamp.synchronize()
+            since = lambda stamp: first.elapsed_time(stamp) / 1e3  # noqa: E731
+        else:
+            since = lambda stamp: stamp - first  # noqa: E731
+        at: dict[int, float] = {}
+        for p, stamp in self.points:
+            at.setdefault(p, since(stamp))
+        return at, [(since(a), since(b)) for a, b in self.waits]
+
+    def backward_seconds(self, model_layers: int) -> dict[int, float]:
+        """Layer j -> seconds from its backward's start to the next layer's, less the main
+        stream's waits for copies in between: the backward's own time, which a reload started
+        earlier could hide behind. Only layers whose both ends were reached."""
+        n = model_layers
+        at, waits = self.seconds()
+        out = {}
+        for j in range(1, n):
+            begin, end = at.get(2 * n - 1 - j), at.get(2 * n - j)
+            if begin is None or end is None:
+                continue
+            waited = sum(b - a for a, b in waits if a >= begin and b <= end)
+            out[j] = max(end - begin - waited, 0.0)
+        return out
 
 
 class OffloadSynchronizer:
@@ -196,6 +254,9 @@ class OffloadSynchronizer:
         # the allocator's peak counter at each point, so leave it off when measuring a peak.
         self.memory_trace: list[tuple[str, int, int]] | None = None
         self._phase: str | None = None
+        # Set to a StepTimes to stamp every point of a step and every wait of the main stream
+        # for a copy (what fitting the reload points measures); None costs nothing.
+        self.times: StepTimes | None = None
         _SYNCHRONIZERS[self.id] = self
 
     def register(self, tensor: int, layer: int) -> None:
@@ -262,6 +323,8 @@ class OffloadSynchronizer:
 
     def at_point(self, p: int) -> None:
         self.flush_offloads()
+        if self.times is not None:
+            self.times.points.append((p, self.times.stamp()))
         if self.memory_trace is not None and torch.cuda.is_available():
             device = self._transfers.device if self._transfers is not None else torch.device("cuda", torch.cuda.current_device())
             self.memory_trace.append((point_name(p, self.schedule.model_layers), torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
@@ -282,7 +345,7 @@ class OffloadSynchronizer:
         t = self._transfers
         if state.gpu is None:
             raise RuntimeError(f"hostswap: activation {tensor} of layer {state.layer} was read twice in one backward")
-        t.main_waits(state.reloaded)
+        t.main_waits(state.reloaded, self.times)
         out = state.gpu
         if state.restore is not None:
             size, stride = state.restore
@@ -323,7 +386,7 @@ class OffloadSynchronizer:
             if state.gpu is None or not state.copied or state.reload_started:
                 continue  # not offloaded (manual mode without start_offload_layer): stays
             if state.offloaded is not waited:  # a group's copies share one event
-                t.main_waits(state.offloaded)
+                t.main_waits(state.offloaded, self.times)
                 waited = state.offloaded
             state.gpu = None
             released = True
@@ -350,7 +413,7 @@ class OffloadSynchronizer:
             state.gpu = torch.empty_strided(state.host.shape, state.host.stride(), dtype=state.host.dtype, device=t.device)
             group.append(state)
         if group:
-            events = t.copy_group([(state.host, state.gpu, state.tensor) for state in group])
+            events = t.copy_group([(state.host, state.gpu, state.tensor) for state in group], kind="reload")
             for state, event in zip(group, events):
                 state.reloaded = event
                 self.reloads.append(state.tensor)
@@ -374,6 +437,15 @@ class OffloadSynchronizer:
     def transfer_seconds(self) -> dict[int, float]:
         """Tensor id -> seconds its copies to host and back took in the last step."""
         return self._transfers.seconds_by_tag() if self._transfers is not None else {}
+
+    def reload_seconds(self) -> dict[int, float]:
+        """Layer -> seconds its copies back to the device took in the last step."""
+        out: dict[int, float] = {}
+        if self._transfers is not None:
+            for tensor, seconds in self._transfers.seconds_by_tag("reload").items():
+                layer = self.tensors[tensor].layer
+                out[layer] = out.get(layer, 0.0) + seconds
+        return out
 
     def _count(self) -> None:
         self.max_offloaded_layers_on_gpu = max(self.max_offloaded_layers_on_gpu, len(self.on_gpu))

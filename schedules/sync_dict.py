@@ -66,6 +66,46 @@ def default_sync_dict(model_layers: int, num_layers: int, reload_ahead: int | No
     return {i: (True, n - k + i, False, min(i + reload_ahead, n - 1)) for i in range(k)}
 
 
+def fitted_sync_dict(sync: dict[int, SyncEntry], model_layers: int, backward_s: dict[int, float], reload_s: dict[int, float],
+                     earliest: dict[int, SyncEntry] | None = None, margin: float = 1.15) -> dict[int, SyncEntry]:
+    """``sync`` with each offloaded layer's reload moved to the latest backward point from which
+    the reloads, one after another on the copy stream, still land before their layers' backward
+    begins: the copies stay hidden, and the reloaded layers come back as late as that allows,
+    which keeps them out of the backward's memory peak.
+
+    ``backward_s[j]``: seconds of layer j's backward pass (every layer that ends before the last
+    offloaded one begins); ``reload_s[i]``: seconds of offloaded layer i's copy back, scaled by
+    ``margin``. A reload is never moved before its point in ``earliest`` (by default the n-k
+    bound of ``default_sync_dict``), nor before its offload finishes; where even that cannot hide
+    it, that earliest point is where it starts.
+    """
+    n = model_layers
+    offloaded = sorted(sync)
+    if not offloaded:
+        return dict(sync)
+    earliest = earliest if earliest is not None else default_sync_dict(n, len(offloaded))
+    missing = [j for j in range(offloaded[0] + 1, n) if j not in backward_s] + [i for i in offloaded if i not in reload_s]
+    if missing:
+        raise SyncDictError(f"fitting reload points needs every layer's backward seconds and every offloaded layer's reload seconds; layer {missing[0]} has none")
+    begins = {n - 1: 0.0}  # seconds from the start of the backward to where layer j's backward begins
+    for j in range(n - 2, -1, -1):
+        begins[j] = begins[j + 1] + backward_s.get(j + 1, 0.0)
+    out = dict(sync)
+    stream_free_until = float("inf")  # the reload after this one (a lower layer) starts here, at the latest
+    for i in offloaded:  # the last reload needed first
+        done = min(begins[i], stream_free_until)
+        start = done - margin * reload_s[i]
+        stream_free_until = start
+        # the latest point j (the lowest layer) that begins no later than start
+        candidates = [j for j in range(i, n) if begins[j] <= start]
+        j = min(candidates) if candidates else n - 1
+        first = max(point(earliest[i][2], earliest[i][3], n) if i in earliest else 0, point(sync[i][0], sync[i][1], n))
+        p = max(point(False, j, n), first)
+        fwd = p < n
+        out[i] = (sync[i][0], sync[i][1], fwd, p if fwd else 2 * n - 1 - p)
+    return validate_sync_dict(out, n)
+
+
 def validate_sync_dict(sync: dict, model_layers: int) -> dict[int, SyncEntry]:
     n = model_layers
     if not isinstance(sync, dict):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hostswap.activations as activations
-from hostswap.schedules.sync_dict import SyncDictError
+from hostswap.schedules.sync_dict import SyncDictError, default_sync_dict, fitted_sync_dict, point
 
 
 def _llama(layers=4):
@@ -241,3 +241,54 @@ def test_only_offloaded_layers_and_the_layers_whose_backward_the_schedule_acts_o
     assert seen == {2, 3, 4, 7}
     assert [a for a in offload.stats["log"] if a[0] in ("release", "reload")] == [("release", 0), ("release", 1), ("reload", 1), ("reload", 0)]
     assert all(torch.equal(grads[n], expected[n]) for n in expected)
+
+
+def test_auto_reload_points_are_fitted_after_calibration_and_stay_bitwise():
+    """reload_ahead='auto': measured with the leanest schedule (one layer ahead), each layer's
+    backward start timed, then the reload points fitted, after which only the layers the fitted
+    schedule acts on keep hooks. Gradients stay bitwise throughout."""
+    n, k = 8, 3
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    expected_loss, expected = _step(_llama(n), ids)
+    model = _llama(n)
+    offload = activations.OffloadContext(model_layers=n, num_layers=k, reload_ahead="auto", min_offload_bytes=1024, calibration_steps=2)
+    lean = default_sync_dict(n, k, reload_ahead=1)
+    assert offload.synchronization_dict == lean
+    assert sorted(offload._marks) == list(range(k, n))  # every layer's backward start is timed
+    for step in range(5):
+        model.zero_grad()
+        loss, grads = _step(model, ids, offload)
+        assert torch.equal(loss, expected_loss)
+        assert all(torch.equal(grads[name], g) for name, g in expected.items())
+        # the first step is not measured; the next two are; the fourth runs on the fitted points
+        assert (offload.synchronizer.times is not None) == (step in (1, 2)), step
+    assert sorted(offload._backward_s) == list(range(1, n)) and sorted(offload._reload_s) == list(range(k))
+    assert all(v > 0 for v in offload._backward_s.values()) and all(v > 0 for v in offload._reload_s.values())
+    fitted = offload.synchronization_dict
+    assert fitted == fitted_sync_dict(lean, n, offload._backward_s, offload._reload_s)
+    acting = {e[3] for e in fitted.values()} - set(fitted)
+    assert set(offload._marks) == acting
+
+
+def test_auto_reload_arguments_are_checked():
+    with pytest.raises(SyncDictError, match="reload_ahead must be an int >= 1 \\(layers\\) or 'auto', got 'soon'"):
+        activations.OffloadContext(model_layers=4, num_layers=1, reload_ahead="soon")
+    with pytest.raises(SyncDictError, match="reload_ahead='auto' fits the reload points of the num_layers schedule"):
+        activations.OffloadContext(model_layers=4, synchronization_dict={0: (True, 2, False, 1)}, reload_ahead="auto")
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="calibration_steps must be an int >= 1"):
+            activations.OffloadContext(model_layers=4, num_layers=1, reload_ahead="auto", calibration_steps=bad)
+    # nothing offloaded: nothing to fit, no layer timed
+    offload = activations.OffloadContext(model_layers=4, num_layers=0, reload_ahead="auto")
+    assert offload._marks == {} and offload.synchronization_dict == {}
+
+
+def test_step_times_subtract_the_waits_for_copies_from_a_layers_backward():
+    from hostswap.runtime.activation_offload import StepTimes
+
+    times = StepTimes(torch.device("cpu"))
+    n = 4
+    # points: fwd 0..3 at 0..3 s; bwd 3 at 4, bwd 2 at 6, bwd 1 at 9, bwd 0 at 10
+    times.points = [(p, float(p)) for p in range(4)] + [(point(False, 3, n), 4.0), (point(False, 2, n), 6.0), (point(False, 1, n), 9.0), (point(False, 0, n), 10.0)]
+    times.waits = [(6.5, 7.5), (1.0, 1.5)]  # one in layer 2's backward; one in the forward
+    assert times.backward_seconds(n) == {3: 2.0, 2: 2.0, 1: 1.0}

@@ -10,7 +10,7 @@ from torch import nn
 import hostswap
 from hostswap.passes.activation_offload import ACT_BOUNDARY, ACT_OFFLOAD, ACT_RELOAD, ActivationOffloadError
 from hostswap.runtime.activation_offload import OffloadSynchronizer
-from hostswap.schedules.sync_dict import ActivationSchedule, NoOverlapWarning, SyncDictError, default_sync_dict, validate_sync_dict
+from hostswap.schedules.sync_dict import ActivationSchedule, NoOverlapWarning, SyncDictError, default_sync_dict, fitted_sync_dict, point, validate_sync_dict
 
 H = 32
 
@@ -243,6 +243,63 @@ def test_default_dictionary_and_its_limits():
     for bad in (0, True, 1.5):
         with pytest.raises(SyncDictError, match="reload_ahead must be an int >= 1"):
             default_sync_dict(5, 2, reload_ahead=bad)
+
+
+def _reload_lateness(sync, n, backward_s, reload_s):
+    """Simulate the backward: reloads one after another on one copy stream, each starting when
+    the backward reaches its point; seconds each lands after its layer's backward begins."""
+    begins = {n - 1: 0.0}
+    for j in range(n - 2, -1, -1):
+        begins[j] = begins[j + 1] + backward_s[j + 1]
+    free, late = -float("inf"), {}
+    for i in sorted(sync, reverse=True):  # the copy stream takes them in the order they are needed
+        p = point(sync[i][2], sync[i][3], n)
+        at = begins[2 * n - 1 - p] if p >= n else -float("inf")
+        free = max(free, at) + reload_s[i]
+        late[i] = free - begins[i]
+    return late
+
+
+def test_fitted_reloads_start_as_late_as_still_hides_them():
+    n, k = 8, 3
+    backward = {j: 1.0 for j in range(n)}
+    base = default_sync_dict(n, k, reload_ahead=1)
+    # reloads faster than a layer's backward: one layer ahead hides them (the leanest schedule)
+    assert fitted_sync_dict(base, n, backward, {i: 0.5 for i in range(k)}, margin=1.0) == base
+    # 2 layers' backward per reload: the stream is busy from bwd 6 to bwd 0, each landing just in time
+    fitted = fitted_sync_dict(base, n, backward, {i: 2.0 for i in range(k)}, margin=1.0)
+    assert {i: e[3] for i, e in fitted.items()} == {0: 2, 1: 4, 2: 6}
+    assert all(e[2] is False and e[:2] == base[i][:2] for i, e in fitted.items())
+    assert max(_reload_lateness(fitted, n, backward, {i: 2.0 for i in range(k)}).values()) <= 0
+    # 2.5: layer 2 cannot be hidden, and starts at its earliest point, the n-k bound (bwd 6),
+    # not at the backward's start, where n-k layers' activations are still on the GPU
+    fitted = fitted_sync_dict(base, n, backward, {i: 2.5 for i in range(k)}, margin=1.0)
+    assert {i: e[3] for i, e in fitted.items()} == {0: 3, 1: 5, 2: 6}
+    with pytest.raises(SyncDictError, match="layer 5 has none"):
+        fitted_sync_dict(base, n, {j: 1.0 for j in range(n) if j != 5}, {i: 0.5 for i in range(k)})
+
+
+@pytest.mark.parametrize("random_state", range(20))
+def test_fitted_reloads_are_on_time_and_latest(random_state):
+    """On random layer and copy times: where the earliest allowed points could land every reload
+    in time, the fitted ones do too; and no reload could start one point later without one
+    landing late (or it is at its own backward already)."""
+    g = torch.Generator().manual_seed(random_state)
+    n = int(torch.randint(4, 12, (1,), generator=g))
+    k = int(torch.randint(1, n - 1, (1,), generator=g))
+    backward = {j: float(torch.rand(1, generator=g)) + 0.1 for j in range(n)}
+    reload = {i: float(torch.rand(1, generator=g)) * 3 for i in range(k)}
+    earliest = default_sync_dict(n, k)
+    fitted = fitted_sync_dict(default_sync_dict(n, k, reload_ahead=1), n, backward, reload, margin=1.0)
+    validate_sync_dict(fitted, n)
+    if all(v <= 1e-9 for v in _reload_lateness(earliest, n, backward, reload).values()):
+        assert all(v <= 1e-9 for v in _reload_lateness(fitted, n, backward, reload).values())
+    for i, e in fitted.items():
+        if e[3] == i or point(e[2], e[3], n) == point(earliest[i][2], earliest[i][3], n) and max(_reload_lateness(fitted, n, backward, reload).values()) > 1e-9:
+            continue
+        later = dict(fitted)
+        later[i] = (e[0], e[1], False, e[3] - 1)
+        assert max(_reload_lateness(later, n, backward, reload).values()) > 1e-9, (i, fitted)
 
 
 def test_reload_ahead_reloads_late_and_stays_bitwise():

@@ -417,6 +417,38 @@ def test_offload_context_on_cuda_lowers_the_memory_after_forward_and_keeps_gradi
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_offload_context_fits_its_reload_points_on_cuda_from_events():
+    """reload_ahead='auto' on the GPU: each layer's backward timed by CUDA events, each reload by
+    its copy's events; the fitted dictionary is valid, never reloads later than one layer ahead,
+    and the steps after the fit keep the gradients of the steps before it."""
+    import hostswap.activations as activations
+    from hostswap.schedules.sync_dict import default_sync_dict, validate_sync_dict
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                         num_key_value_heads=4, max_position_embeddings=2048)
+    model = LlamaForCausalLM(config).cuda().train()
+    ids = torch.randint(0, 1024, (4, 1024), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    offload = activations.OffloadContext(model_layers=8, num_layers=4, reload_ahead="auto")
+    offload.attach(model.model.layers)
+    grads = []
+    for step in range(5):
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    offload.detach()
+    print(f"backward ms per layer {({j: round(s * 1e3, 2) for j, s in offload._backward_s.items()})}, "
+          f"reload ms {({i: round(s * 1e3, 2) for i, s in offload._reload_s.items()})}, fitted {offload.synchronization_dict}")
+    assert sorted(offload._backward_s) == list(range(1, 8)) and all(s > 0 for s in offload._backward_s.values())
+    assert sorted(offload._reload_s) == list(range(4)) and all(s > 0 for s in offload._reload_s.values())
+    fitted = validate_sync_dict(offload.synchronization_dict, 8)
+    lean = default_sync_dict(8, 4, reload_ahead=1)
+    assert all(fitted[i][3] >= lean[i][3] for i in fitted)
+    for name, g in grads[1].items():  # before the fit (step 1) and after it (step 4): the same arithmetic
+        torch.testing.assert_close(grads[4][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def _quantized_llama(scheme: str, device: str):
     """A transformers Llama (random weights, 3 layers, hidden 1024: whole groups of 128 and no
     padding in the int4 layout) on ``device``: bf16 linear weights, quantized to ``scheme``
