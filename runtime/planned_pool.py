@@ -106,11 +106,12 @@ class PlannedPool(WeightPool):
         fills = sorted(layout.fill_offset)
         weight_of = schedule.probe_weight
         # depth 0 is the no-prefetch reference: each fill is copied at its own probe
-        self._runs = {} if schedule.prefetch_depth < 1 else coalesced_fills(
+        # {first fill: the fills copied with it}: one copy per run (what a profile of the copies sees)
+        self.copy_runs = {} if schedule.prefetch_depth < 1 else coalesced_fills(
             fills, {p: layout.fill_offset[p] for p in fills},
             {p: (self.host[weight_of[p]].untyped_storage().data_ptr(), self.host[weight_of[p]].data_ptr()) for p in fills},
             {p: self.sizes[weight_of[p]] for p in fills}, layout.fill_waits_for, frozenset(layout.carry_waits_for))
-        self._in_run = {q for rest in self._runs.values() for q in rest}
+        self._in_run = {q for rest in self.copy_runs.values() for q in rest}
         # Only kernels that a ring fill waits for need an event (none when all is resident).
         waited = list(layout.fill_waits_for.values()) + list(layout.carry_waits_for.values())
         self._awaited_kernels = frozenset(k for k in waited if k >= 0)
@@ -264,7 +265,7 @@ class PlannedPool(WeightPool):
             )
         if q in self._in_run:
             return  # copied with the first fill of its run
-        rest = self._runs.get(q)
+        rest = self.copy_runs.get(q)
         if rest is None:
             self._forward_bytes += self._copy_fill(q, waits_for)
             return

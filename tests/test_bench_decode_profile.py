@@ -61,3 +61,29 @@ def test_budget_names():
     assert budget_bytes("20.5MiB", Schedule) == int(20.5 * 2**20)
     with pytest.raises(ValueError, match="budget '3GB'"):
         budget_bytes("3GB", Schedule)
+
+
+def test_layout_fills_are_the_copies_the_pool_issues(tmp_path):
+    """A run of fills the planned pool copies together is one copy in a trace: layout_fills
+    gives one Fill per copy, with the run's bytes, so the trace's copies map one to one."""
+    import torch
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    import hostswap
+    from hostswap.runtime import Module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).eval()
+    quantize_(model, Int8WeightOnlyConfig())
+    x = torch.randn(1, 256)
+    hostswap.prepare_quantized(model)
+    pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (x,))), tmp_path / "q")
+    schedule = hostswap.schedules.load_weight_schedule(pte)
+    with Module(pte, ptd, weight_offload_budget_mb=schedule.floor_bytes / 2**20, device="cpu", policy="planned") as m:
+        m(x)
+        fills = _profile.layout_fills(m)
+        per_forward = len(m.pool.layout.fill_offset)
+        assert m.stats["fills_coalesced"] > 0
+        assert len(fills) == per_forward - m.stats["fills_coalesced"]
+        assert sum(f.nbytes for f in fills) == m.stats["bytes_h2d"]
+        assert any("copied with it" in f.weight for f in fills)
