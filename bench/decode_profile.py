@@ -98,20 +98,11 @@ def replay_timeline(trace_events: list[dict], fills: list[Fill]) -> dict:
 
 
 def layout_fills(module) -> list[Fill]:
-    """The ring fills of a loaded planned ``Module``'s forward as its copies issue them: a run of
-    fills copied together (``PlannedPool.copy_runs``) is one copy, named by its first weight."""
+    """The ring fills of a loaded planned ``Module``'s forward, in issue order: one copy each."""
     pool, schedule = module.pool, module.schedule
     layout = pool.layout
-    runs = pool.copy_runs
-    joined = {q for rest in runs.values() for q in rest}
-    out = []
-    for p in sorted(layout.fill_offset):
-        if p in joined:
-            continue
-        run = [p, *runs.get(p, [])]
-        name = schedule.fqns[schedule.probe_weight[p]] + (f" (+{len(run) - 1} copied with it)" if len(run) > 1 else "")
-        out.append(Fill(name, sum(schedule.weight_bytes[schedule.probe_weight[q]] for q in run), layout.fill_waits_for[p]))
-    return out
+    return [Fill(schedule.fqns[schedule.probe_weight[p]], schedule.weight_bytes[schedule.probe_weight[p]], layout.fill_waits_for[p])
+            for p in sorted(layout.fill_offset)]
 
 
 def budget_bytes(name: str, schedule) -> int:

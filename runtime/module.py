@@ -27,7 +27,7 @@ from hostswap.schedules.weight_schedule import check_prefetch_depth
 
 
 # PoolStats counters a graph replay advances by what its captured forward counted.
-_REPLAY_COUNTED = ("forwards", "hits", "misses", "bytes_h2d", "prefetches_issued", "prefetches_used", "fills_carried", "bytes_carried", "fills_coalesced")
+_REPLAY_COUNTED = ("forwards", "hits", "misses", "bytes_h2d", "prefetches_issued", "prefetches_used", "fills_carried", "bytes_carried")
 # The PoolStats fields it leaves as they are, and why. Every field is in one of the two
 # (tests/test_runtime.py): a counter added later must be placed.
 _REPLAY_NOT_COUNTED = {

@@ -37,34 +37,6 @@ def carry_count(carry_bytes: list[int], span_s: float, tail_s: float, forward_by
     return count
 
 
-def coalesced_fills(fills: list[int], ring_offset: dict[int, int], host_address: dict[int, tuple[int, int]], slot_bytes: dict[int, int],
-                    waits_for: dict[int, int], separate: frozenset) -> dict[int, list[int]]:
-    """Runs of consecutive ring fills that one copy can make: {first fill: [the fills after it]}.
-
-    A copy costs a few microseconds beyond its bytes, and a quantized linear is several fills
-    (data, scales, zero points) that the mapping often stores back to back. Fill ``q`` joins the
-    run of the fill before it when both wait for the same kernel (so the copy is as safe for
-    one as for the other), ``q``'s slot starts where the previous slot ends (the padding between
-    them is that slot's own: no other slot starts inside an aligned slot), and its bytes in the
-    mapping (``host_address``: (storage, address)) lie at the same distance from the previous
-    fill's. Fills in ``separate`` (those a forward may carry into the next) stay single.
-    """
-    runs: dict[int, list[int]] = {}
-    first = prev = None
-    for q in fills:
-        joins = (prev is not None and q not in separate and prev not in separate and waits_for[q] == waits_for[prev]
-                 and ring_offset[q] - ring_offset[prev] == slot_bytes[prev]
-                 and host_address[q][0] == host_address[prev][0]
-                 and host_address[q][1] - host_address[prev][1] == slot_bytes[prev])
-        if joins:
-            runs[first].append(q)
-        else:
-            first = q
-            runs[q] = []
-        prev = q
-    return {q: rest for q, rest in runs.items() if rest}
-
-
 class PlannedPool(WeightPool):
     """Serves each probe from a fixed resident region or a fixed ring slot of one arena."""
 
@@ -103,15 +75,6 @@ class PlannedPool(WeightPool):
             elif p in layout.reuse_offset:
                 self._source_fill[p] = last_fill[(w, layout.reuse_offset[p])]
         self._fill_events = self.streams.completion_events(layout.fill_offset)
-        fills = sorted(layout.fill_offset)
-        weight_of = schedule.probe_weight
-        # depth 0 is the no-prefetch reference: each fill is copied at its own probe
-        # {first fill: the fills copied with it}: one copy per run (what a profile of the copies sees)
-        self.copy_runs = {} if schedule.prefetch_depth < 1 else coalesced_fills(
-            fills, {p: layout.fill_offset[p] for p in fills},
-            {p: (self.host[weight_of[p]].untyped_storage().data_ptr(), self.host[weight_of[p]].data_ptr()) for p in fills},
-            {p: self.sizes[weight_of[p]] for p in fills}, layout.fill_waits_for, frozenset(layout.carry_waits_for))
-        self._in_run = {q for rest in self.copy_runs.values() for q in rest}
         # Only kernels that a ring fill waits for need an event (none when all is resident).
         waited = list(layout.fill_waits_for.values()) + list(layout.carry_waits_for.values())
         self._awaited_kernels = frozenset(k for k in waited if k >= 0)
@@ -263,28 +226,7 @@ class PlannedPool(WeightPool):
                 f"ring fill for probe {q} ('{self.schedule.fqns[self.schedule.probe_weight[q]]}') must wait for kernel {waits_for}, "
                 f"but only kernels up to {self._launched} have been launched in this forward"
             )
-        if q in self._in_run:
-            return  # copied with the first fill of its run
-        rest = self.copy_runs.get(q)
-        if rest is None:
-            self._forward_bytes += self._copy_fill(q, waits_for)
-            return
-        self.streams.copy_waits_for_kernel(waits_for)
-        last = self.schedule.probe_weight[rest[-1]]
-        start = self.layout.fill_offset[q]
-        span = self.layout.fill_offset[rest[-1]] + self.schedule.weight_bytes[last] - start
-        first = self.host[self.schedule.probe_weight[q]]
-        source = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage(), first.storage_offset() * first.element_size(), (span,), (1,))
-        target = self.layout.ring_offset + start
-        event = self.streams.copy(self.arena[target : target + span], source, self._fill_events.get(q))
-        self._ring_ready[q] = event
-        for p in rest:  # each fill keeps its own event: a reader waits on its fill's
-            self._ring_ready[p] = self.streams.record_copy_event(self._fill_events.get(p))
-        for p in (q, *rest):
-            nbytes = self.schedule.weight_bytes[self.schedule.probe_weight[p]]
-            self.stats.bytes_h2d += nbytes
-            self._forward_bytes += nbytes
-        self.stats.fills_coalesced += len(rest)
+        self._forward_bytes += self._copy_fill(q, waits_for)
 
     def _copy_fill(self, q: int, waits_for: int) -> int:
         """Copy probe ``q``'s weight into its ring slot after kernel ``waits_for``; its bytes."""

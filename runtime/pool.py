@@ -48,7 +48,6 @@ class PoolStats:
     fragmentation_evictions: int = 0  # lru: victims beyond the byte count, for a refused allocation
     fills_carried: int = 0  # planned on CUDA: fills issued at the end of a forward for the next
     bytes_carried: int = 0  # their bytes (counted in bytes_h2d too)
-    fills_coalesced: int = 0  # planned: fills copied within an earlier fill's copy (adjacent in the mapping and the ring)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

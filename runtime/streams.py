@@ -104,15 +104,6 @@ class CopyStreams:
         event.record(self.copy_stream)
         return event
 
-    def record_copy_event(self, event=None):
-        """An event after the copies queued so far (None on CPU); ``event`` re-recorded if given."""
-        if not self.cuda:
-            return None
-        if event is None:
-            event = torch.cuda.Event()
-        event.record(self.copy_stream)
-        return event
-
     def completion_events(self, keys) -> dict:
         """One reusable copy-completion event per key (none on CPU, where copies are synchronous)."""
         return {k: torch.cuda.Event() for k in keys} if self.cuda else {}
