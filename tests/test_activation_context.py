@@ -292,3 +292,27 @@ def test_step_times_subtract_the_waits_for_copies_from_a_layers_backward():
     times.points = [(p, float(p)) for p in range(4)] + [(point(False, 3, n), 4.0), (point(False, 2, n), 6.0), (point(False, 1, n), 9.0), (point(False, 0, n), 10.0)]
     times.waits = [(6.5, 7.5), (1.0, 1.5)]  # one in layer 2's backward; one in the forward
     assert times.backward_seconds(n) == {3: 2.0, 2: 2.0, 1: 1.0}
+
+
+def test_under_torch_compile_gradients_are_bitwise_the_compile_backends():
+    """One implementation, two front ends: the same model compiled the same way (AOTAutograd)
+    gives bitwise the same gradients with OffloadContext attached as with the activation
+    offload backend offloading the same layers. (Eager and compiled differ from each other in
+    the last bits, offload or not: AOTAutograd's decompositions of the loss.)"""
+    import hostswap
+
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    backend = hostswap.activation_offload_backend(model_layers=4, num_layers=2, compiler="eager", min_tensor_size_to_offload=1024)
+    _, through_backend = _model_step(torch.compile(_llama(), backend=backend), ids)
+    torch._dynamo.reset()
+    model = _llama()
+    offload = activations.OffloadContext(model_layers=4, num_layers=2, min_offload_bytes=1024)
+    offload.attach(model.model.layers)
+    _, through_context = _model_step(torch.compile(model, backend="aot_eager"), ids)
+    torch._dynamo.reset()
+    assert backend.synchronizer.bytes_offloaded > 0 and offload.stats["bytes_offloaded"] > 0
+    assert {"offload", "release", "reload"} <= {a for a, _ in offload.stats["log"]}
+    assert through_backend.keys() == through_context.keys()
+    for name, g in through_backend.items():
+        assert torch.equal(through_context[name], g), name
