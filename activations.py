@@ -61,6 +61,8 @@ class OffloadContext:
             sync = validate_sync_dict(synchronization_dict, model_layers)
         self._backward_s: dict[int, float] = {}  # calibration: the fastest of each layer's backward
         self._reload_s: dict[int, float] = {}  # and of each offloaded layer's copy back
+        self._reload_bytes: dict[int, int] = {}  # and its bytes
+        self._headroom: dict[int, int] | None = None  # layer -> bytes free at its backward start (CUDA only)
         self.schedule = ActivationSchedule(model_layers, sync)
         self.synchronizer = OffloadSynchronizer(self.schedule, device)
         self.min_offload_bytes = min_offload_bytes
@@ -91,6 +93,23 @@ class OffloadContext:
         self._marks = {layer: self._backward_mark(layer) for layer in range(n)
                        if layer not in self.schedule.sync and (measuring or any(self.schedule.actions_at(point(False, layer, n))))}
 
+    def _measure_headroom(self, allocated: dict[int, int]) -> None:
+        """Bytes that each layer's backward start could hold beyond what the step held there,
+        without exceeding what it held where the backward began (the forward's end, about the
+        step's peak): the smallest over the measured steps. The leanest schedule, measured
+        here, holds offloaded layer j's reload at j's own backward start; that is taken off."""
+        n = self.schedule.model_layers
+        top = allocated.get(point(False, n - 1, n))
+        if top is None:  # no allocator to count (a machine without CUDA): no memory bound
+            return
+        for j in range(n - 1):
+            held = allocated.get(point(False, j, n))
+            if held is None:
+                continue
+            room = top - (held - (self._reload_bytes.get(j, 0) if j in self.schedule.sync else 0))
+            self._headroom = self._headroom if self._headroom is not None else {}
+            self._headroom[j] = min(self._headroom.get(j, room), room)
+
     @property
     def synchronization_dict(self) -> dict:
         """The dictionary the offload runs on now (with ``reload_ahead='auto'``, the fitted one
@@ -110,10 +129,13 @@ class OffloadContext:
                 for table, measured in ((self._backward_s, backward), (self._reload_s, reload)):
                     for key, seconds in measured.items():
                         table[key] = min(table.get(key, seconds), seconds)
+                self._reload_bytes = s.layer_bytes()
+                self._measure_headroom(s.times.allocated)
                 self._fit_steps_left -= 1
             s.times = None
             if self._fit_steps_left == 0:
-                self.schedule.sync = fitted_sync_dict(self.schedule.sync, n, self._backward_s, self._reload_s)
+                self.schedule.sync = fitted_sync_dict(self.schedule.sync, n, self._backward_s, self._reload_s,
+                                                      reload_bytes=self._reload_bytes, headroom=self._headroom)
                 self._place_marks()
                 return
         if s._transfers is not None:  # the device is known once a step has run

@@ -615,12 +615,18 @@ def train_targets(rows: list[dict], bandwidth: dict) -> list[tuple[str, bool, st
                        "; ".join(f"{r['config']}: {'out of memory' if 'error' in r else 'fits'}" for r in plain)))
     if ours:
         checks.append(("hostswap's capped step fits", "error" not in ours, ours.get("error", f"peak {(ours.get('peak_bytes') or 0) / 2**30:.2f} GiB")))
-    reference = by.get(MASTER_REFERENCE_ROW)
+    reference, again = by.get(MASTER_REFERENCE_ROW), by.get(MASTER_REFERENCE_ROW + ", again")
     if ours and reference and "error" not in ours and "error" not in reference:
-        # the same arithmetic; a GPU's backward (atomic adds) is not bitwise run to run
-        worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], reference["losses"]))
-        checks.append((f"{TRAIN_OPTIMIZER_ROW}: the losses of {MASTER_REFERENCE_ROW}, within 0.1 %", worst <= 1e-3,
-                       f"largest difference {worst:.2e} of the loss over {len(ours['losses'])} steps"))
+        # the same arithmetic; a GPU's backward (atomic adds) is not bitwise run to run, and the
+        # steps carry its differences on: held to 0.1 %, or to twice what the reference moves
+        # from one run of its own code to the next
+        apart = lambda x, y: max(abs(a - b) / abs(b) for a, b in zip(x["losses"], y["losses"]))  # noqa: E731
+        worst = apart(ours, reference)
+        spread = apart(again, reference) if again and "error" not in again else None
+        allowed = max(1e-3, 2 * spread) if spread is not None else 1e-3
+        checks.append((f"{TRAIN_OPTIMIZER_ROW}: the losses of {MASTER_REFERENCE_ROW}, within 0.1 % or twice its own run-to-run difference", worst <= allowed,
+                       f"largest difference {worst:.2e} of the loss over {len(ours['losses'])} steps"
+                       + (f"; the reference run twice: {spread:.2e}" if spread is not None else "")))
     # like for like: the same weights' dtype and master
     for mine, theirs in (("hostswap OffloadAdamW, bf16", "torchao CPUOffloadOptimizer, bf16"),
                          (TRAIN_OPTIMIZER_ROW, "torchao CPUOffloadOptimizer, fp32 master (bf16 autocast)")):

@@ -503,6 +503,8 @@ def main(argv=None) -> int:
     b.run(Config("torchao CPUOffloadOptimizer, fp32 master (bf16 autocast), whole GPU", optimizer="cpu-offload", capped=False, **fp32_master))
     b.run(Config("hostswap OffloadAdamW, bf16", optimizer="offload"))
     b.run(Config(MASTER_REFERENCE_ROW, optimizer="adamw-master", capped=False))
+    if b.device.type == "cuda":  # the same code again: how far a GPU's backward (atomic adds) moves the losses run to run
+        b.run(Config(MASTER_REFERENCE_ROW + ", again", optimizer="adamw-master", capped=False))
     b.run(Config("hostswap OffloadAdamW, fp32 master", optimizer="offload-master"))
     b.run(Config(f"hostswap OffloadAdamW + OffloadContext {k}/{n} layers, reload_ahead=1, {args.accumulate} micro-batches", optimizer="offload-master",
                  accumulate=args.accumulate, offload_layers=k, reload_ahead=1))

@@ -186,6 +186,12 @@ class StepTimes:
         self.device = device
         self.points: list[tuple[int, object]] = []
         self.waits: list[tuple[object, object]] = []
+        self.allocated: dict[int, int] = {}  # point -> the allocator's bytes there (CUDA: a host-side count, no sync)
+
+    def at(self, p: int) -> None:
+        self.points.append((p, self.stamp()))
+        if self.cuda:
+            self.allocated.setdefault(p, torch.cuda.memory_allocated(self.device))
 
     def stamp(self):
         if not self.cuda:
@@ -324,7 +330,7 @@ class OffloadSynchronizer:
     def at_point(self, p: int) -> None:
         self.flush_offloads()
         if self.times is not None:
-            self.times.points.append((p, self.times.stamp()))
+            self.times.at(p)
         if self.memory_trace is not None and torch.cuda.is_available():
             device = self._transfers.device if self._transfers is not None else torch.device("cuda", torch.cuda.current_device())
             self.memory_trace.append((point_name(p, self.schedule.model_layers), torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
@@ -437,6 +443,14 @@ class OffloadSynchronizer:
     def transfer_seconds(self) -> dict[int, float]:
         """Tensor id -> seconds its copies to host and back took in the last step."""
         return self._transfers.seconds_by_tag() if self._transfers is not None else {}
+
+    def layer_bytes(self) -> dict[int, int]:
+        """Layer -> bytes of its activations offloaded in the last step (what its reload brings back)."""
+        out: dict[int, int] = {}
+        for state in self.tensors.values():
+            if state.copied and state.host is not None:
+                out[state.layer] = out.get(state.layer, 0) + state.host.numel() * state.host.element_size()
+        return out
 
     def reload_seconds(self) -> dict[int, float]:
         """Layer -> seconds its copies back to the device took in the last step."""

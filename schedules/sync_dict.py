@@ -67,7 +67,8 @@ def default_sync_dict(model_layers: int, num_layers: int, reload_ahead: int | No
 
 
 def fitted_sync_dict(sync: dict[int, SyncEntry], model_layers: int, backward_s: dict[int, float], reload_s: dict[int, float],
-                     earliest: dict[int, SyncEntry] | None = None, margin: float = 1.15) -> dict[int, SyncEntry]:
+                     earliest: dict[int, SyncEntry] | None = None, margin: float = 1.15,
+                     reload_bytes: dict[int, int] | None = None, headroom: dict[int, int] | None = None) -> dict[int, SyncEntry]:
     """``sync`` with each offloaded layer's reload moved to the latest backward point from which
     the reloads, one after another on the copy stream, still land before their layers' backward
     begins: the copies stay hidden, and the reloaded layers come back as late as that allows,
@@ -78,6 +79,13 @@ def fitted_sync_dict(sync: dict[int, SyncEntry], model_layers: int, backward_s: 
     ``margin``. A reload is never moved before its point in ``earliest`` (by default the n-k
     bound of ``default_sync_dict``), nor before its offload finishes; where even that cannot hide
     it, that earliest point is where it starts.
+
+    With ``headroom`` (layer j -> bytes the device can hold beyond what the step holds anyway when
+    layer j's backward begins, without raising the step's peak) and ``reload_bytes`` (offloaded
+    layer i -> bytes its reload brings back), memory comes first: a reload is moved later, one
+    point at a time down to one layer ahead, while the reloads under way at some point would
+    exceed its headroom; the copies may then not be hidden. A reloaded layer counts from its
+    reload's point until its own backward.
     """
     n = model_layers
     offloaded = sorted(sync)
@@ -103,6 +111,20 @@ def fitted_sync_dict(sync: dict[int, SyncEntry], model_layers: int, backward_s: 
         p = max(point(False, j, n), first)
         fwd = p < n
         out[i] = (sync[i][0], sync[i][1], fwd, p if fwd else 2 * n - 1 - p)
+    if headroom is not None:
+        missing = [i for i in offloaded if reload_bytes is None or i not in reload_bytes]
+        if missing:
+            raise SyncDictError(f"fitting reload points to the headroom needs every offloaded layer's reload bytes; layer {missing[0]} has none")
+        under_way: dict[int, int] = {}  # layer j -> bytes reloaded and not yet used when layer j's backward begins
+        for i in reversed(offloaded):  # the copy stream's order: the first reload keeps its point first
+            fwd, start = out[i][2], out[i][3]
+            if fwd:
+                continue
+            while start > i + 1 and any(under_way.get(j, 0) + reload_bytes[i] > headroom.get(j, float("inf")) for j in range(i, start)):
+                start -= 1
+            for j in range(i, start):
+                under_way[j] = under_way.get(j, 0) + reload_bytes[i]
+            out[i] = (sync[i][0], sync[i][1], False, start)
     return validate_sync_dict(out, n)
 
 

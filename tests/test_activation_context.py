@@ -316,3 +316,18 @@ def test_under_torch_compile_gradients_are_bitwise_the_compile_backends():
     assert through_backend.keys() == through_context.keys()
     for name, g in through_backend.items():
         assert torch.equal(through_context[name], g), name
+
+
+def test_headroom_is_what_each_backward_start_holds_below_the_backwards_start():
+    """What the leanest schedule measured, less the offloaded layer's own reload it holds at its
+    backward start; the smallest over the measured steps; nothing where no allocator counts."""
+    n = 4
+    offload = activations.OffloadContext(model_layers=n, num_layers=1, reload_ahead="auto")
+    offload._reload_bytes = {0: 10}
+    offload._measure_headroom({})
+    assert offload._headroom is None  # a machine without CUDA
+    at = {point(False, 3, n): 1000, point(False, 2, n): 900, point(False, 1, n): 800, point(False, 0, n): 700}
+    offload._measure_headroom(at)
+    assert offload._headroom == {2: 100, 1: 200, 0: 310}
+    offload._measure_headroom({**at, point(False, 1, n): 950})
+    assert offload._headroom == {2: 100, 1: 50, 0: 310}

@@ -279,6 +279,25 @@ def test_fitted_reloads_start_as_late_as_still_hides_them():
         fitted_sync_dict(base, n, {j: 1.0 for j in range(n) if j != 5}, {i: 0.5 for i in range(k)})
 
 
+def test_fitted_reloads_keep_within_the_headroom_the_step_leaves():
+    """Memory first: a reload that would hold more than a point's headroom moves later, down to
+    one layer ahead (the leanest), even if its copy is then no longer hidden."""
+    n, k = 8, 3
+    backward, reload = {j: 1.0 for j in range(n)}, {i: 2.0 for i in range(k)}
+    base = default_sync_dict(n, k, reload_ahead=1)
+    nbytes = {i: 100 for i in range(k)}
+    starts = lambda sync: {i: e[3] for i, e in sync.items()}  # noqa: E731
+    assert starts(fitted_sync_dict(base, n, backward, reload, margin=1.0, reload_bytes=nbytes, headroom={})) == {0: 2, 1: 4, 2: 6}
+    # layer 5's backward start has room for half a layer: layer 2 starts at 5; layer 3's for one
+    # and a half: layer 1 (under way beside layer 2 there) starts at 3
+    fitted = fitted_sync_dict(base, n, backward, reload, margin=1.0, reload_bytes=nbytes, headroom={5: 50, 3: 150})
+    assert starts(fitted) == {0: 2, 1: 3, 2: 5}
+    # no room anywhere: the leanest schedule
+    assert fitted_sync_dict(base, n, backward, reload, margin=1.0, reload_bytes=nbytes, headroom={j: 0 for j in range(n)}) == base
+    with pytest.raises(SyncDictError, match="reload bytes; layer 0 has none"):
+        fitted_sync_dict(base, n, backward, reload, headroom={})
+
+
 @pytest.mark.parametrize("random_state", range(20))
 def test_fitted_reloads_are_on_time_and_latest(random_state):
     """On random layer and copy times: where the earliest allowed points could land every reload

@@ -87,3 +87,16 @@ def test_overhead_part_holds_only_rows_whose_copies_fit_beside_compute_to_5_perc
     assert not met and detail.startswith("+8.0%; copies out 43 ms beside a 300 ms forward")
     text, checks = _report.overhead_part({"batch": 1, "error": "OutOfMemoryError: CUDA out of memory"}, bw)
     assert "OutOfMemoryError" in text and checks == []
+
+
+def test_optimizer_losses_are_held_to_the_references_own_run_to_run_difference():
+    name = "hostswap OffloadAdamW, fp32 master: the losses of plain AdamW on fp32 masters, bf16 weights, whole GPU, within 0.1 % or twice its own run-to-run difference"
+    reference = _row(_report.MASTER_REFERENCE_ROW, capped=False, losses=[4.0, 3.0, 2.0])
+    ours = _row(_report.TRAIN_OPTIMIZER_ROW, losses=[4.0, 3.0, 2.004])  # 2e-3 apart at the last step
+    met, detail = {n: (m, d) for n, m, d in _report.train_targets([reference, ours], {})}[name]
+    assert not met and detail == "largest difference 2.00e-03 of the loss over 3 steps"
+    again = _row(_report.MASTER_REFERENCE_ROW + ", again", capped=False, losses=[4.0, 3.0015, 2.0])  # the same code moves 5e-4
+    assert not {n: m for n, m, _ in _report.train_targets([reference, again, ours], {})}[name]
+    again["losses"] = [4.0, 3.0, 2.0024]  # 1.2e-3: twice that holds 2e-3
+    met, detail = {n: (m, d) for n, m, d in _report.train_targets([reference, again, ours], {})}[name]
+    assert met and detail.endswith("; the reference run twice: 1.20e-03")

@@ -439,9 +439,13 @@ def test_offload_context_fits_its_reload_points_on_cuda_from_events():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     offload.detach()
     print(f"backward ms per layer {({j: round(s * 1e3, 2) for j, s in offload._backward_s.items()})}, "
-          f"reload ms {({i: round(s * 1e3, 2) for i, s in offload._reload_s.items()})}, fitted {offload.synchronization_dict}")
+          f"reload ms {({i: round(s * 1e3, 2) for i, s in offload._reload_s.items()})}, headroom MiB {({j: b >> 20 for j, b in offload._headroom.items()})}, "
+          f"fitted {offload.synchronization_dict}")
     assert sorted(offload._backward_s) == list(range(1, 8)) and all(s > 0 for s in offload._backward_s.values())
     assert sorted(offload._reload_s) == list(range(4)) and all(s > 0 for s in offload._reload_s.values())
+    # the allocator's count at each backward start bounds how early a reload may come
+    assert offload._headroom is not None and sorted(offload._headroom) == list(range(7))
+    assert sorted(offload._reload_bytes) == list(range(4)) and all(b > 0 for b in offload._reload_bytes.values())
     fitted = validate_sync_dict(offload.synchronization_dict, 8)
     lean = default_sync_dict(8, 4, reload_ahead=1)
     assert all(fitted[i][3] >= lean[i][3] for i in fitted)
