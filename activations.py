@@ -19,6 +19,11 @@ save (Megatron's fine-grained choice): fnmatch patterns over names relative to t
 given as ``offload.layer(i, module=layer)``. ``stats["bytes_by_module"]`` gives the bytes
 each pattern offloaded in the last step.
 
+``reload_ahead="auto"`` fits the reload points to the machine: the second and third steps are
+timed on the leanest schedule (``reload_ahead=1``), then each reload starts as late as still
+lands it before its layer's backward, within the memory the step holds anyway
+(``schedules.sync_dict.fitted_sync_dict``); ``offload.synchronization_dict`` shows the result.
+
 ``offload.attach(model.model.layers)`` does the ``with offload.layer(i, module=layer)`` around
 every call of the i-th layer, so a transformers model's own forward offloads without a loop
 of one's own; ``offload.detach()`` undoes it.
