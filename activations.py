@@ -107,13 +107,10 @@ class OffloadContext:
         top = allocated.get(point(False, n - 1, n))
         if top is None:  # no allocator to count (a machine without CUDA): no memory bound
             return
-        for j in range(n - 1):
-            held = allocated.get(point(False, j, n))
-            if held is None:
-                continue
-            room = top - (held - (self._reload_bytes.get(j, 0) if j in self.schedule.sync else 0))
-            self._headroom = self._headroom if self._headroom is not None else {}
-            self._headroom[j] = min(self._headroom.get(j, room), room)
+        rooms = {j: top - (allocated[p] - (self._reload_bytes.get(j, 0) if j in self.schedule.sync else 0))
+                 for j in range(n - 1) if (p := point(False, j, n)) in allocated}
+        earlier = self._headroom if self._headroom is not None else rooms
+        self._headroom = {j: min(room, earlier.get(j, room)) for j, room in rooms.items()}
 
     @property
     def synchronization_dict(self) -> dict:
@@ -143,8 +140,8 @@ class OffloadContext:
                                                       reload_bytes=self._reload_bytes, headroom=self._headroom)
                 self._place_marks()
                 return
-        if s._transfers is not None:  # the device is known once a step has run
-            s.times = StepTimes(s._transfers.device)
+        if s.device is not None:  # known once a step has run
+            s.times = StepTimes(s.device)
 
     @property
     def stats(self) -> dict:

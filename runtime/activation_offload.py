@@ -201,8 +201,8 @@ class StepTimes:
         return event
 
     def seconds(self) -> tuple[dict[int, float], list[tuple[float, float]]]:
-        """(point -> seconds since the step's first point, [(wait began, ended)]); waits for the
-        step's last event on CUDA."""
+        """(point -> seconds since the step's first point, [(wait began, ended)]); on CUDA, waits
+        until the GPU has passed the step's stamps."""
         if not self.points:
             return {}, []
         first = self.points[0][1]
@@ -281,6 +281,11 @@ class OffloadSynchronizer:
             slots = [k for k, t in enumerate(ids) if t in rank]
             for k, t in zip(slots, sorted((ids[k] for k in slots), key=rank.get)):
                 ids[k] = t
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device of the activations offloaded so far (None before the first)."""
+        return self._transfers.device if self._transfers is not None else None
 
     @property
     def host_bytes(self) -> int:
