@@ -343,6 +343,9 @@ class ActivationOffloadBackend:
             raise ActivationOffloadError("give exactly one of num_layers=, synchronization_dict= or manual=True")
         if reload_ahead is not None and num_layers is None:
             raise ActivationOffloadError("reload_ahead= applies to the default schedule: give it with num_layers=")
+        if reload_ahead == "auto":
+            raise ActivationOffloadError("reload_ahead='auto' is OffloadContext's: it moves reload points after measuring steps, and the "
+                                         "backend's points are fixed in the graphs when it compiles; give an int (layers ahead)")
         if manual:
             default_sync_dict(model_layers, 0)  # validates model_layers
             sync = {i: (True, min(i + 1, model_layers - 1), False, i) for i in range(model_layers)}

@@ -414,6 +414,8 @@ def test_backend_errors():
         hostswap.activation_offload_backend(model_layers=4, synchronization_dict={}, reload_ahead=1)
     with pytest.raises(SyncDictError, match="reload_ahead must be an int >= 1"):
         hostswap.activation_offload_backend(model_layers=4, num_layers=1, reload_ahead=0)
+    with pytest.raises(ActivationOffloadError, match="reload_ahead='auto' is OffloadContext's"):
+        hostswap.activation_offload_backend(model_layers=4, num_layers=1, reload_ahead="auto")
     backend = hostswap.activation_offload_backend(model_layers=6, num_layers=1, compiler="eager")
     with pytest.raises(Exception, match="model_layers=6, but the compiled model has 4 blocks"):
         _steps(Stack(MLPBlock), backend, torch.randn(2, 16, H), steps=1)
