@@ -331,3 +331,23 @@ def test_headroom_is_what_each_backward_start_holds_below_the_backwards_start():
     assert offload._headroom == {2: 100, 1: 200, 0: 310}
     offload._measure_headroom({**at, point(False, 1, n): 950})
     assert offload._headroom == {2: 100, 1: 50, 0: 310}
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_auto_reload_points_are_fitted_under_gradient_checkpointing(use_reentrant):
+    """With transformers' checkpointing a layer's backward begins where it is recomputed; the
+    calibration sees every layer's, fits, and the gradients stay those of checkpointing alone."""
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    reference = _llama(6)
+    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    _, expected = _model_step(reference, ids)
+    model = _llama(6)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    offload = activations.OffloadContext(model_layers=6, num_layers=2, reload_ahead="auto", min_offload_bytes=1024)
+    offload.attach(model.model.layers)
+    for _ in range(4):
+        model.zero_grad()
+        _, grads = _model_step(model, ids)
+        assert all(torch.equal(grads[name], g) for name, g in expected.items())
+    assert offload._fit_steps_left == 0 and sorted(offload._backward_s) == [1, 2, 3, 4, 5]
+    assert offload.stats["bytes_offloaded"] > 0
