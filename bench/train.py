@@ -161,6 +161,7 @@ def save_on_cpu_layers(layers, k: int):
     """``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the first ``k`` layers;
     returns what undoes it."""
     wrapped_layers = list(layers)[:k]
+    before = [layer.__dict__.get("forward") for layer in wrapped_layers]  # an instance's own forward, if any
     for layer in wrapped_layers:
         forward = layer.forward
 
@@ -171,8 +172,11 @@ def save_on_cpu_layers(layers, k: int):
         layer.forward = wrapped
 
     def undo() -> None:
-        for layer in wrapped_layers:
-            del layer.forward  # the instance attribute: the class's forward again
+        for layer, forward in zip(wrapped_layers, before):
+            if forward is None:
+                del layer.forward  # the class's forward again
+            else:
+                layer.forward = forward
 
     return undo
 
