@@ -160,11 +160,11 @@ def test_page_ranges_merge_and_align():
 
 
 # --- program <-> weights identity --------------------------------------------------------------------
-def _twin(tmp_path, seed):
-    torch.manual_seed(seed)
+def _twin(tmp_path, random_state):
+    torch.manual_seed(random_state)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
     x = torch.randn(3, 16)
-    pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (x,))), tmp_path / f"twin{seed}")
+    pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (x,))), tmp_path / f"twin{random_state}")
     return model, x, pte, ptd
 
 

@@ -70,8 +70,8 @@ def llama(tmp_path_factory):
     return _exported["Llama"]
 
 
-def _prompt(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+def _prompt(n: int, random_state: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(random_state))
 
 
 @pytest.mark.parametrize("policy,budget", [("planned", "floor"), ("lru", "total")])
@@ -96,7 +96,7 @@ def test_greedy_tokens_equal_transformers_generate(exported, policy, budget):
 def test_logits_bitwise_equal_to_the_exported_program(exported):
     """Each method's logits, step after step through the shared cache, are bitwise those of
     the program torch.export traced (itself within 1e-6 of eager transformers)."""
-    ids = _prompt(CHUNK, seed=3)
+    ids = _prompt(CHUNK, random_state=3)
     exported.reset_reference_cache()
     steps = [("prefill", ids, torch.arange(CHUNK)), ("decode", ids[:, :1], torch.tensor([CHUNK])), ("decode", ids[:, 1:2], torch.tensor([CHUNK + 1]))]
     with torch.no_grad():
