@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 from hostswap.schedules.floor import StreamSequence, aligned, lru_requirement, probe_ends, ring_is_safe, ring_placement, ring_requirement
-
-if TYPE_CHECKING:  # annotations only: the schedule's rendering methods import this module
-    from hostswap.schedules.weight_schedule import WeightSchedule
+from hostswap.schedules.schedule_facts import ScheduleFacts
 
 
 class BudgetError(ValueError):
     """The budget cannot hold what the schedule needs."""
 
 
-def check_budget(schedule: WeightSchedule, budget_bytes: int) -> None:
+def check_budget(schedule: ScheduleFacts, budget_bytes: int) -> None:
     if budget_bytes < schedule.floor_bytes:
         raise BudgetError(
             f"weight_offload_budget_mb={budget_bytes / 2**20:.2f} is below this program's floor: "
@@ -49,7 +46,7 @@ class Action:
 class LruPolicy:
     """Per-weight allocations, least-recently-used victims, prefetch of the next d probes."""
 
-    def __init__(self, schedule: WeightSchedule, budget_bytes: int):
+    def __init__(self, schedule: ScheduleFacts, budget_bytes: int):
         check_budget(schedule, budget_bytes)
         self.schedule = schedule
         ids = {f: i for i, f in enumerate(schedule.fqns)}
@@ -172,7 +169,7 @@ class PlannedLayout:
         return self.ring_offset + self.ring_bytes
 
 
-def _stream_sequence(schedule: WeightSchedule, kept: set[int]) -> tuple[StreamSequence, list[int]]:
+def _stream_sequence(schedule: ScheduleFacts, kept: set[int]) -> tuple[StreamSequence, list[int]]:
     probes = [p for p, w in enumerate(schedule.probe_weight) if w not in kept]
     seq = StreamSequence(
         probe_weight=tuple(schedule.probe_weight[p] for p in probes),
@@ -183,7 +180,7 @@ def _stream_sequence(schedule: WeightSchedule, kept: set[int]) -> tuple[StreamSe
     return seq, probes
 
 
-def _spread_streamed(schedule: WeightSchedule, sizes: list[int], kept: set[int], pinned: set[int]) -> set[int]:
+def _spread_streamed(schedule: ScheduleFacts, sizes: list[int], kept: set[int], pinned: set[int]) -> set[int]:
     """``kept`` with, in every class of equal-sized weights, the same number streamed, but those
     evenly spaced in first-access order. Resident bytes are unchanged.
 
@@ -240,7 +237,7 @@ def link_cost(layout: "PlannedLayout") -> int:
     return layout.streamed_bytes + len(layout.fill_offset) * COPY_COST_BYTES
 
 
-def _keep_greedily(schedule: WeightSchedule, sizes: list[int], kept: set[int], budget_bytes: int, seq: StreamSequence, ring: int,
+def _keep_greedily(schedule: ScheduleFacts, sizes: list[int], kept: set[int], budget_bytes: int, seq: StreamSequence, ring: int,
                    small_first: bool) -> tuple[StreamSequence, int]:
     """Add weights to ``kept`` (in place) while the ring for what is left still fits beside them.
 
@@ -278,7 +275,7 @@ def _keep_greedily(schedule: WeightSchedule, sizes: list[int], kept: set[int], b
     return seq, ring
 
 
-def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
+def plan_layout(schedule: ScheduleFacts, budget_bytes: int) -> PlannedLayout:
     """Keep as many weight bytes resident as the budget allows beyond what streaming needs.
 
     Run-ahead at depth 0. With no prefetch, the smallest safe ring holds exactly the weights of
@@ -301,7 +298,7 @@ def plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
     return _plan_layout(schedule, budget_bytes)
 
 
-def _plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
+def _plan_layout(schedule: ScheduleFacts, budget_bytes: int) -> PlannedLayout:
     """The layout of the two keep orders that takes the link less time (``link_cost``).
 
     Keeping the largest weights resident streams the fewest bytes; keeping the small ones
@@ -316,7 +313,7 @@ def _plan_layout(schedule: WeightSchedule, budget_bytes: int) -> PlannedLayout:
     return min(largest_first, _plan_layout_in_order(schedule, budget_bytes, small_first=True), key=link_cost)
 
 
-def _plan_layout_in_order(schedule: WeightSchedule, budget_bytes: int, small_first: bool) -> PlannedLayout:
+def _plan_layout_in_order(schedule: ScheduleFacts, budget_bytes: int, small_first: bool) -> PlannedLayout:
     ids = {f: i for i, f in enumerate(schedule.fqns)}
     sizes = [aligned(b) for b in schedule.weight_bytes]
     pinned = {ids[f] for f in schedule.pin}
@@ -386,7 +383,7 @@ def _plan_layout_in_order(schedule: WeightSchedule, budget_bytes: int, small_fir
     )
 
 
-def issue_horizon(schedule: WeightSchedule, layout: PlannedLayout) -> list[int]:
+def issue_horizon(schedule: ScheduleFacts, layout: PlannedLayout) -> list[int]:
     """For each probe, the last probe whose ring fill may be issued once it is acquired.
 
     Prefetch depth counts streamed probes, as the ring's safety windows do (floor.windows):
@@ -403,7 +400,7 @@ def issue_horizon(schedule: WeightSchedule, layout: PlannedLayout) -> list[int]:
     return horizon
 
 
-def replay_lru(policy: LruPolicy, schedule: WeightSchedule, forwards: int):
+def replay_lru(policy: LruPolicy, schedule: ScheduleFacts, forwards: int):
     """Drive ``policy`` through ``forwards`` forwards as the runtime does, without memory.
 
     Yields ``(forward, action)``; a kernel counts as launched after its last probe.
@@ -418,7 +415,7 @@ def replay_lru(policy: LruPolicy, schedule: WeightSchedule, forwards: int):
                 policy.kernel_launched(kernel_of[p])
 
 
-def lru_streamed_bytes(schedule: WeightSchedule, budget_bytes: int, forwards: int = 2) -> int:
+def lru_streamed_bytes(schedule: ScheduleFacts, budget_bytes: int, forwards: int = 2) -> int:
     """Bytes the lru policy copies in a steady-state forward (the last of ``forwards``)."""
     policy = LruPolicy(schedule, budget_bytes)
     return sum(schedule.weight_bytes[a.weight] for forward, a in replay_lru(policy, schedule, forwards) if forward == forwards - 1 and a.kind == "load")

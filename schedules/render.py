@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tabulate import tabulate
 
 from hostswap.schedules.policies import lru_streamed_bytes, mb_ceil, plan_layout
-
-if TYPE_CHECKING:  # annotations only: the schedule's rendering methods import this module
-    from hostswap.schedules.weight_schedule import WeightSchedule
+from hostswap.schedules.schedule_facts import ScheduleFacts
 
 MB = 2**20
 
@@ -18,7 +14,7 @@ def _mb(nbytes: int) -> str:
     return f"{nbytes / MB:.2f}"
 
 
-def schedule_report(schedule: WeightSchedule, budget_bytes: int | None = None) -> dict:
+def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None) -> dict:
     floor = schedule.floor
     kernel_bytes = schedule.kernel_weight_bytes()
     j = floor.floor_kernel
@@ -78,7 +74,7 @@ def schedule_report(schedule: WeightSchedule, budget_bytes: int | None = None) -
     return report
 
 
-def render_tables(schedule: WeightSchedule, budget_bytes: int | None = None) -> str:
+def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None) -> str:
     r = schedule_report(schedule, budget_bytes)
     s = r["summary"]
     out = ["Summary"]
@@ -133,7 +129,7 @@ def render_tables(schedule: WeightSchedule, budget_bytes: int | None = None) -> 
     return "\n".join(out)
 
 
-def plot_schedule(schedule: WeightSchedule, path: str, budget_bytes: int | None = None) -> None:
+def plot_schedule(schedule: ScheduleFacts, path: str, budget_bytes: int | None = None) -> None:
     """Weight bytes per kernel in access order, with the floor and budget lines (PNG or SVG)."""
     try:
         import matplotlib

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 
 from hostswap.schedules.floor import Floor, compute_floor
+from hostswap.schedules.render import plot_schedule, render_tables, schedule_report
 
 SCHEDULE_VERSION = 4
 MAX_PREFETCH_DEPTH = 1024  # far beyond any useful depth; bounds what a corrupt file may ask for
@@ -127,18 +128,12 @@ class WeightSchedule:
             and self.host_read == other.host_read
         )
 
-    # Rendering lives in schedules/render.py; these are conveniences over it.
+    # Rendering lives in schedules/render.py (which reads the schedule as ScheduleFacts); these are conveniences over it.
     def table(self, budget_bytes: int | None = None) -> str:
-        from hostswap.schedules.render import render_tables
-
         return render_tables(self, budget_bytes)
 
     def to_dict(self, budget_bytes: int | None = None) -> dict:
-        from hostswap.schedules.render import schedule_report
-
         return schedule_report(self, budget_bytes)
 
     def plot(self, path: str, budget_bytes: int | None = None) -> None:
-        from hostswap.schedules.render import plot_schedule
-
         plot_schedule(self, path, budget_bytes)

@@ -2,7 +2,9 @@
 
 Data flows passes -> schedules -> runtime: a schedule module imports neither passes nor the
 runtime, a runtime module imports nothing from passes, and no module depends on itself
-through others. Imports under ``if TYPE_CHECKING:`` (annotations only) do not count.
+through others. Every import counts as a dependency wherever it stands: at module top, inside
+a function (a deferred import still needs the other module) and under ``if TYPE_CHECKING:``
+(an annotation names the other module's types, so it depends on them too).
 """
 
 from __future__ import annotations
@@ -20,42 +22,68 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(("hostswap",) + tuple(p for p in parts if p != "__init__"))
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _imports(tree: ast.AST) -> set[str]:
+def _imports(tree: ast.AST, module: str = "", is_package: bool = False) -> set[str]:
+    """Every hostswap import anywhere in ``tree`` (``module`` names it, for relative imports)."""
     found: set[str] = set()
-
-    def visit(node):
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("hostswap"))
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hostswap"):
-            # "from package import submodule" depends on the submodule, not on the package's __init__
-            found.update(f"{node.module}:{a.name}" for a in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join(package + ([base] if base else []))
+            if base.startswith("hostswap"):
+                # "from package import submodule" depends on the submodule, not on the package's __init__
+                found.update(f"{base}:{a.name}" for a in node.names)
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = {}
-    for layer in LAYERS:
-        for path in sorted((ROOT / layer).glob("*.py")):
-            modules[_module_name(path)] = _imports(ast.parse(path.read_text()))
+def _graph_of(sources: dict[str, str], packages: frozenset[str] = frozenset()) -> dict[str, set[str]]:
+    """Import graph of the modules whose source ``sources`` maps their dotted names to, with
+    edges only between those modules (``packages`` names the ones that are packages)."""
+    modules = {m: _imports(ast.parse(src), m, m in packages) for m, src in sources.items()}
+
     def resolve(imported: str) -> str:
         module, _, name = imported.partition(":")
         return f"{module}.{name}" if f"{module}.{name}" in modules else module
 
-    # keep edges to modules of the three layers
     return {m: {r for i in imports if (r := resolve(i)) in modules and r != m} for m, imports in modules.items()}
+
+
+def _graph() -> dict[str, set[str]]:
+    sources, packages = {}, set()
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).glob("*.py")):
+            sources[_module_name(path)] = path.read_text()
+            if path.name == "__init__.py":
+                packages.add(_module_name(path))
+    # keep edges to modules of the three layers
+    return _graph_of(sources, frozenset(packages))
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as ``[a, b, ..., a]``, or None if it has none."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module):
+        state[module] = 1
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            if state.get(imported) == 1:
+                return stack[stack.index(imported):] + [imported]
+            if imported not in state and (cycle := visit(imported)):
+                return cycle
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
 
 
 def test_flow_passes_schedules_runtime():
@@ -69,24 +97,29 @@ def test_flow_passes_schedules_runtime():
 
 
 def test_no_import_cycles():
-    graph = _graph()
-    state: dict[str, int] = {}
-    stack: list[str] = []
+    cycle = find_cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
-    def visit(module):
-        state[module] = 1
-        stack.append(module)
-        for imported in sorted(graph[module]):
-            if state.get(imported) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(imported):] + [imported]))
-            if imported not in state:
-                visit(imported)
-        stack.pop()
-        state[module] = 2
 
-    for module in sorted(graph):
-        if module not in state:
-            visit(module)
+def test_cycle_check_sees_function_and_type_checking_imports():
+    """A loop closed by a function-level import one way and a TYPE_CHECKING import the other
+    (the shape a deferred import hides) is reported; either edge alone is not a loop."""
+    a = "def render(x):\n    from hostswap.schedules.b import draw\n\n    return draw(x)\n"
+    b = (
+        "from __future__ import annotations\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from hostswap.schedules.a import A\n"
+        "def draw(x: A) -> str:\n    return str(x)\n"
+    )
+    c = "import typing\nif typing.TYPE_CHECKING:\n    from hostswap.schedules import a\n"
+    graph = _graph_of({"hostswap.schedules.a": a, "hostswap.schedules.b": b})
+    assert graph == {"hostswap.schedules.a": {"hostswap.schedules.b"}, "hostswap.schedules.b": {"hostswap.schedules.a"}}
+    cycle = find_cycle(graph)
+    assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"hostswap.schedules.a", "hostswap.schedules.b"}, cycle
+    # "from package import module" under typing.TYPE_CHECKING counts too, and a relative import
+    graph = _graph_of({"hostswap.schedules.a": "from . import c\n", "hostswap.schedules.c": c}, frozenset())
+    assert find_cycle(graph) == ["hostswap.schedules.a", "hostswap.schedules.c", "hostswap.schedules.a"]
+    assert find_cycle(_graph_of({"hostswap.schedules.a": a, "hostswap.schedules.b": "def draw(x):\n    return x\n"})) is None
 
 
 def test_rules_are_checked_on_real_imports():
