@@ -1,11 +1,13 @@
-"""Renders every benchmark's latest results: docs/benchmarks.md, the plots and the README's tables.
+"""Renders every benchmark's latest results: docs/benchmarks.md, the plots and the README's headline.
 
     python bench/report.py            # reads bench/results/<benchmark>_<device>[_<part>].json
     python bench/report.py --check    # exit 1 when a rendered file is out of date
 
 Each benchmark's files of one device are one run (a run split with --part gives several
-files, read as one table). docs/benchmarks.md is written whole; in README.md only the text
-between ``<!-- report:<benchmark> -->`` and ``<!-- /report:<benchmark> -->`` is replaced.
+files, read as one table). docs/benchmarks.md is written whole, every table of every
+benchmark. README.md gets one headline, streamed generation's bf16 decode table and its plot
+(README_SECTIONS), between ``<!-- report:generate -->`` and ``<!-- /report:generate -->``; the
+rest of the README is left as it is.
 
 Generation: the bound of a row is max(the fastest all-resident decode of its prompt in the run,
 bytes streamed per token / pinned H2D bandwidth measured in the run). Quantized rows (a
@@ -247,9 +249,9 @@ def weights_quantized_targets(bf16: list[dict], quantized: list[dict]) -> list[t
     return out
 
 
-def weights_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
-    """(summary and latency tables, the same with the target checks) for the README and
-    docs/benchmarks.md; draws the plot."""
+def weights_section(paths: list[str], plot_path: str | None) -> str:
+    """The latency tables, bf16 then quantized, and the target checks for docs/benchmarks.md;
+    draws the plot."""
     results, all_rows = load_weights(paths)
     rows = [r for r in all_rows if not r.get("quantize")]
     quantized = [r for r in all_rows if r.get("quantize")]
@@ -258,7 +260,8 @@ def weights_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
     parts = [f"{env.get('gpu')}, torch {env['torch']}, accelerate {env.get('accelerate')}; "
              f"{model['layers']}-layer {model.get('class', 'Llama-style decoder')}, {model['weight_bytes'] / 2**30:.2f} GiB of bf16 weights; "
              f"pinned H2D {', '.join(_gbps(r.get('pinned_h2d_bytes_per_s')) for r in results)} GB/s, "
-             f"registered .ptd {', '.join(_gbps(r.get('registered_h2d_bytes_per_s')) for r in results)} GB/s"]
+             f"registered .ptd {', '.join(_gbps(r.get('registered_h2d_bytes_per_s')) for r in results)} GB/s"
+             + (f"; median of {results[0]['args']['runs']} forwards" if results[0].get("args", {}).get("runs") else "")]
     for workload in dict.fromkeys(r["workload"] for r in rows):
         parts.append(f"**{workload}**: median ms per forward (ratio to the physical bound)\n\n" + latency_table(rows, workload))
     quantized_parts = [f"**{workload}, quantized** (torchao weight-only; budgets are shares of the bf16 weight bytes, the floor is the "
@@ -269,8 +272,7 @@ def weights_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
     checks = checks_table(targets(rows, model) + weights_quantized_targets(rows, quantized))
     if plot_path:
         plot_weights(rows, plot_path)
-    # the README shows the first workload (decode) and its quantized rows; the rest is in docs/benchmarks.md
-    return "\n\n".join(parts[:2] + quantized_parts[:1]), "\n\n".join(parts + quantized_parts) + "\n\n" + checks
+    return "\n\n".join(parts + quantized_parts) + "\n\n" + checks
 
 
 def load_activations(paths: list[str]) -> tuple[dict, list[dict], dict]:
@@ -289,8 +291,8 @@ def transfer_bound(base: dict, theory: float, layers: int, d2h: float, h2d: floa
     return max(base["step_s"], theory / d2h + theory / h2d + base["step_s"] / layers)
 
 
-def activations_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
-    """(summary and table, the same) for the README and docs/benchmarks.md; draws the plot."""
+def activations_section(paths: list[str], plot_path: str | None) -> str:
+    """The table for docs/benchmarks.md; draws the plot."""
     first, all_rows, bw = load_activations(paths)
     a, env = first["args"], first["environment"]
     d2h, h2d = statistics.mean(bw["d2h"]), statistics.mean(bw["h2d"])
@@ -319,10 +321,6 @@ def activations_section(paths: list[str], plot_path: str | None) -> tuple[str, s
             {True: "yes", False: "no", None: "(reference)"}[x["bitwise"]] + f" vs {x['bitwise_vs']}", note,
         ])
     headers = ["configuration", "step ms", "peak GiB", "theoretical saving GiB", "saved / theory", "step / transfer-bound", "bitwise", "note"]
-    # the README leaves out repeat runs of the references, the math-attention pair
-    # and the variants of reload_ahead and checkpointing beyond reload_ahead=1
-    shown = [row for row in table if not any(k in row[0] for k in ("again", "math attention", "checkpoint", "reload_ahead=2", "reload_ahead=4", "reload_ahead=5"))]
-    short = header + "\n\n" + tabulate(shown, headers=headers, tablefmt="github")
     text = header + "\n\n" + tabulate(table, headers=headers, tablefmt="github")
     if plot_path:
         plt = pyplot()
@@ -354,7 +352,7 @@ def activations_section(paths: list[str], plot_path: str | None) -> tuple[str, s
         ax2.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(plot_path, dpi=110)
-    return short, text
+    return text
 
 
 
@@ -452,7 +450,7 @@ def _ratio(row: dict) -> str:
 
 
 def quantized_tables(runs: list[dict]) -> tuple[str, str]:
-    """(the README's quantized table, the same with every row and the quality) or empty strings."""
+    """(the quantized decode table by budget and the quality table, every quantized row) or empty strings."""
     if not any(run["quantized"] for run in runs):
         return "", ""
     wide, long, quality = [], [], []
@@ -521,36 +519,54 @@ def quantized_targets(runs: list[dict]) -> list[tuple[str, bool, str]]:
     return out
 
 
-def generation_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
-    runs = load_generation(paths)
+def _plain(runs: list[dict]) -> list[dict]:
+    """The runs whose bf16 rows the decode table and the bf16 targets show: a run made to compare
+    quantized schemes shows its bf16 rows in the quantized table only."""
+    return [run for run in runs if not run["args"].get("quantize")] or runs
+
+
+def generation_decode(runs: list[dict], shortest_prompt: bool = False) -> str:
+    """The machine and the bf16 decode table, ms per token by budget: the head of
+    docs/benchmarks.md's generation section, and with ``shortest_prompt`` (each model's rows of
+    its shortest prompt) the README's headline."""
     env = runs[0]["environment"]
     header = (f"{env.get('gpu')}, torch {env['torch']}{', transformers ' + env['transformers'] if env.get('transformers') else ''}, accelerate {env.get('accelerate')}; "
               f"pinned H2D {', '.join('%.1f' % (r['bw'] / 1e9) for r in runs)} GB/s; {runs[0]['args']['new_tokens']} new tokens "
               f"(accelerate: {runs[0]['args']['peer_tokens']})")
-    # a run made to compare quantized schemes shows its bf16 rows in the quantized table only
-    plain = [run for run in runs if not run["args"].get("quantize")] or runs
     wide = []
-    for run in plain:
-        for prompt in dict.fromkeys(r["prompt_tokens"] for r in run["rows"]):
+    for run in _plain(runs):
+        prompts = list(dict.fromkeys(r["prompt_tokens"] for r in run["rows"]))
+        for prompt in [min(prompts)] if shortest_prompt else prompts:
             for config in dict.fromkeys(r["config"] for r in run["rows"]):
                 cells = []
                 for budget in GEN_BUDGETS:
                     row = next((r for r in run["rows"] if r["config"] == config and r["prompt_tokens"] == prompt and r["budget_name"] == budget), None)
                     cells.append("" if row is None else f"{row['ms_per_token']:.1f} ({row['ms_per_token'] / row['bound_ms_per_token']:.2f})")
                 wide.append([_model_name(run), prompt, config, *cells])
-    short = header + "\n\n**decode**: ms per token (ratio to the bound)\n\n" + tabulate(wide, headers=["model", "prompt", "configuration", *GEN_BUDGETS], tablefmt="github")
-    quantized_short, quantized_full = quantized_tables(runs)
+    return header + "\n\n**decode**: ms per token (ratio to the bound)\n\n" + tabulate(wide, headers=["model", "prompt", "configuration", *GEN_BUDGETS], tablefmt="github")
+
+
+def generation_headline(paths: list[str]) -> str:
+    """The README's results: the bf16 decode table at each model's shortest prompt; every other
+    table is in docs/benchmarks.md."""
+    return generation_decode(load_generation(paths), shortest_prompt=True)
+
+
+def generation_section(paths: list[str], plot_path: str | None) -> str:
+    """Every generation table for docs/benchmarks.md: bf16 decode, each row in full, quantized
+    decode and quality, the target checks; draws the plot."""
+    runs = load_generation(paths)
+    quantized_summary, quantized_rows = quantized_tables(runs)
     long = []
     for run in runs:
         for r in run["rows"]:
             long.append([_model_name(run), r["prompt_tokens"], r["config"], r["budget_name"], f"{r['prefill_ms']:.1f}", f"{r['ms_per_token']:.2f}",
                          f"{r['tokens_per_s']:.1f}", f"{(r.get('bytes_streamed_per_token') or 0) / 2**20:.0f}", f"{r['bound_ms_per_token']:.2f}",
                          r.get("tokens", "")])
-    checks = checks_table(generation_targets(plain) + quantized_targets(runs))
-    full = short + "\n\n" + tabulate(long, headers=["model", "prompt", "configuration", "budget", "prefill ms", "ms/token", "tokens/s", "MiB streamed/token", "bound ms/token", "tokens vs transformers"], tablefmt="github") + "\n\n" + checks
-    if quantized_short:
-        short += "\n\n" + quantized_short
-        full = full.removesuffix("\n\n" + checks) + "\n\n" + quantized_short + "\n\n" + quantized_full + "\n\n" + checks
+    checks = checks_table(generation_targets(_plain(runs)) + quantized_targets(runs))
+    full = generation_decode(runs) + "\n\n" + tabulate(long, headers=["model", "prompt", "configuration", "budget", "prefill ms", "ms/token", "tokens/s", "MiB streamed/token", "bound ms/token", "tokens vs transformers"], tablefmt="github") + "\n\n" + checks
+    if quantized_summary:
+        full = full.removesuffix("\n\n" + checks) + "\n\n" + quantized_summary + "\n\n" + quantized_rows + "\n\n" + checks
     if plot_path:
         plt = pyplot()
         fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.6), squeeze=False)
@@ -573,11 +589,11 @@ def generation_section(paths: list[str], plot_path: str | None) -> tuple[str, st
             style_latency_axes(ax, "decode ms per token (log)", f"{_model_name(run)}, prompt {prompt}")
         fig.tight_layout()
         fig.savefig(plot_path, dpi=110)
-    return short, full
+    return full
 
 
 # --- verification ----------------------------------------------------------------------------
-def verify_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
+def verify_section(paths: list[str], plot_path: str | None) -> str:
     rows = []
     for path in paths:
         r = json.load(open(path))
@@ -589,7 +605,7 @@ def verify_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
                      f"{r['verify_s']:.2f}", f"{n / r['verify_s'] / 1e9:.1f}", f"{n / r['copy_s'] / 1e9:.1f}", f"{r['verify_s'] / r['copy_s']:.1f}"])
     table = tabulate(rows, headers=["machine", "model", "checks at load ms", "program parse ms (every load)", "verify s", "verify GB/s",
                                     "copy GB/s", "verify / copy"], tablefmt="github")
-    return table, table
+    return table
 
 
 # --- training ---------------------------------------------------------------------------------
@@ -694,7 +710,7 @@ def overhead_part(part: dict, bandwidth: dict) -> tuple[str, list[tuple[str, boo
     return text, checks
 
 
-def train_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
+def train_section(paths: list[str], plot_path: str | None) -> str:
     results = [json.load(open(p)) for p in paths]
     rows = [row for r in results for row in r["rows"]]
     first = results[0]
@@ -749,7 +765,7 @@ def train_section(paths: list[str], plot_path: str | None) -> tuple[str, str]:
             ax1.tick_params(axis="y", labelsize=7)
             fig.tight_layout()
             fig.savefig(plot_path, dpi=110)
-    return text, text
+    return text
 
 
 DOC_HEAD = """# Benchmarks
@@ -769,9 +785,26 @@ bound, and against the peer a user would pick instead.
 Each command takes `--help`; results go to `bench/results/<benchmark>_<device>.json`.
 """
 
+# docs/benchmarks.md: every benchmark, every table; the README: the headline alone, and a pointer to the rest
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files"}
 PLOTTED = {"generate", "weights", "activations", "train"}
+NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
+    "generate": "Greedy decoding of a transformers `LlamaForCausalLM` (hidden 2048, GQA, bf16, random weights). Decode cells: ms per token "
+                "(ratio to the bound max(hostswap's all-resident decode, bytes streamed per token / pinned H2D bandwidth of the same run)).",
+    "weights": "One forward of the Llama (no KV cache), with its ratio to max(all-resident forward, bytes streamed "
+               "/ pinned H2D bandwidth), the all-resident forward run the same way (plain PyTorch for eager rows, hostswap's graphed "
+               "all-resident forward for graphed rows); outputs bitwise equal to hostswap all-resident. Eager forwards are host-sensitive "
+               "(the host walks the program in about the time the copies take); `cuda_graph=True` is not. `lru` streams nearly everything "
+               "below the total.",
+    "activations": "k of n layers offloaded. \"saved / theory\" is the drop of the step's peak over the bytes offloaded; the transfer-bound "
+                   "step is defined in `bench/report.py`.",
+    "train": "Host GiB is what the offloads hold in host memory; the bound is the row's forward+backward plus the optimizer's copies at "
+             "the measured bandwidth (`bench/report.py`).",
+}
+README_SECTIONS = {"generate": generation_headline}
+README_MORE = ("Longer prompts, prefill, tokens/s, token checks, quantized decode and its quality, and the weight, activation, training and "
+               "verification benchmarks: [docs/benchmarks.md](docs/benchmarks.md).")
 
 
 def result_sets(benchmark: str) -> dict[str, list[str]]:
@@ -792,17 +825,20 @@ def render(draw_plots: bool = True) -> dict[str, str]:
         for device, paths in result_sets(benchmark).items():
             plot = os.path.join(RESULTS, f"{benchmark}_{device}.png")
             names = ", ".join(f"`bench/results/{os.path.basename(p)}`" for p in paths)
-            short, full = section(paths, plot if draw_plots and benchmark in PLOTTED else None)
+            full = section(paths, plot if draw_plots and benchmark in PLOTTED else None)
             image = benchmark in PLOTTED
-            doc.append(f"## {TITLES[benchmark]} ({device})\n\nFrom {names}.\n\n{full}\n" + (f"\n![{benchmark}]({os.path.relpath(plot, os.path.join(ROOT, 'docs'))})\n" if image else ""))
-            marker = re.compile(rf"(<!-- report:{benchmark} -->\n).*?(<!-- /report:{benchmark} -->)", re.S)
-            readme = marker.sub(lambda m: m.group(1) + short + (f"\n\n![{benchmark}]({os.path.relpath(plot, ROOT)})\n" if image else "\n") + m.group(2), readme)
+            note = f"{NOTES[benchmark]}\n\n" if benchmark in NOTES else ""
+            doc.append(f"## {TITLES[benchmark]} ({device})\n\nFrom {names}.\n\n{note}{full}\n" + (f"\n![{benchmark}]({os.path.relpath(plot, os.path.join(ROOT, 'docs'))})\n" if image else ""))
+            if benchmark in README_SECTIONS:
+                block = README_SECTIONS[benchmark](paths) + (f"\n\n![{benchmark}]({os.path.relpath(plot, ROOT)})" if image else "") + "\n\n" + README_MORE + "\n"
+                marker = re.compile(rf"(<!-- report:{benchmark} -->\n).*?(<!-- /report:{benchmark} -->)", re.S)
+                readme = marker.sub(lambda m: m.group(1) + block + m.group(2), readme)
     return {os.path.join(ROOT, "docs", "benchmarks.md"): "\n".join(doc), readme_path: readme}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="only report whether docs/benchmarks.md and the README are up to date")
+    p.add_argument("--check", action="store_true", help="only report whether docs/benchmarks.md and the README's headline are up to date")
     args = p.parse_args(argv)
     stale = []
     for path, text in render(draw_plots=not args.check).items():

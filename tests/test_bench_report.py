@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import re
 
 # bench/ is scripts beside the package, not part of the installed one: load the file itself.
 _spec = importlib.util.spec_from_file_location("bench_report", pathlib.Path(__file__).parents[1] / "bench" / "report.py")
@@ -45,10 +46,27 @@ def test_depth_0_not_run_leaves_its_row_out_and_an_unmeasured_target_fails():
 
 
 def test_rendered_results_are_up_to_date():
-    """docs/benchmarks.md and the README's result tables are what bench/report.py renders from
+    """docs/benchmarks.md and the README's headline are what bench/report.py renders from
     bench/results: never edited by hand, never left behind a new result file."""
-    stale = [path for path, text in _report.render(draw_plots=False).items() if pathlib.Path(path).read_text() != text]
+    rendered = _report.render(draw_plots=False)
+    root = pathlib.Path(__file__).parents[1]
+    assert {pathlib.Path(path) for path in rendered} == {root / "README.md", root / "docs" / "benchmarks.md"}
+    stale = [path for path, text in rendered.items() if pathlib.Path(path).read_text() != text]
     assert not stale, f"run python bench/report.py: {stale}"
+
+
+def test_the_readme_shows_the_headline_alone():
+    """The README holds one generated block, streamed generation's bf16 decode table and plot;
+    every other table is in docs/benchmarks.md alone."""
+    root = pathlib.Path(__file__).parents[1]
+    readme = (root / "README.md").read_text()
+    assert set(re.findall(r"<!-- report:(\w+) -->", readme)) == set(_report.README_SECTIONS) == {"generate"}
+    block = readme.split("<!-- report:generate -->")[1].split("<!-- /report:generate -->")[0]
+    assert "**decode**" in block and "![generate](bench/results/generate_" in block and "(docs/benchmarks.md)" in block
+    assert "quantized" not in block.split("![generate]")[0] and "| target | met | measured |" not in block
+    doc = (root / "docs" / "benchmarks.md").read_text()
+    for title in _report.TITLES.values():
+        assert f"## {title} (" in doc, title
 
 
 def test_result_files_are_named_by_benchmark_and_device():
@@ -87,9 +105,10 @@ def _generation_run(tmp_path):
 
 
 def test_quantized_rows_get_their_own_table_bound_and_speed_up_over_bf16(tmp_path):
-    short, full = _report.generation_section([_generation_run(tmp_path)], None)
+    full = _report.generation_section([_generation_run(tmp_path)], None)
     flat = lambda text: " ".join(text.split())  # noqa: E731
-    bf16_table, quantized = (flat(part) for part in short.split("**quantized decode**"))
+    bf16_table = flat(_report.generation_decode(_report.load_generation([_generation_run(tmp_path)])))
+    quantized = flat(full.split("**quantized decode**")[1])
     # the bf16 table is what it was: its rows alone, bounded by bf16 rows alone
     assert bf16_table.count("| Llama 12 layers, 1.25 GiB |") == 2
     assert "| Llama 12 layers, 1.25 GiB | 128 | hostswap planned, decode graphed | 21.0 (1.05) | | 10.5 (1.05) | | 2.0 (1.00) |" in bf16_table
@@ -112,6 +131,20 @@ def test_quantized_rows_get_their_own_table_bound_and_speed_up_over_bf16(tmp_pat
     # the bf16 targets see bf16 rows alone
     assert checks[f"{model}: decode <= 1.10 x bound at every budget"] == (True, "worst 1.05 (prompt 128, floor)")
     assert "| target | met | measured |" in full and f"{model}, int4: decode <= 1.10 x bound" in full
+
+
+def test_the_readme_headline_is_the_bf16_decode_table_at_each_models_shortest_prompt(tmp_path):
+    import json
+
+    path = pathlib.Path(_generation_run(tmp_path))
+    result = json.loads(path.read_text())
+    result["rows"] += [dict(r, prompt_tokens=512) for r in result["rows"] if not r.get("quantize")]
+    path.write_text(json.dumps(result))
+    flat = lambda text: " ".join(text.split())  # noqa: E731
+    headline, full = flat(_report.generation_headline([str(path)])), flat(_report.generation_section([str(path)], None))
+    assert "| Llama 12 layers, 1.25 GiB | 128 | hostswap planned, decode graphed | 21.0 (1.05) |" in headline
+    assert "| 512 |" not in headline and "quantized" not in headline and "| target |" not in headline
+    assert "| Llama 12 layers, 1.25 GiB | 512 | hostswap planned, decode graphed | 21.0 (1.05) |" in full
 
 
 def _weights_run(tmp_path):
@@ -140,9 +173,9 @@ def _weights_run(tmp_path):
 
 
 def test_weights_quantized_rows_get_their_own_table_bound_speed_up_and_quality(tmp_path):
-    short, full = _report.weights_section([_weights_run(tmp_path)], None)
+    full = _report.weights_section([_weights_run(tmp_path)], None)
     flat = lambda text: " ".join(text.split())  # noqa: E731
-    bf16_part, quantized = (flat(part) for part in short.split("**decode, quantized**"))
+    bf16_part, quantized = (flat(part) for part in full.split("**decode, quantized**"))
     assert "[int8]" not in bf16_part and "1.5 (1.00)" not in bf16_part  # bf16 tables hold bf16 rows alone
     # floor: 21 / 10.5 = 2.0 x bf16; 50 %: 10.5 / 1.8 = 5.8 x, its bound the scheme's all-resident 1.5 ms; 100 %: all fit
     assert "| int8, 5.50 GiB | planned d1 cuda_graph | 10.5 (1.05) 2.0 x | | 1.8 (1.20) 5.8 x | | 1.5 (1.00) 1.3 x R | 0.25 | 0.5 |" in quantized

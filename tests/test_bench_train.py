@@ -30,7 +30,7 @@ def test_quick_run_trains_every_configuration_with_the_losses_of_its_reference(t
     offloaded = next(r for n, r in rows.items() if "OffloadContext" in n)
     assert offloaded["activation_offloaded_bytes"] > 0 and offloaded["activation_host_bytes"] > 0
     assert master["optimizer_h2d_bytes"] == master["optimizer_d2h_bytes"] == master["optimizer_host_bytes"] > 0
-    text, _ = _report.train_section([str(tmp_path / "train_cpu.json")], None)
+    text = _report.train_section([str(tmp_path / "train_cpu.json")], None)
     assert "hostswap OffloadAdamW, fp32 master" in text
 
 

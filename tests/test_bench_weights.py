@@ -30,8 +30,8 @@ def test_quick_run_measures_every_configuration_and_int8_beside_bf16(tmp_path):
     assert all(0 <= r["top1_agreement_vs_plain"] <= 1 for r in quantized)
     assert result["quantized"]["int8"]["total_bytes"] < 0.6 * result["model"]["weight_bytes"]
     assert len(result["load"]) == 4  # floor and all-resident, cold and warm page cache
-    short, full = _report.weights_section([str(tmp_path / "weights_cpu.json")], None)
-    assert "pinned H2D n/a GB/s" in short and "**decode, quantized**" in short and "**prefill, quantized**" in full
+    full = _report.weights_section([str(tmp_path / "weights_cpu.json")], None)
+    assert "pinned H2D n/a GB/s" in full and "**decode, quantized**" in full and "**prefill, quantized**" in full
     assert "| int8, " in full and "| target | met | measured |" in full
 
 
