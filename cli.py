@@ -108,6 +108,16 @@ def _export_llm(args) -> int:
     return 0
 
 
+def _budget_mb(text: str):
+    """--budget-mb: "auto" or a number of MB."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of MB or auto, got {text!r}") from None
+
+
 def _pinned_bandwidth(device) -> float:
     """Pinned host-to-device bytes per second on ``device``, from one 256 MiB copy after a warm-up."""
     import torch
@@ -189,14 +199,16 @@ def main(argv=None) -> int:
     e.add_argument("checkpoint", help="a local transformers checkpoint folder (or a hub name)")
     e.add_argument("--out", required=True, help="path prefix: writes <out>.pte, <out>.ptd and <out>.tokenizer/")
     e.add_argument("--max-seq-len", type=int, required=True, help="KV cache positions: prompt plus new tokens")
-    e.add_argument("--prefill-chunk", type=int, default=128, help="tokens per prefill call (default 128)")
+    e.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default: 128, or --max-seq-len where that is shorter)")
     e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="load the weights in this dtype (default: the checkpoint's)")
     e.add_argument("--quantize", choices=["int8", "int4"], help="torchao weight-only quantization of the linear layers before export (int4: torchao's tinygemm layout; "
                    "needs a CUDA GPU and bf16 weights, --dtype bfloat16)")
     e.set_defaults(func=_export_llm)
     g = sub.add_parser("generate", help="stream greedy tokens from a program written by export-llm")
     g.add_argument("program", help="the path prefix given to export-llm (or its .pte)")
-    g.add_argument("--budget-mb", type=float, required=True, help="GPU memory for weights (MB); below the floor it fails with the minimum")
+    g.add_argument("--budget-mb", type=_budget_mb, default="auto",
+                   help="GPU memory for weights (MB), or auto (the default): the free memory less the KV cache, the activations and a margin, "
+                        "capped at the weights' total; a number below the floor fails with the minimum")
     g.add_argument("--prompt", help="text, encoded with the tokenizer export-llm saved")
     g.add_argument("--prompt-ids", help="comma-separated token ids, for a program without a tokenizer")
     g.add_argument("--max-new-tokens", type=int, default=128)

@@ -29,6 +29,7 @@ PREFILL_CHUNK = PREFIX + "prefill_chunk"
 EOS_TOKEN_IDS = PREFIX + "eos_token_ids"
 VOCAB_SIZE = PREFIX + "vocab_size"
 PREFILL, DECODE = "prefill", "decode"
+DEFAULT_PREFILL_CHUNK = 128  # the most tokens a prefill call takes unless asked (less where max_seq_len is shorter)
 
 
 class GenerationError(ValueError):
@@ -149,13 +150,24 @@ def _eos_ids(model) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int = 128, prefetch_depth: int = 1,
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GenerationError(f"{name} must be a positive int, got {value!r}")
+
+
+def default_prefill_chunk(max_seq_len: int) -> int:
+    """The prefill chunk when none is given: ``DEFAULT_PREFILL_CHUNK``, or the whole cache where that is shorter."""
+    return min(DEFAULT_PREFILL_CHUNK, max_seq_len)
+
+
+def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1,
            gather_from_host: bool = True, progress: Callable[[str], None] | None = None) -> tuple[str, str]:
     """Write ``<path>.pte`` (methods ``prefill`` and ``decode``, their schedules, the KV cache
     as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths.
 
     The model is changed in place: moved to the CPU if it is elsewhere (a model quantized on
     the GPU, say), and its torchao quantized linears swapped by ``prepare_quantized``.
+    ``prefill_chunk``: tokens per prefill call (default ``min(128, max_seq_len)``).
     ``gather_from_host``: as in ``apply_weight_offload`` (an untied token table stays in host
     memory, read a row per token)."""
     from hostswap.passes import save
@@ -165,15 +177,16 @@ def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: i
     return save(programs, path, constant_methods=constants, progress=progress)
 
 
-def export_programs(model, *, max_seq_len: int, prefill_chunk: int = 128, prefetch_depth: int = 1, gather_from_host: bool = True,
+def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
                     progress: Callable[[str], None] | None = None) -> tuple[dict, dict]:
     """The probed ``prefill`` and ``decode`` programs of ``export``, and the constant methods
     that describe them, before lowering."""
     from hostswap.passes import apply_weight_offload
 
-    for name, value in (("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise GenerationError(f"{name} must be a positive int, got {value!r}")
+    _check_positive_int("max_seq_len", max_seq_len)
+    if prefill_chunk is None:
+        prefill_chunk = default_prefill_chunk(max_seq_len)
+    _check_positive_int("prefill_chunk", prefill_chunk)
     if prefill_chunk > max_seq_len:
         raise GenerationError(f"prefill_chunk={prefill_chunk} is longer than max_seq_len={max_seq_len}")
     say = progress or (lambda _msg: None)
@@ -309,18 +322,27 @@ class GenerationStats:
 class Generator:
     """A program written by ``hostswap.llm.export``, loaded for greedy generation.
 
-    One pool serves both methods within ``weight_offload_budget_mb``; the KV cache and the
-    activation arenas live on the device beside it. ``cuda_graph`` (default: on CUDA with the
-    planned policy) captures decode, whose shapes are static, as a CUDA graph; prefill runs
-    eagerly. Other keywords go to ``hostswap.runtime.Module``.
+    One pool serves both methods within ``weight_offload_budget_mb`` (default ``"auto"``: the
+    device's free memory less the KV cache, the activations and a margin, capped at the
+    weights' total; ``memory_report()`` says what it chose); the KV cache and the activation
+    arenas live on the device beside it. ``cuda_graph`` (default: on CUDA with the planned
+    policy) captures decode, whose shapes are static, as a CUDA graph; prefill runs eagerly.
+
+    ``warm_up`` (default on) runs one prefill chunk and one decode step at load, then zeroes
+    the KV cache: the one-time costs of a first call (graph capture, kernel selection and
+    compilation, first use of the copy paths) are paid there and reported on their own
+    (``warm_up_seconds``), so every ``generate`` call, the first included, measures
+    steady-state speed. Other keywords go to ``hostswap.runtime.Module``.
     """
 
-    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned",
-                 cuda_graph: bool | None = None, **module_options):
+    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str = "auto", device="cuda", policy: str = "planned",
+                 cuda_graph: bool | None = None, warm_up: bool = True, **module_options):
         from hostswap.runtime import Module
         from hostswap.runtime.module import check_device_argument
 
         device = check_device_argument(device)
+        if not isinstance(warm_up, bool):
+            raise GenerationError(f"warm_up must be True or False, got {warm_up!r}")
         if cuda_graph is None:
             cuda_graph = device.type == "cuda" and policy == "planned"
         self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=device,
@@ -333,11 +355,25 @@ class Generator:
             self.prefill_chunk = self._constant(PREFILL_CHUNK)
             self.vocab_size = self._constant(VOCAB_SIZE)
             self.eos_token_ids = frozenset(self.module.run_method(EOS_TOKEN_IDS, []) if EOS_TOKEN_IDS in self.module.method_names() else [])
+            self.device = device
+            self.last = GenerationStats()
+            self.warm_up_seconds = self._warm_up() if warm_up else None
         except BaseException:
             self.module.close()
             raise
-        self.device = device
-        self.last = GenerationStats()
+
+    def _warm_up(self) -> float:
+        """One prefill chunk and one decode step on token 0, then the KV cache zeroed as at
+        load; returns the seconds it took."""
+        self._sync()
+        start = time.perf_counter()
+        ids = torch.zeros(1, self.prefill_chunk, dtype=torch.long)
+        self._step(PREFILL, ids, 0)
+        self._step(DECODE, ids[:, :1].to(self.device), torch.zeros(1, dtype=torch.long).to(self.device))
+        self._sync()
+        self.module.reset_state()
+        self._sync()
+        return time.perf_counter() - start
 
     def _constant(self, name: str) -> int:
         if name not in self.module.method_names():
@@ -416,23 +452,29 @@ class Generator:
             "bytes_streamed_per_token": s.bytes_streamed_per_token, "kv_cache_bytes": module["state_bytes"],
             "activation_arena_bytes": module["activation_arena_bytes"], "weight_budget_bytes": module["budget_bytes"],
             "hits": module["hits"], "misses": module["misses"], "bytes_h2d": module["bytes_h2d"],
+            # one-time costs, apart from the steady-state speed above
+            "load_s": self.module.load_seconds, "warm_up_s": self.warm_up_seconds,
         }
 
     def memory_report(self) -> str:
-        """Device memory by kind, as loaded."""
+        """Device memory by kind, as loaded, and how an ``"auto"`` budget was chosen."""
         m = self.module.stats
-        return (f"{self.device}: weights {m['budget_bytes'] / 2**20:.1f} MiB (budget; floor {self.module.schedule.floor_bytes / 2**20:.1f} MiB), "
-                f"KV cache {m['state_bytes'] / 2**20:.1f} MiB, activations {m['activation_arena_bytes'] / 2**20:.1f} MiB; "
-                f"host memory pinned for streaming {m['pinned_host_bytes'] / 2**20:.1f} MiB")
+        memory = (f"{self.device}: weights {m['budget_bytes'] / 2**20:.1f} MiB (budget; floor {self.module.schedule.floor_bytes / 2**20:.1f} MiB), "
+                  f"KV cache {m['state_bytes'] / 2**20:.1f} MiB, activations {m['activation_arena_bytes'] / 2**20:.1f} MiB; "
+                  f"host memory pinned for streaming {m['pinned_host_bytes'] / 2**20:.1f} MiB")
+        auto = self.module.auto_budget
+        return memory if auto is None else f"{auto.explain(self.device)}\n{memory}"
 
     def summary(self) -> str:
+        """The last generation's steady-state speed and memory, then the one-time costs apart."""
         s = self.stats
         ms = f"{s['ms_per_token']:.2f} ms/token, {s['tokens_per_s']:.1f} tokens/s" if s["ms_per_token"] is not None else "one token"
         per_token = s["bytes_streamed_per_token"]
+        once = f"load {s['load_s']:.2f} s" + (f", warm-up {s['warm_up_s']:.2f} s" if s["warm_up_s"] is not None else ", no warm-up (the first call's costs are in its times)")
         return (f"prefill {s['prefill_ms']:.1f} ms ({s['prompt_tokens']} tokens), {ms}, {s['new_tokens']} new tokens; "
                 f"streamed {per_token / 2**20 if per_token is not None else 0:.1f} MiB/token; device memory: weights "
                 f"{s['weight_budget_bytes'] / 2**20:.1f} MiB, KV cache {s['kv_cache_bytes'] / 2**20:.1f} MiB, "
-                f"activations {s['activation_arena_bytes'] / 2**20:.1f} MiB")
+                f"activations {s['activation_arena_bytes'] / 2**20:.1f} MiB; one-time: {once}")
 
     def close(self) -> None:
         self.module.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import threading
 import time
@@ -12,6 +11,7 @@ import weakref
 
 import torch
 
+from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, free_memory, total_memory
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.instructions import ListRef, ProgramError
 from hostswap.runtime.method_loader import state_memory_ids
@@ -46,35 +46,9 @@ _REPLAY_NOT_COUNTED = {
 POOLS = {"planned": PlannedPool, "lru": LruPool}
 
 
-def check_device_memory(device, weight_bytes: int, state_bytes: int, activation_bytes: int, free_bytes: int) -> None:
-    """Refuse, before allocating, what the device cannot hold, naming all three parts."""
-    need = weight_bytes + state_bytes + activation_bytes
-    if need > free_bytes:
-        raise PoolCreationError(
-            f"{device} has {free_bytes / 2**20:.1f} MiB {'of RAM available' if torch.device(device).type == 'cpu' else 'free'}; this program needs {need / 2**20:.1f} MiB: weights "
-            f"{weight_bytes / 2**20:.1f} MiB (the budget), state such as a KV cache {state_bytes / 2**20:.1f} MiB, "
-            f"activations {activation_bytes / 2**20:.1f} MiB. Lower weight_offload_budget_mb (the floor is the least) "
-            "or export with a shorter max_seq_len"
-        )
-
-
-def _free_memory(device: torch.device) -> int:
-    """Bytes the program's memory may take: free device memory on CUDA, available RAM on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def _kernel_launched(pool, kernel_of_instruction: dict[int, int], index: int) -> None:
     # the pool, not the Module: a closure over the Module would make a reference cycle
     pool.kernel_launched(kernel_of_instruction[index])
-
-
-def _check_budget_argument(budget_mb) -> None:
-    if isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float)):
-        raise ValueError(f"weight_offload_budget_mb must be a number of MB, got {budget_mb!r} ({type(budget_mb).__name__})")
-    if not math.isfinite(budget_mb) or budget_mb <= 0:
-        raise ValueError(f"weight_offload_budget_mb must be a finite number of MB above 0, got {budget_mb!r}")
 
 
 def check_device_argument(device) -> torch.device:
@@ -154,6 +128,9 @@ class Module:
     ``cuda_graph`` may then name the methods to capture, e.g. ``cuda_graph=("decode",)``.
     ``prefetch_depth`` overrides the depth recorded by the pass; the floor is recomputed
     for it (a deeper prefetch needs more headroom), so the budget check stays exact.
+    ``weight_offload_budget_mb="auto"`` takes the device's free memory less the program's
+    state (a KV cache), its activations and a margin (``runtime/budget.py``), capped at the
+    weights' total; ``auto_budget`` tells what it chose and why.
 
     At load the ``.ptd`` index is validated and both files are checked to be the pair
     ``hostswap.save`` wrote, without reading a weight (docs/weight-offload.md, "Trusting the
@@ -163,10 +140,10 @@ class Module:
     registration and unmaps the file.
     """
 
-    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False):
+    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False):
         t0 = time.perf_counter()
         self._closed = True  # until loaded
-        _check_budget_argument(weight_offload_budget_mb)
+        check_budget_argument(weight_offload_budget_mb)
         self.device = check_device_argument(device)
         if policy not in POOLS:
             raise ValueError(f"policy must be one of {tuple(POOLS)}, got {policy!r}")
@@ -193,9 +170,18 @@ class Module:
             raise ValueError(f"cuda_graph names {sorted(unknown)}, which are not methods of {self.pte_path} that read weights ({list(self.schedules)})")
         if graphed and self.device.type != "cuda":
             raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
-        self.budget_bytes = round(weight_offload_budget_mb * 2**20)
         # the floor at load is the largest of the methods' floors
-        check_budget(max(self.schedules.values(), key=lambda s: s.floor_bytes), self.budget_bytes)
+        floor_schedule = max(self.schedules.values(), key=lambda s: s.floor_bytes)
+        self.auto_budget = None  # what "auto" chose, and from what
+        if weight_offload_budget_mb == AUTO:
+            state_sizes, activations = self._arena_sizes()
+            self.auto_budget = auto_budget(free_bytes=free_memory(self.device), total_bytes=total_memory(self.device),
+                                           state_bytes=sum(state_sizes.values()), activation_bytes=activations,
+                                           weight_bytes=self.schedule.total_bytes, floor_bytes=floor_schedule.floor_bytes, device=self.device)
+            self.budget_bytes = self.auto_budget.budget_bytes
+        else:
+            self.budget_bytes = round(weight_offload_budget_mb * 2**20)
+        check_budget(floor_schedule, self.budget_bytes)
         self.ptd = open_pair(self.pte_path, pte_bytes, self.program, data_path)
         try:
             self._load(policy, graphed, prefault, lock, warm_pool, verify)
@@ -217,7 +203,7 @@ class Module:
         if lock:
             self.ptd.lock()
         state_sizes, activations = self._arena_sizes()
-        check_device_memory(self.device, min(self.budget_bytes, self.schedule.total_bytes), sum(state_sizes.values()), activations, _free_memory(self.device))
+        check_device_memory(self.device, min(self.budget_bytes, self.schedule.total_bytes), sum(state_sizes.values()), activations, free_memory(self.device))
         host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
         self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
         del host
@@ -292,6 +278,12 @@ class Module:
                 state[memory_id] = max(state.get(memory_id, 0), nbytes)
             activations = max(activations, sum(size for i, size in enumerate(plan.non_const_buffer_sizes) if i not in ids))
         return state, activations
+
+    def reset_state(self) -> None:
+        """Zero the program's state (a KV cache) as at load; the next call starts from it."""
+        self.ensure_open()
+        for t in self.state.values():
+            t.zero_()
 
     @property
     def state_bytes(self) -> int:

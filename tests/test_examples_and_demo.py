@@ -31,9 +31,15 @@ def test_export_llm_and_generate_commands(tmp_path):
 
     demo_llama().save_pretrained(tmp_path / "ckpt")
     run = lambda *a: subprocess.run([sys.executable, "-m", "hostswap.cli", *a], capture_output=True, text=True, timeout=600)
-    exported = run("export-llm", str(tmp_path / "ckpt"), "--out", str(tmp_path / "llama"), "--max-seq-len", "64", "--prefill-chunk", "8")
+    # no --prefill-chunk: the default chunk (128) is cut to --max-seq-len
+    exported = run("export-llm", str(tmp_path / "ckpt"), "--out", str(tmp_path / "llama"), "--max-seq-len", "64")
     assert exported.returncode == 0, exported.stderr[-2000:]
-    assert "exporting prefill" in exported.stderr and "no tokenizer" in exported.stderr
+    assert "exporting prefill (64 tokens)" in exported.stderr and "no tokenizer" in exported.stderr
+    auto = run("generate", str(tmp_path / "llama"), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--device", "cpu")
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    assert "weight budget auto:" in auto.stderr and "every weight resident" in auto.stderr and "one-time: load" in auto.stderr
+    bad = run("generate", str(tmp_path / "llama"), "--budget-mb", "lots", "--prompt-ids", "1", "--device", "cpu")
+    assert bad.returncode == 2 and "--budget-mb: must be a number of MB or auto, got 'lots'" in bad.stderr
     generated = run("generate", str(tmp_path / "llama"), "--budget-mb", "20", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--device", "cpu")
     assert generated.returncode == 0, generated.stderr[-2000:]
     assert len(generated.stdout.split()) == 6 and "ms/token" in generated.stderr and "loaded: cpu: weights 20.0 MiB" in generated.stderr

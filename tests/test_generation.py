@@ -125,6 +125,7 @@ def test_stops_at_end_of_sequence(llama):
 
 def test_errors_name_the_argument_before_any_work(llama):
     with llm.Generator(llama.pte, llama.ptd, weight_offload_budget_mb=llama.floor / MB, device="cpu") as g:
+        forwards = g.module.stats["forwards"]  # the warm-up's
         with pytest.raises(llm.GenerationError, match=r"prompt \(20 tokens\) \+ max_new_tokens \(11\) = 31 exceeds the program's max_seq_len=30"):
             g.generate(_prompt(20), 11)
         with pytest.raises(llm.GenerationError, match="one sequence"):
@@ -143,7 +144,7 @@ def test_errors_name_the_argument_before_any_work(llama):
             g.generate(torch.tensor([[1, -1]]), 2)
         with pytest.raises(llm.GenerationError, match="eos_token_id must be a token id or a list of them, got 'x'"):
             g.generate(_prompt(3), 2, eos_token_id="x")
-        assert g.module.stats["forwards"] == 0  # nothing ran
+        assert g.module.stats["forwards"] == forwards  # nothing ran
 
 
 def test_errors_at_export_and_load(lowered_by_name, tmp_path):
@@ -193,3 +194,43 @@ def test_cache_counter_copies_do_not_copy_the_state_arena(llama):
         ops = [ins.op for ins in g.module._probed[llm.DECODE].executor.instructions if ins.tag == "kernel"]
     assert ops.count(ELEMENTWISE_OUT_OPS[("aten::copy", "out")]) >= 1
     assert torch.ops.aten.copy.out not in ops
+
+
+@pytest.mark.parametrize("max_seq_len,chunk", [(16, 16), (64, 64), (128, 128), (4096, 128)])
+def test_default_prefill_chunk_is_the_largest_that_fits(max_seq_len, chunk):
+    assert llm.default_prefill_chunk(max_seq_len) == chunk
+
+
+def test_a_short_max_seq_len_exports_with_the_default_chunk(tmp_path):
+    """max_seq_len 16, below the default chunk of 128: the program takes chunks of 16."""
+    model = build(BY_NAME["Llama"])[0]
+    pte, ptd = llm.export(model, tmp_path / "m", max_seq_len=16)
+    prompt = _prompt(20)[:, :9]
+    with llm.Generator(pte, ptd, device="cpu") as g:  # the budget "auto"
+        assert g.prefill_chunk == 16 and g.max_seq_len == 16
+        assert g.module.auto_budget is not None and g.module.budget_bytes == g.module.schedule.total_bytes  # all fit in RAM
+        out = g.generate(prompt, 5, eos_token_id=[])
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=5, min_new_tokens=5, pad_token_id=0, eos_token_id=None,
+                              cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": 16})
+    assert torch.equal(out, expected), (out.tolist(), expected.tolist())
+
+
+def test_warm_up_pays_the_first_call_at_load_and_changes_no_token(llama):
+    """The warm-up runs a prefill chunk and a decode step, then zeroes the KV cache: tokens and
+    logits afterwards are those of a Generator that never warmed up."""
+    prompt = _prompt(7)
+    with llm.Generator(llama.pte, llama.ptd, weight_offload_budget_mb=llama.floor / MB, device="cpu") as warm:
+        assert warm.warm_up_seconds > 0 and warm.stats["warm_up_s"] == warm.warm_up_seconds
+        assert warm.module.stats["forwards"] == 2
+        assert all(int(t.count_nonzero()) == 0 for t in warm.module.state.values())  # the cache as at load
+        warm_out = warm.generate(prompt, 8, eos_token_id=[])
+        warm_logits = warm._step(llm.DECODE, warm_out[:, -1:], 15)
+        assert "warm-up" in warm.summary()
+    with llm.Generator(llama.pte, llama.ptd, weight_offload_budget_mb=llama.floor / MB, device="cpu", warm_up=False) as cold:
+        assert cold.warm_up_seconds is None and cold.module.stats["forwards"] == 0
+        cold_out = cold.generate(prompt, 8, eos_token_id=[])
+        cold_logits = cold._step(llm.DECODE, cold_out[:, -1:], 15)
+        assert "no warm-up" in cold.summary()
+    assert torch.equal(warm_out, cold_out) and torch.equal(warm_logits, cold_logits)
+    with pytest.raises(llm.GenerationError, match="warm_up must be True or False, got 'yes'"):
+        llm.Generator(llama.pte, llama.ptd, weight_offload_budget_mb=llama.floor / MB, device="cpu", warm_up="yes")

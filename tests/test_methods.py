@@ -97,7 +97,7 @@ def test_error_cuda_graph_names_a_method_the_program_lacks(two_lengths):
 
 
 def test_error_device_memory_names_weights_state_and_activations():
-    from hostswap.runtime.module import check_device_memory
+    from hostswap.runtime.budget import check_device_memory
     from hostswap.runtime.pool import PoolCreationError
 
     check_device_memory("cuda:0", 100 * MB, 20 * MB, 5 * MB, 125 * MB)  # fits exactly

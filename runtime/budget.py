@@ -1,0 +1,117 @@
+"""The weight budget a program loads with: checked when given, chosen when ``"auto"``.
+
+A loaded program holds three kinds of device memory: the weight pool (the budget), program
+state such as a KV cache, and the activation arenas. The last two are fixed by the program;
+the budget is the user's choice, or, with ``"auto"``, what the device has free after them and
+a margin, capped at the weights' total (a larger pool holds nothing more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import torch
+
+from hostswap.runtime.pool import PoolCreationError
+from hostswap.schedules.policies import BudgetError, mb_ceil
+
+AUTO = "auto"
+# What "auto" leaves free beyond the program's own memory: the CUDA context's growth, cuBLAS
+# and attention workspaces, allocator rounding and the caller's own tensors (the prompt, the
+# logits it keeps). A share of the device, so that a large GPU keeps a larger reserve.
+AUTO_MARGIN_SHARE = 0.05
+AUTO_MARGIN_MIN_BYTES = 512 * 2**20
+
+
+def check_budget_argument(budget_mb) -> None:
+    """Refuse what is neither ``"auto"`` nor a positive finite number of MB."""
+    if isinstance(budget_mb, str):
+        if budget_mb != AUTO:
+            raise ValueError(f"weight_offload_budget_mb must be a number of MB or 'auto', got {budget_mb!r}")
+        return
+    if isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float)):
+        raise ValueError(f"weight_offload_budget_mb must be a number of MB or 'auto', got {budget_mb!r} ({type(budget_mb).__name__})")
+    if not math.isfinite(budget_mb) or budget_mb <= 0:
+        raise ValueError(f"weight_offload_budget_mb must be a finite number of MB above 0, got {budget_mb!r}")
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes the program's memory may take: free device memory on CUDA, available RAM on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def total_memory(device: torch.device) -> int:
+    """The device's whole memory (the CPU's: physical RAM)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def auto_margin(total_bytes: int) -> int:
+    return max(AUTO_MARGIN_MIN_BYTES, int(total_bytes * AUTO_MARGIN_SHARE))
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoBudget:
+    """The budget ``"auto"`` chose and the figures it came from."""
+
+    budget_bytes: int
+    free_bytes: int
+    state_bytes: int
+    activation_bytes: int
+    margin_bytes: int
+    weight_bytes: int  # every probed weight: the most a pool can hold
+    floor_bytes: int
+
+    @property
+    def all_resident(self) -> bool:
+        return self.budget_bytes >= self.weight_bytes
+
+    def explain(self, device) -> str:
+        left = self.free_bytes - self.state_bytes - self.activation_bytes - self.margin_bytes
+        why = (f"{_mib(self.free_bytes)} free on {device} - KV cache and other state {_mib(self.state_bytes)} - activations "
+               f"{_mib(self.activation_bytes)} - margin {_mib(self.margin_bytes)} = {_mib(left)}")
+        if self.all_resident:
+            return f"weight budget auto: {_mib(self.budget_bytes)}, every weight resident ({why}; the weights total {_mib(self.weight_bytes)})"
+        return (f"weight budget auto: {_mib(self.budget_bytes)} of {_mib(self.weight_bytes)} of weights, the rest streamed ({why}; "
+                f"floor {_mib(self.floor_bytes)})")
+
+
+def auto_budget(*, free_bytes: int, total_bytes: int, state_bytes: int, activation_bytes: int, weight_bytes: int, floor_bytes: int,
+                device="cuda") -> AutoBudget:
+    """The largest budget that leaves the program's state, its activations and a margin free
+    (``AUTO_MARGIN_SHARE`` of the device's ``total_bytes``, at least ``AUTO_MARGIN_MIN_BYTES``),
+    capped at ``weight_bytes``. Raises ``BudgetError`` naming both the room and the floor
+    where the room is below the floor."""
+    margin = auto_margin(total_bytes)
+    room = free_bytes - state_bytes - activation_bytes - margin
+    if room < floor_bytes:
+        raise BudgetError(
+            f"weight_offload_budget_mb='auto': {device} has {_mib(free_bytes)} free; after the KV cache and other state "
+            f"({_mib(state_bytes)}), the activations ({_mib(activation_bytes)}) and a margin of {_mib(margin)}, "
+            f"{_mib(max(room, 0))} is left for weights, below this program's floor of {floor_bytes} bytes ({mb_ceil(floor_bytes)} MB). "
+            "Free GPU memory, export with a shorter max_seq_len (a smaller KV cache), or give a budget in MB"
+        )
+    budget = min(room, weight_bytes)
+    return AutoBudget(budget_bytes=int(budget), free_bytes=free_bytes, state_bytes=state_bytes, activation_bytes=activation_bytes,
+                      margin_bytes=margin, weight_bytes=weight_bytes, floor_bytes=floor_bytes)
+
+
+def check_device_memory(device, weight_bytes: int, state_bytes: int, activation_bytes: int, free_bytes: int) -> None:
+    """Refuse, before allocating, what the device cannot hold, naming all three parts."""
+    need = weight_bytes + state_bytes + activation_bytes
+    if need > free_bytes:
+        raise PoolCreationError(
+            f"{device} has {free_bytes / 2**20:.1f} MiB {'of RAM available' if torch.device(device).type == 'cpu' else 'free'}; this program needs {need / 2**20:.1f} MiB: weights "
+            f"{weight_bytes / 2**20:.1f} MiB (the budget), state such as a KV cache {state_bytes / 2**20:.1f} MiB, "
+            f"activations {activation_bytes / 2**20:.1f} MiB. Lower weight_offload_budget_mb (the floor is the least) "
+            "or export with a shorter max_seq_len"
+        )

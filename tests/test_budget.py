@@ -1,0 +1,70 @@
+"""The weight budget: "auto" arithmetic, its refusal, and the argument checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import hostswap
+from hostswap.runtime.budget import AUTO_MARGIN_MIN_BYTES, auto_budget, check_budget_argument
+from hostswap.schedules.policies import BudgetError
+
+MiB, GiB = 2**20, 2**30
+
+
+def test_auto_takes_the_free_memory_less_state_activations_and_margin():
+    auto = auto_budget(free_bytes=10 * GiB, total_bytes=80 * GiB, state_bytes=1 * GiB, activation_bytes=GiB // 2,
+                       weight_bytes=20 * GiB, floor_bytes=GiB)
+    assert auto.margin_bytes == 4 * GiB  # 5 % of the device
+    assert auto.budget_bytes == 10 * GiB - GiB - GiB // 2 - 4 * GiB
+    assert not auto.all_resident
+    text = auto.explain("cuda:0")
+    assert "4608.0 MiB of 20480.0 MiB of weights, the rest streamed" in text
+    assert "10240.0 MiB free on cuda:0 - KV cache and other state 1024.0 MiB - activations 512.0 MiB - margin 4096.0 MiB = 4608.0 MiB" in text
+
+
+def test_auto_is_capped_at_the_weights_and_keeps_a_least_margin():
+    auto = auto_budget(free_bytes=3 * GiB, total_bytes=4 * GiB, state_bytes=0, activation_bytes=0, weight_bytes=GiB, floor_bytes=GiB // 4)
+    assert auto.margin_bytes == AUTO_MARGIN_MIN_BYTES  # 5 % of 4 GiB is less
+    assert auto.budget_bytes == GiB and auto.all_resident
+    assert "every weight resident" in auto.explain("cuda:0")
+
+
+def test_auto_below_the_floor_fails_with_both_numbers():
+    with pytest.raises(BudgetError) as e:
+        auto_budget(free_bytes=2 * GiB, total_bytes=16 * GiB, state_bytes=GiB, activation_bytes=100 * MiB, weight_bytes=8 * GiB,
+                    floor_bytes=300 * MiB, device="cuda:0")
+    message = str(e.value)
+    # 2048 - 1024 - 100 - 819.2 (5 % of 16 GiB) = 104.8 MiB left, floor 300 MB
+    assert "cuda:0 has 2048.0 MiB free" in message and "KV cache and other state (1024.0 MiB)" in message
+    assert "104.8 MiB is left for weights, below this program's floor of 314572800 bytes (300 MB)" in message
+    assert "shorter max_seq_len" in message
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("big", "a number of MB or 'auto', got 'big'"),
+    (True, "a number of MB or 'auto', got True"),
+    (None, "a number of MB or 'auto', got None"),
+    (0, "above 0, got 0"),
+    (-5.0, "above 0, got -5.0"),
+    (math.nan, "above 0, got nan"),
+])
+def test_budget_argument_errors_name_the_value(bad, match):
+    with pytest.raises(ValueError, match=match):
+        check_budget_argument(bad)
+
+
+def test_module_auto_loads_and_auto_below_the_floor_refuses_before_any_allocation(lowered_by_name, monkeypatch):
+    """A Module loaded with "auto" takes every weight where RAM allows; with (pretended) little
+    free memory it refuses at load, naming the floor."""
+    import hostswap.runtime.module as module
+
+    lowered = lowered_by_name("demo_transformer")
+    with hostswap.runtime.Module(lowered.pte, lowered.ptd, weight_offload_budget_mb="auto", device="cpu") as m:
+        assert m.auto_budget.all_resident and m.budget_bytes == m.schedule.total_bytes
+    monkeypatch.setattr(module, "free_memory", lambda device: AUTO_MARGIN_MIN_BYTES + 64 * 1024)  # the margin and 64 KiB
+    monkeypatch.setattr(module, "total_memory", lambda device: GiB)
+    floor = hostswap.schedules.load_weight_schedule(lowered.pte).floor_bytes
+    with pytest.raises(BudgetError, match=rf"below this program's floor of {floor} bytes"):
+        hostswap.runtime.Module(lowered.pte, lowered.ptd, weight_offload_budget_mb="auto", device="cpu")
