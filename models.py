@@ -1,4 +1,4 @@
-"""Built-in models: random weights from a fixed random state, no downloads. Used by the demo, tests and benches."""
+"""Built-in models: random weights from a fixed random state, no downloads. Used by tests, examples and benches."""
 
 from __future__ import annotations
 
@@ -99,6 +99,16 @@ def demo_transformer(random_state: int = 0) -> tuple[nn.Module, tuple[torch.Tens
     model = DecoderLM(vocab=4096, hidden=256, layers=4, heads=4, intermediate=1024, max_seq=128).eval()
     tokens = torch.randint(0, 4096, (1, 32))
     return model, (tokens,)
+
+
+def tiny_llama(random_state: int = 0):
+    """A transformers LlamaForCausalLM with random weights: 4 layers, hidden 256, GQA, vocabulary 4096 (about 17 MB of float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(random_state)
+    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
 
 
 def llama_decoder(layers: int, hidden: int = 4096, intermediate: int = 11008, vocab: int = 32000, heads: int = 32, max_seq: int = 4096, random_state: int = 0, dtype=torch.bfloat16, device="cpu") -> nn.Module:

@@ -309,11 +309,11 @@ def test_failed_load_releases(tmp_path):
 
 
 def test_generator_close(tmp_path):
-    from hostswap.demo import demo_llama
+    from hostswap.models import tiny_llama
 
     import hostswap.llm as llm
 
-    model = demo_llama()
+    model = tiny_llama()
     pte, ptd = llm.export(model, tmp_path / "lm", max_seq_len=16, prefill_chunk=4)
     floor = hostswap.schedules.load_weight_schedule(pte, "decode").floor_bytes
     with llm.Generator(pte, ptd, weight_offload_budget_mb=2 * floor / MB, device="cpu") as g:

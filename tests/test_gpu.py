@@ -242,10 +242,10 @@ def test_generation_on_cuda_equals_transformers_and_graphed_decode_is_bitwise_ea
     GPU at the floor are transformers' own (static cache, same GPU), and decode under a CUDA
     graph gives bitwise the logits of eager decode."""
     import hostswap.llm as llm
-    from hostswap.demo import demo_llama
+    from hostswap.models import tiny_llama
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    demo_llama().save_pretrained(tmp_path / "ckpt")
+    tiny_llama().save_pretrained(tmp_path / "ckpt")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
     pte, ptd = llm.export(model, tmp_path / "llama", max_seq_len=96, prefill_chunk=16)
     floor = max(s.floor_bytes for s in hostswap.schedules.load_weight_schedules(pte).values())
