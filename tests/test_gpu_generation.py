@@ -1,0 +1,106 @@
+"""Generation on CUDA as a user runs it: a bf16 transformers checkpoint saved with
+``save_pretrained``, exported with ``hostswap export-llm``, run with ``hostswap generate`` and
+``Generator``: the same tokens in every process, at every budget, graphed or eager; the
+speed a short run reports is the speed a long one reports; the default budget ("auto") runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hostswap
+
+pytestmark = pytest.mark.gpu
+MB = 2**20
+PROMPT = 40
+VOCAB = 32000
+
+
+def _cli(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "hostswap.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    """A 12-layer Qwen2-shaped model (q/k/v bias, GQA, tied embeddings), bf16, random weights,
+    saved as a checkpoint and exported from it by the CLI with its defaults."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("qwen2")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
+                         num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder / "ckpt")
+    exported = _cli("export-llm", str(folder / "ckpt"), "--out", str(folder / "qwen2"), "--max-seq-len", "256")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "exporting prefill (128 tokens)" in exported.stderr
+    return str(folder / "qwen2")
+
+
+def _prompt() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+RUNS = """
+import json, sys, torch
+import hostswap, hostswap.llm as llm
+base, budgets = sys.argv[1], [float(b) for b in sys.argv[2].split(",")]
+prompt = torch.randint(0, {vocab}, (1, {prompt}), generator=torch.Generator().manual_seed(1))
+out = {{}}
+for budget in budgets:
+    for graphed in (True, False):
+        with llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=budget, device="cuda", cuda_graph=graphed) as g:
+            out[f"{{budget:.0f}} MB {{'graphed' if graphed else 'eager'}}"] = g.generate(prompt, 64)[0, {prompt}:].tolist()
+print(json.dumps(out))
+"""
+
+
+def test_bf16_greedy_tokens_are_the_same_in_every_process_budget_and_mode(program):
+    """64 greedy tokens of a near-flat random-weight bf16 model (near-ties everywhere), in two
+    processes, at the floor and at half the weights, graphed and eager: all identical."""
+    schedule = hostswap.schedules.load_weight_schedule(program + ".pte", "decode")
+    floor = max(s.floor_bytes for s in hostswap.schedules.load_weight_schedules(program + ".pte").values())
+    budgets = f"{floor / MB + 1},{max(floor, schedule.total_bytes // 2) / MB}"
+    script = RUNS.format(vocab=VOCAB, prompt=PROMPT)
+    runs = {}
+    for process in ("first", "second"):
+        result = subprocess.run([sys.executable, "-c", script, program, budgets], capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.update({f"{process} process, {name}": tokens for name, tokens in json.loads(result.stdout.strip().splitlines()[-1]).items()})
+    reference_name, reference = next(iter(runs.items()))
+    for name, tokens in runs.items():
+        first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+        print(f"{name}: {'same as ' + reference_name if first is None else f'differs from token {first}'}")
+    assert all(tokens == reference for tokens in runs.values()), runs
+
+
+def test_a_short_run_reports_the_speed_of_a_long_one(program):
+    """`hostswap generate` at the floor, 32 then 128 then 32 new tokens, each a fresh process:
+    the warm-up at load takes the first call's costs, so 32 tokens report the ms/token of 128
+    (within 15 %)."""
+    import re
+
+    floor = max(s.floor_bytes for s in hostswap.schedules.load_weight_schedules(program + ".pte").values())
+    prompt = ",".join(str(t) for t in _prompt()[0].tolist())
+    per_token = {}
+    for new in (32, 128, 32):
+        result = _cli("generate", program, "--budget-mb", f"{floor / MB + 1:.2f}", "--prompt-ids", prompt, "--max-new-tokens", str(new))
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = result.stderr.strip().splitlines()[-1]
+        print(f"--max-new-tokens {new}: {summary}")
+        assert f", {new} new tokens;" in summary and "one-time: load" in summary and "warm-up" in summary
+        per_token.setdefault(new, []).append(float(re.search(r"([0-9.]+) ms/token", summary).group(1)))
+    short, long = min(per_token[32]), per_token[128][0]
+    assert 0.85 < short / long < 1.15, per_token
+
+
+def test_generate_without_a_budget_takes_auto_and_prints_its_choice(program):
+    result = _cli("generate", program, "--prompt-ids", ",".join(str(i) for i in range(1, 11)), "--max-new-tokens", "16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(result.stderr)
+    assert "weight budget auto:" in result.stderr and "every weight resident" in result.stderr  # 0.1 GiB on an 80 GB GPU
+    assert "one-time: load" in result.stderr and "ms/token" in result.stderr and len(result.stdout.split()) == 16
