@@ -5,7 +5,7 @@ config; ``--model own`` takes the project's Llama-style decoder instead) is expo
 passed and saved once per workload (decode: batch 1, one token; prefill: batch 1, N
 tokens), then every configuration is loaded and timed in turn. Each configuration's row
 goes into one JSON file under --out as soon as it is measured, so a run cut short still
-leaves its numbers. bench/report.py turns the JSON into the README's table and plot.
+leaves its numbers. bench/report.py turns the JSON into docs/benchmarks.md's tables and plot.
 
     python bench/weights.py --layers 12 --out bench/results           # GPU machine
     python bench/weights.py --quick --device cpu --out /tmp/bench      # smoke test anywhere
