@@ -643,8 +643,8 @@ def test_error_unknown_policy_and_uncapturable_graph_refused_before_loading(tmp_
 
 
 @pytest.mark.parametrize("budget,message", [
-    ("100", r"weight_offload_budget_mb must be a number of MB, got '100' \(str\)"),
-    (True, r"weight_offload_budget_mb must be a number of MB, got True \(bool\)"),
+    ("100", r"weight_offload_budget_mb must be a number of MB or 'auto', got '100'"),
+    (True, r"weight_offload_budget_mb must be a number of MB or 'auto', got True \(bool\)"),
     (float("nan"), r"finite number of MB above 0, got nan"),
     (float("inf"), r"finite number of MB above 0, got inf"),
     (0, r"finite number of MB above 0, got 0"),
