@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 
 import torch
@@ -197,7 +196,12 @@ def _check_ptd_holds(path: str, checksums: dict[str, str]) -> None:
 
 def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.PathLike, *, constant_methods: dict | None = None, progress=None) -> tuple[str, str]:
     """Lower ``programs`` (one, or method name -> program) and write ``<path>.pte`` and
-    ``<path>.ptd``; returns both paths."""
+    ``<path>.ptd``; returns both paths.
+
+    Both files are written under temporary names in the same folder and renamed only once both
+    are complete, the ``.ptd`` first: an interrupted or failed save leaves nothing under the
+    final names (and no temporary file), and an earlier pair there stays as it was until the
+    new one replaces it."""
     path = os.fspath(path)
     for suffix in (".pte", ".ptd"):
         if path.endswith(suffix):
@@ -209,10 +213,8 @@ def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.
     if progress:
         progress(f"writing {pte_path} and {ptd_path}")
     program = manager.buffer  # the .pte holds no weights: small
-    with open(pte_path, "wb") as f:
-        f.write(program)
     program_checksum = checksum(program)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".hostswap-save-") as tmp:
         manager.write_tensor_data_to_file(tmp)
         written = [f for f in os.listdir(tmp) if f.endswith(".ptd")]
         if len(written) != 1:
@@ -222,5 +224,11 @@ def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.
         # the per-weight checksums after ExecuTorch's segments (schedules/checksums.py)
         with open(written, "ab") as f:
             f.write(encode_trailer(manager.hostswap_weight_checksums, program_checksum))
-        shutil.move(written, ptd_path)
+        program_file = os.path.join(tmp, "program.pte")
+        with open(program_file, "wb") as f:
+            f.write(program)
+        if progress:
+            progress("both files written; moving them into place")
+        os.replace(written, ptd_path)
+        os.replace(program_file, pte_path)
     return pte_path, ptd_path

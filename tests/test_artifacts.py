@@ -322,3 +322,32 @@ def test_generator_close(tmp_path):
     assert not _mapped(ptd)
     with pytest.raises(ModuleClosedError):
         g.generate(torch.tensor([[1, 2, 3]]), 2)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stage", ["hashing the weights", "both files written"])
+def test_an_interrupted_save_leaves_nothing_under_the_final_names(tmp_path, stage):
+    """Interrupted while lowering, or with both files written but not yet moved: no file under
+    the final names, no temporary file left, and an earlier pair there stays loadable."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)).eval()
+    x = torch.randn(2, 8)
+    ep = hostswap.apply_weight_offload(torch.export.export(model, (x,)))
+
+    def interrupt(message):
+        if message.startswith(stage):
+            raise _Interrupted(message)
+
+    with pytest.raises(_Interrupted):
+        hostswap.save(ep, tmp_path / "new", progress=interrupt)
+    assert os.listdir(tmp_path) == []
+    pte, ptd = hostswap.save(ep, tmp_path / "old")
+    before = {p: open(p, "rb").read() for p in (pte, ptd)}
+    with pytest.raises(_Interrupted):
+        hostswap.save(ep, tmp_path / "old", progress=interrupt)
+    assert sorted(os.listdir(tmp_path)) == ["old.ptd", "old.pte"]
+    assert all(open(p, "rb").read() == data for p, data in before.items())
+    with _load(pte, ptd) as m:
+        torch.testing.assert_close(m(x), model(x), rtol=1e-6, atol=1e-6)
