@@ -83,17 +83,26 @@ def _export_llm(args) -> int:
     def say(message: str) -> None:
         print(f"[hostswap export-llm] {message}", file=sys.stderr, flush=True)
 
-    say(f"loading {args.checkpoint}")
+    from hostswap.checkpoint import export_checkpoint, has_safetensors
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype) if args.dtype else "auto")
-    except (OSError, ValueError) as e:
-        print(f"hostswap export-llm: cannot load {args.checkpoint}: {e}", file=sys.stderr)
-        return 2
-    try:
-        if args.quantize:
-            say(f"quantizing the weights to {args.quantize} (torchao, weight-only)")
-            llm.quantize(model, args.quantize)
-        pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say)
+        if has_safetensors(args.checkpoint) and not args.quantize and not args.in_memory:
+            # streamed from the shards, one tensor at a time: no model in memory
+            pte, ptd = export_checkpoint(args.checkpoint, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                                         dtype=args.dtype, progress=say, show_bar=sys.stderr.isatty())
+        else:
+            why = ("--quantize quantizes the loaded model" if args.quantize else "--in-memory" if args.in_memory
+                   else "the checkpoint has no safetensors shards to stream")
+            say(f"loading {args.checkpoint} into memory ({why})")
+            try:
+                model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype) if args.dtype else "auto")
+            except (OSError, ValueError) as e:
+                print(f"hostswap export-llm: cannot load {args.checkpoint}: {e}", file=sys.stderr)
+                return 2
+            if args.quantize:
+                say(f"quantizing the weights to {args.quantize} (torchao, weight-only)")
+                llm.quantize(model, args.quantize)
+            pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say)
     except llm.GenerationError as e:
         print(f"hostswap export-llm: {e}", file=sys.stderr)
         return 2
@@ -195,12 +204,14 @@ def main(argv=None) -> int:
     v.add_argument("pte")
     v.add_argument("ptd", nargs="?", help="default: the .ptd beside the .pte")
     v.set_defaults(func=_verify)
-    e = sub.add_parser("export-llm", help="write a transformers causal LM as a prefill/decode program with a KV cache")
+    e = sub.add_parser("export-llm", help="write a transformers causal LM as a prefill/decode program with a KV cache, streamed from its shards")
     e.add_argument("checkpoint", help="a local transformers checkpoint folder (or a hub name)")
     e.add_argument("--out", required=True, help="path prefix: writes <out>.pte, <out>.ptd and <out>.tokenizer/")
     e.add_argument("--max-seq-len", type=int, required=True, help="KV cache positions: prompt plus new tokens")
     e.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default: 128, or --max-seq-len where that is shorter)")
-    e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="load the weights in this dtype (default: the checkpoint's)")
+    e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="the weights' dtype in the program (default: the checkpoint's)")
+    e.add_argument("--in-memory", action="store_true", help="load the model into memory and export it (default: stream the safetensors shards, "
+                   "one tensor at a time)")
     e.add_argument("--quantize", choices=["int8", "int4"], help="torchao weight-only quantization of the linear layers before export (int4: torchao's tinygemm layout; "
                    "needs a CUDA GPU and bf16 weights, --dtype bfloat16)")
     e.set_defaults(func=_export_llm)

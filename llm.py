@@ -44,7 +44,7 @@ def _static_cache_wrapper(model, max_seq_len: int):
     if not hasattr(model, "generation_config") or not hasattr(model, "config"):
         raise GenerationError(f"hostswap.llm.export takes a transformers causal LM (a *ForCausalLM), got {type(model).__name__}")
     model.eval()
-    if any(t.device.type != "cpu" for t in (*model.parameters(), *model.buffers())):
+    if any(t.device.type not in ("cpu", "meta") for t in (*model.parameters(), *model.buffers())):
         model.cpu()  # a program's weights live in host memory: it is exported from there
     from hostswap.passes.quantized_linear import prepare_quantized
 
@@ -175,6 +175,14 @@ def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: i
     programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
                                           gather_from_host=gather_from_host, progress=progress)
     return save(programs, path, constant_methods=constants, progress=progress)
+
+
+def export_checkpoint(folder: str | os.PathLike, path: str | os.PathLike, **options) -> tuple[str, str]:
+    """``export`` of the model in a checkpoint folder without loading it: the weights are read
+    from its safetensors shards one tensor at a time (``hostswap.checkpoint``)."""
+    from hostswap.checkpoint import export_checkpoint as stream
+
+    return stream(folder, path, **options)
 
 
 def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,

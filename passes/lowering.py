@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -11,6 +12,7 @@ from torch.export import ExportedProgram
 
 from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, view_chain_root
 from hostswap.passes.out_variants import CustomOpOutVariantPass
+from hostswap.passes.ptd_writer import PtdTensor, entries_in_order, write_ptd
 from hostswap.passes.weight_offload import (
     OPTIONS_META_KEY,
     WeightOffloadError,
@@ -18,6 +20,7 @@ from hostswap.passes.weight_offload import (
     get_weight_schedule,
     reprobe,
     schedule_with_options,
+    state_buffers,
     weight_placeholders,
     weight_tensor,
 )
@@ -116,7 +119,17 @@ def to_executorch(programs: ExportedProgram | dict[str, ExportedProgram], *, con
     ``.pte`` carries describes what the runtime will execute. ``constant_methods`` (name ->
     a scalar or a flat list) are stored beside the schedules.
     """
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    edge, schedules = lower_to_edge(programs, progress)
+    say = progress or (lambda _msg: None)
+    say("hashing the weights")
+    checksums, records = _weight_checksums({name: edge.exported_program(name) for name in schedules})
+    return emit(edge, schedules, checksums, records, constant_methods=constant_methods, progress=progress)
+
+
+def lower_to_edge(programs: ExportedProgram | dict[str, ExportedProgram], progress=None):
+    """(EdgeProgramManager, method -> schedule of its lowered graph): the first half of
+    ``to_executorch``, which reads no weight's values."""
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     if isinstance(programs, ExportedProgram):
         programs = {METHOD: programs}
@@ -134,23 +147,61 @@ def to_executorch(programs: ExportedProgram | dict[str, ExportedProgram], *, con
         reprobe(lowered, weights[name])
         CustomOpOutVariantPass().call(lowered.graph_module)
         schedules[name] = schedule_with_options(lowered, options[name])
+    return edge, schedules
+
+
+@contextlib.contextmanager
+def _external_weights_unread(fqns: set[str]):
+    """While ExecuTorch emits a program, record the external weights named ``fqns`` by name
+    only. Its emitter copies every constant's bytes into memory (to write its own .ptd, and
+    to store identical tensors once); a program traced with its weights on the meta device
+    has no bytes to copy, and the .ptd of such a program is written by ``save_streamed``.
+    A weight's entry in the .pte is its name, dtype and shape, which stay the emitter's."""
+    from executorch.exir.emit import _emitter
+    from executorch.exir.schema import TensorDataLocation
+
+    original = _emitter._Emitter._tensor_spec_to_evalue
+
+    def to_evalue(self, spec, constant_tag=None):
+        info = spec.extra_tensor_info
+        if spec.const and info is not None and info.location == TensorDataLocation.EXTERNAL and info.fully_qualified_name in fqns:
+            buffer_index = len(self.program_state.external_constant_buffer)
+            self.program_state.external_constant_buffer.append(b"")
+            self._save_to_external_constant_map(info.fully_qualified_name, buffer_index, constant_tag)
+            return _emitter.EValue(_emitter.make_tensor_value(buffer_index, None, spec))
+        return original(self, spec, constant_tag)
+
+    _emitter._Emitter._tensor_spec_to_evalue = to_evalue
+    try:
+        yield
+    finally:
+        _emitter._Emitter._tensor_spec_to_evalue = original
+
+
+def emit(edge, schedules: dict, checksums: dict[str, str], records: dict, *, constant_methods: dict | None = None, progress=None,
+         unread: set[str] = frozenset()):
+    """The second half of ``to_executorch``: the ExecuTorch program of the lowered methods,
+    their schedules and the weights' digest (from ``records``) as constant methods.
+    ``unread``: weights recorded by name only (``_external_weights_unread``)."""
+    from executorch.exir import ExecutorchBackendConfig
+
+    say = progress or (lambda _msg: None)
     # ExecutorchProgramManager emits EdgeProgramManager._config_methods as constant methods;
     # the schedules are only known after lowering, so they are set here rather than at creation.
-    say("hashing the weights")
-    checksums, records = _weight_checksums({name: edge.exported_program(name) for name in programs})
     edge._config_methods = {**(edge._config_methods or {}), **(constant_methods or {}), **serialization.encode(schedules, weights_digest(records))}
     say("emitting the ExecuTorch program")
-    manager = edge.to_executorch(
-        ExecutorchBackendConfig(
-            external_constants=True,
-            # State the methods mutate (a KV cache) gets a memory id of its own, at the same
-            # offsets in every method: the runtime allocates it once and the methods share it.
-            memory_planning_pass=_make_memory_planning_pass(share_mutable_buffers=True),
-            emit_mutable_buffer_names=True,
-            # state updates (the cache write of each layer) in place, not a copy of the whole buffer
-            run_reinplace_pass=True,
+    with _external_weights_unread(set(unread)) if unread else contextlib.nullcontext():
+        manager = edge.to_executorch(
+            ExecutorchBackendConfig(
+                external_constants=True,
+                # State the methods mutate (a KV cache) gets a memory id of its own, at the same
+                # offsets in every method: the runtime allocates it once and the methods share it.
+                memory_planning_pass=_make_memory_planning_pass(share_mutable_buffers=True),
+                emit_mutable_buffer_names=True,
+                # state updates (the cache write of each layer) in place, not a copy of the whole buffer
+                run_reinplace_pass=True,
+            )
         )
-    )
     for name, schedule in schedules.items():
         emitted = emitted_probe_sequence(manager.executorch_program, name)
         expected = list(enumerate(schedule.probe_fqns()))
@@ -163,7 +214,7 @@ def to_executorch(programs: ExportedProgram | dict[str, ExportedProgram], *, con
     manager.hostswap_schedules = schedules
     manager.hostswap_weight_checksums = checksums
     # same kernels as the .pte: the bitwise reference
-    manager.hostswap_edge_programs = {name: edge.exported_program(name) for name in programs}
+    manager.hostswap_edge_programs = {name: edge.exported_program(name) for name in schedules}
     if METHOD in schedules:
         manager.hostswap_schedule = schedules[METHOD]
         manager.hostswap_edge_program = manager.hostswap_edge_programs[METHOD]
@@ -202,14 +253,8 @@ def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.
     are complete, the ``.ptd`` first: an interrupted or failed save leaves nothing under the
     final names (and no temporary file), and an earlier pair there stays as it was until the
     new one replaces it."""
-    path = os.fspath(path)
-    for suffix in (".pte", ".ptd"):
-        if path.endswith(suffix):
-            path = path[: -len(suffix)]
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
+    directory, pte_path, ptd_path = _target_paths(path)
     manager = to_executorch(programs, constant_methods=constant_methods, progress=progress)
-    pte_path, ptd_path = path + ".pte", path + ".ptd"
     if progress:
         progress(f"writing {pte_path} and {ptd_path}")
     program = manager.buffer  # the .pte holds no weights: small
@@ -230,5 +275,74 @@ def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.
         if progress:
             progress("both files written; moving them into place")
         os.replace(written, ptd_path)
+        os.replace(program_file, pte_path)
+    return pte_path, ptd_path
+
+
+def _target_paths(path) -> tuple[str, str, str]:
+    """(directory, .pte path, .ptd path) of a save to ``path`` (with or without a suffix)."""
+    path = os.fspath(path)
+    for suffix in (".pte", ".ptd"):
+        if path.endswith(suffix):
+            path = path[: -len(suffix)]
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    return directory, path + ".pte", path + ".ptd"
+
+
+def _zero_meta_state(ep: ExportedProgram) -> None:
+    """Program state (a KV cache) traced on the meta device becomes zeros, as the runtime
+    starts it; the emitter records its shape."""
+    state = state_buffers(ep)
+    for table in (ep.state_dict, ep.constants):
+        for fqn, tensor in list(table.items()):
+            if fqn in state and isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+                table[fqn] = torch.zeros(tensor.shape, dtype=tensor.dtype)
+
+
+def save_streamed(programs: dict[str, ExportedProgram], path: str | os.PathLike, tensor_for, *, constant_methods: dict | None = None,
+                  progress=None, on_start=None, on_written=None) -> tuple[str, str]:
+    """``save`` for programs traced with their weights on the meta device: each weight's bytes
+    come from ``tensor_for(entry)`` (a ``PtdTensor``: name, dtype, shape) when its turn comes,
+    and go straight to the ``.ptd`` (index first, weights in access order, hashed as written),
+    one tensor in memory at a time. Weights that are not on the meta device (buffers computed
+    at construction, constants made by tracing) are written from the programs themselves.
+    The same temporary names and final moves as ``save``."""
+    directory, pte_path, ptd_path = _target_paths(path)
+    edge, schedules = lower_to_edge(programs, progress)
+    lowered = {name: edge.exported_program(name) for name in schedules}
+    tensors, holder = {}, {}
+    for ep in lowered.values():
+        for fqn in weight_placeholders(ep).values():
+            if fqn not in tensors:
+                t = weight_tensor(ep, fqn)
+                tensors[fqn], holder[fqn] = PtdTensor(fqn, t.dtype, tuple(t.shape)), t
+    entries = entries_in_order([s.fqns for s in schedules.values()], tensors)
+
+    def data(entry: PtdTensor) -> torch.Tensor:
+        own = holder[entry.fqn]
+        return tensor_for(entry) if own.device.type == "meta" else own
+
+    say = progress or (lambda _msg: None)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".hostswap-save-") as tmp:
+        weights_file = os.path.join(tmp, "weights.ptd")
+        say(f"writing {len(entries)} weights, {sum(e.nbytes for e in entries) / 2**30:.2f} GiB")
+        if on_start is not None:
+            on_start(entries)
+        checksums = write_ptd(weights_file, entries, data, on_written)
+        unread = {fqn for fqn, t in holder.items() if t.device.type == "meta"}
+        del holder
+        records = {e.fqn: (dtype_name(e.dtype), e.shape, checksums[e.fqn]) for e in entries}
+        for ep in lowered.values():
+            _zero_meta_state(ep)
+        manager = emit(edge, schedules, checksums, records, constant_methods=constant_methods, progress=progress, unread=unread)
+        program = manager.buffer
+        with open(weights_file, "ab") as f:
+            f.write(encode_trailer(checksums, checksum(program)))
+        program_file = os.path.join(tmp, "program.pte")
+        with open(program_file, "wb") as f:
+            f.write(program)
+        say("both files written; moving them into place")
+        os.replace(weights_file, ptd_path)
         os.replace(program_file, pte_path)
     return pte_path, ptd_path

@@ -283,7 +283,8 @@ def _validate(ep: ExportedProgram, prefetch_depth: int, pin: Iterable[str]) -> t
     for fqn in sorted(state_buffers(ep)):
         # The runtime keeps state in device memory it zeroes at load: any other start would be lost.
         t = weight_tensor(ep, fqn)
-        if t.numel() and bool(t.detach().ne(0).any()):
+        # a meta tensor (a model traced without its weights) has no values: a static cache starts at zero by construction
+        if t.numel() and t.device.type != "meta" and bool(t.detach().ne(0).any()):
             raise WeightOffloadError(
                 f"buffer '{fqn}' is program state (the program mutates it) and starts nonzero; hostswap starts "
                 "program state at zero on the device. Zero it before export, or make it an input"

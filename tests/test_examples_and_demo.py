@@ -50,6 +50,7 @@ def test_export_llm_and_generate_commands(tmp_path):
     exported = run("export-llm", str(tmp_path / "ckpt"), "--out", str(tmp_path / "llama"), "--max-seq-len", "64")
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert "exporting prefill (64 tokens)" in exported.stderr and "no tokenizer" in exported.stderr
+    assert "on the meta device (no weights loaded)" in exported.stderr  # streamed from the checkpoint's safetensors
     auto = run("generate", str(tmp_path / "llama"), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--device", "cpu")
     assert auto.returncode == 0, auto.stderr[-2000:]
     assert "weight budget auto:" in auto.stderr and "every weight resident" in auto.stderr and "one-time: load" in auto.stderr

@@ -1,0 +1,218 @@
+"""Export a transformers checkpoint folder for generation without loading its weights.
+
+The model is built from its config on the meta device (accelerate's ``init_empty_weights``;
+buffers computed at construction, such as rotary tables, stay real), traced and lowered as
+``hostswap.llm.export`` does, and the ``.ptd`` is then written one tensor at a time, each
+read from its safetensors shard (plain reads: nothing stays mapped), converted to the program's dtype and hashed
+as it is written (``passes/lowering.py: save_streamed``). Peak memory is the traced program
+plus about one tensor; the weights are read once and written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable
+
+import torch
+
+from hostswap.llm import GenerationError, export_programs
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def has_safetensors(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a safetensors checkpoint (one file, or shards with an index)."""
+    return any(os.path.exists(os.path.join(os.fspath(folder), name)) for name in (SINGLE_FILE, INDEX_FILE))
+
+
+class CheckpointError(GenerationError):
+    """A checkpoint folder hostswap cannot stream from; the message names the shard or tensor."""
+
+
+# safetensors' dtype names (the format's header)
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    shard: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute, in the shard
+    nbytes: int
+
+
+def read_safetensors_header(path: str, shard: str, folder: str) -> dict[str, StoredTensor]:
+    """The tensors a safetensors file holds, from its header alone; refuses a file whose
+    header or data is cut short, naming the shard."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            raise CheckpointError(f"shard {shard} of {folder} is truncated or not safetensors: its header says {length} bytes, the file has {size}")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:
+            raise CheckpointError(f"shard {shard} of {folder} has an unreadable header: {e}") from None
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"tensor '{name}' in shard {shard} of {folder} has a header entry hostswap cannot read: {info!r}") from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes:
+            raise CheckpointError(f"tensor '{name}' in shard {shard} of {folder} spans {end - begin} bytes; {info['dtype']} {list(shape)} needs {nbytes}")
+        if 8 + length + end > size:
+            raise CheckpointError(f"shard {shard} of {folder} is truncated: tensor '{name}' ends at byte {8 + length + end}, the file has {size}")
+        tensors[name] = StoredTensor(shard, dtype, shape, 8 + length + begin, nbytes)
+    return tensors
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a checkpoint's safetensors shards, by name, each read when asked (plain
+    reads into its own buffer: no mapping stays resident, so memory holds one tensor)."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = os.fspath(folder)
+        index_path = os.path.join(self.folder, INDEX_FILE)
+        if os.path.exists(index_path):
+            try:
+                with open(index_path) as f:
+                    shard_of = dict(json.load(f)["weight_map"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index_path} is not a safetensors index (a JSON object with a weight_map): {e}") from None
+        elif os.path.exists(os.path.join(self.folder, SINGLE_FILE)):
+            shard_of = None
+        else:
+            found = sorted(f for f in os.listdir(self.folder) if f.endswith((".bin", ".pt", ".pth", ".gguf"))) if os.path.isdir(self.folder) else []
+            what = f"its weights are in {', '.join(found[:3])}" if found else "it holds no weights"
+            raise CheckpointError(
+                f"{self.folder} has no safetensors ({SINGLE_FILE} or {INDEX_FILE}): {what}. hostswap streams safetensors shards; "
+                "convert once with transformers (AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder), which holds "
+                "the whole model in RAM once), or export the loaded model with hostswap.llm.export"
+            )
+        shards = sorted(set(shard_of.values())) if shard_of is not None else [SINGLE_FILE]
+        self.tensors: dict[str, StoredTensor] = {}
+        for shard in shards:
+            path = os.path.join(self.folder, shard)
+            if not os.path.exists(path):
+                holds = next(name for name, s in shard_of.items() if s == shard)
+                raise CheckpointError(f"shard {shard} of {self.folder} is missing (the index puts '{holds}' in it)")
+            self.tensors.update(read_safetensors_header(path, shard, self.folder))
+        if shard_of is not None:
+            # the index decides which names the checkpoint has
+            self.tensors = {name: t for name, t in self.tensors.items() if name in shard_of}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shard_of(self, name: str) -> str:
+        return self.tensors[name].shard
+
+    def tensor(self, name: str) -> torch.Tensor:
+        stored = self.tensors[name]
+        out = torch.empty(stored.shape, dtype=stored.dtype)
+        with open(os.path.join(self.folder, stored.shard), "rb") as f:
+            f.seek(stored.offset)
+            got = f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+        if got != stored.nbytes:
+            raise CheckpointError(f"tensor '{name}' of shard {stored.shard} ({self.folder}) ends past the file's end: {got} of {stored.nbytes} bytes read")
+        return out
+
+
+def _meta_model(folder: str, dtype: torch.dtype | None):
+    """The checkpoint's model with its parameters on the meta device, and the dtype it holds."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder} has no config a transformers model can be built from: {e}") from None
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    except OSError:
+        pass  # the config's own
+    model.tie_weights()
+    return model.eval(), dtype
+
+
+def _checkpoint_names(model, prefix: str = "model.") -> dict[str, list[str]]:
+    """Program FQN -> the names the checkpoint may store that tensor under (the model's own
+    name first, then the names of tensors tied to it)."""
+    by_object: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        by_object.setdefault(id(tensor), []).append(name)
+    names = {}
+    for aliases in by_object.values():
+        for name in aliases:
+            names[prefix + name] = [name] + [a for a in aliases if a != name]
+    return names
+
+
+def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None,
+                      dtype: torch.dtype | str | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
+                      progress: Callable[[str], None] | None = None, show_bar: bool = False) -> tuple[str, str]:
+    """Write ``<out>.pte`` and ``<out>.ptd`` for the transformers causal LM in ``folder`` (its
+    config and safetensors shards) without loading the model: the same program, weight bytes
+    and weights digest as ``hostswap.llm.export`` of the loaded model. ``dtype``: the weights'
+    dtype in the program (default: the config's); each tensor is converted as it is read.
+    ``show_bar``: a progress bar of bytes written, GB/s and time left."""
+    from hostswap.passes.lowering import save_streamed
+
+    folder = os.fspath(folder)
+    checkpoint = SafetensorsCheckpoint(folder)
+    say = progress or (lambda _msg: None)
+    say(f"building {folder}'s model on the meta device (no weights loaded)")
+    model, dtype = _meta_model(folder, dtype)
+    names = _checkpoint_names(model)
+    programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
+                                          gather_from_host=gather_from_host, progress=progress)
+    del model
+
+    def tensor_for(entry) -> torch.Tensor:
+        stored = next((n for n in names.get(entry.fqn, ()) if n in checkpoint), None)
+        if stored is None:
+            raise CheckpointError(f"tensor '{entry.fqn.removeprefix('model.')}' of the model is in no shard of {folder}")
+        tensor = checkpoint.tensor(stored)
+        if tuple(tensor.shape) != entry.shape:
+            raise CheckpointError(f"tensor '{stored}' in shard {checkpoint.shard_of(stored)} of {folder} has shape {list(tensor.shape)}; "
+                                  f"the model built from its config has {list(entry.shape)}")
+        if not (tensor.dtype.is_floating_point or tensor.dtype == entry.dtype):
+            raise CheckpointError(f"tensor '{stored}' in shard {checkpoint.shard_of(stored)} of {folder} is {tensor.dtype}; the model holds {entry.dtype}")
+        return tensor.to(entry.dtype)
+
+    bar = []  # created when the writing starts, so its rate and time left are the writing's
+
+    def start(entries) -> None:
+        if show_bar:
+            from tqdm import tqdm
+
+            bar.append(tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, unit_divisor=1024, desc="writing weights",
+                            dynamic_ncols=True))
+
+    def written(entry) -> None:
+        if bar:
+            bar[0].update(entry.nbytes)
+
+    try:
+        return save_streamed(programs, out, tensor_for, constant_methods=constants, progress=progress, on_start=start, on_written=written)
+    finally:
+        if bar:
+            bar[0].close()

@@ -1,0 +1,113 @@
+"""Write a ``.ptd`` one tensor at a time: the index first, then each tensor's bytes as it comes.
+
+The layout is ExecuTorch's FlatTensor (the one ``schedules/ptd_index.py`` reads): a flatbuffer
+with the extended header ``FH01`` embedded, then one segment per tensor, each aligned to
+``SEGMENT_ALIGNMENT``. The index depends only on names, dtypes and shapes, so it is written
+before any weight is read, and the weights follow in the order given, each hashed as it is
+written. Peak memory is one tensor, whatever the model's size. Identical tensors are stored
+once each (ExecuTorch's own writer stores them once): the data need not be read twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+
+from hostswap.schedules.checksums import checksum
+from hostswap.schedules.pte_program import torch_dtype
+
+SEGMENT_ALIGNMENT = 128  # ExecuTorch's FlatTensorConfig default
+_FLATBUFFER_ALIGNMENT = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PtdTensor:
+    """One entry of the index: its name, dtype and shape."""
+
+    fqn: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _scalar_type(dtype: torch.dtype):
+    from executorch.exir.scalar_type import ScalarType
+
+    for scalar_type in ScalarType:
+        try:
+            if torch_dtype(scalar_type) == dtype:
+                return scalar_type
+        except ValueError:
+            continue
+    raise ValueError(f"{dtype} has no ExecuTorch scalar type")
+
+
+def _aligned(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def ptd_index_bytes(tensors: list[PtdTensor]) -> tuple[bytes, list[int]]:
+    """(the bytes before the first segment, each tensor's absolute offset in the file)."""
+    from executorch.exir._serialize._program import _insert_flatbuffer_header
+    from executorch.exir.tensor_layout import TensorLayout
+    from executorch.extension.flat_tensor.serialize.flat_tensor_schema import DataSegment, FlatTensor, NamedData
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorHeader, _serialize_to_flatbuffer
+
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(_aligned(end, SEGMENT_ALIGNMENT))
+        end = offsets[-1] + t.nbytes
+    flat = FlatTensor(
+        version=0,
+        segments=[DataSegment(offset=o, size=t.nbytes) for o, t in zip(offsets, tensors)],
+        named_data=[NamedData(key=t.fqn, segment_index=i, tensor_layout=TensorLayout(_scalar_type(t.dtype), list(t.shape), list(range(len(t.shape)))))
+                    for i, t in enumerate(tensors)],
+    )
+    flatbuffer = _serialize_to_flatbuffer(flat).__bytes__()
+    header_length = _aligned(FlatTensorHeader.EXPECTED_LENGTH, _FLATBUFFER_ALIGNMENT)
+    base = _aligned(len(flatbuffer) + header_length, SEGMENT_ALIGNMENT)
+    header = FlatTensorHeader(flatbuffer_offset=header_length, flatbuffer_size=len(flatbuffer), segment_base_offset=base,
+                              segment_data_size=end).to_bytes()
+    header = header + b"\0" * (header_length - len(header))
+    head = _insert_flatbuffer_header(flatbuffer_data=flatbuffer, magic_regex=r"FT[0-9a-zA-Z][0-9a-zA-Z]", header_data=header)
+    return head + b"\0" * (base - len(head)), [base + o for o in offsets]
+
+
+def write_ptd(path: str | os.PathLike, tensors: list[PtdTensor], data: Callable[[PtdTensor], torch.Tensor],
+              on_written: Callable[[PtdTensor], None] | None = None) -> dict[str, str]:
+    """Write ``tensors`` to ``path``, each one's bytes from ``data(entry)`` (a tensor of its
+    dtype and shape, read when its turn comes); returns FQN -> checksum. Raises ValueError
+    naming the tensor whose data disagrees with its entry."""
+    head, offsets = ptd_index_bytes(tensors)
+    checksums: dict[str, str] = {}
+    with open(path, "wb") as f:
+        f.write(head)
+        for entry, offset in zip(tensors, offsets):
+            tensor = data(entry)
+            if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+                raise ValueError(f"tensor '{entry.fqn}' is {tensor.dtype} {list(tensor.shape)}; the program reads {entry.dtype} {list(entry.shape)}")
+            f.write(b"\0" * (offset - f.tell()))
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            f.write(memoryview(raw))
+            checksums[entry.fqn] = checksum(raw)
+            del tensor, raw
+            if on_written is not None:
+                on_written(entry)
+    return checksums
+
+
+def entries_in_order(orders: Iterable[Iterable[str]], tensors: dict[str, PtdTensor]) -> list[PtdTensor]:
+    """The entries of ``tensors`` in first-use order over ``orders`` (access orders), then the rest by name."""
+    seen: dict[str, None] = {}
+    for order in orders:
+        for fqn in order:
+            if fqn in tensors:
+                seen.setdefault(fqn)
+    return [tensors[f] for f in seen] + [tensors[f] for f in sorted(set(tensors) - set(seen))]

@@ -1,0 +1,184 @@
+"""Export from a checkpoint folder without loading the model (hostswap.checkpoint): the same
+program, weight bytes and digest as exporting the loaded model, the same tokens, and a clear
+error for every bad checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+import hostswap
+import hostswap.llm as llm
+from hostswap.checkpoint import CheckpointError, export_checkpoint
+from hostswap.runtime.ptd import PtdFile
+from hostswap.schedules.pte_program import read_program
+from hostswap.schedules.serialization import saved_weights_digest
+
+from real_models import BY_NAME, VOCAB, build
+from test_generation import GENERATION_ARCHITECTURES
+
+MB = 2**20
+MAX_SEQ_LEN, CHUNK = 30, 4
+
+
+def _saved(name: str, folder, **save_options):
+    build(BY_NAME[name])[0].save_pretrained(folder, **save_options)
+    return folder
+
+
+@pytest.mark.parametrize("name", GENERATION_ARCHITECTURES)
+def test_streamed_export_is_the_in_memory_export(name, tmp_path):
+    """Schedules, every weight's bytes, the weights digest and greedy tokens are those of
+    hostswap.llm.export on the model loaded from the same checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = _saved(name, tmp_path / "ckpt")
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    pte_a, ptd_a = llm.export(loaded, tmp_path / "loaded", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    pte_b, ptd_b = export_checkpoint(ckpt, tmp_path / "streamed", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    schedules_a, schedules_b = hostswap.schedules.load_weight_schedules(pte_a), hostswap.schedules.load_weight_schedules(pte_b)
+    assert schedules_a.keys() == schedules_b.keys()
+    for method in schedules_a:
+        a, b = schedules_a[method], schedules_b[method]
+        assert a.probe_fqns() == b.probe_fqns() and a.floor_bytes == b.floor_bytes and a.total_bytes == b.total_bytes, method
+    with PtdFile(ptd_a) as fa, PtdFile(ptd_b) as fb:
+        assert fa.entries.keys() == fb.entries.keys()
+        for fqn in fa.entries:
+            assert torch.equal(fa.host_tensor(fqn).reshape(-1).view(torch.uint8), fb.host_tensor(fqn).reshape(-1).view(torch.uint8)), fqn
+        assert fa.index.checksums == fb.index.checksums
+    assert saved_weights_digest(read_program(pte_a)) == saved_weights_digest(read_program(pte_b))
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    tokens = []
+    for pte, ptd in ((pte_a, ptd_a), (pte_b, ptd_b)):
+        with llm.Generator(pte, ptd, weight_offload_budget_mb=schedules_b["decode"].floor_bytes / MB + 1, device="cpu") as g:
+            tokens.append(g.generate(prompt, 8, eos_token_id=[]))
+    assert torch.equal(tokens[0], tokens[1])
+
+
+def test_sharded_checkpoint_with_a_dtype_conversion(tmp_path):
+    """Shards of an index, read one tensor at a time and converted to the asked dtype: the
+    same weights as the loaded model converted."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = _saved("Llama", tmp_path / "ckpt", max_shard_size="100KB")
+    assert os.path.exists(ckpt / "model.safetensors.index.json")
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    _, ptd_a = llm.export(loaded, tmp_path / "loaded", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    _, ptd_b = export_checkpoint(ckpt, tmp_path / "streamed", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, dtype="bfloat16")
+    with PtdFile(ptd_a) as fa, PtdFile(ptd_b) as fb:
+        assert fa.index.checksums == fb.index.checksums
+        assert {e.dtype for e in fb.entries.values()} >= {torch.bfloat16}
+
+
+def _expect(tmp_path, ckpt, match):
+    with pytest.raises(CheckpointError, match=match):
+        export_checkpoint(ckpt, tmp_path / "out", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir())  # nothing under the final names
+
+
+def test_bad_checkpoints_are_named(tmp_path):
+    ckpt = _saved("Llama", tmp_path / "ckpt", max_shard_size="100KB")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+
+    missing = tmp_path / "missing_shard"
+    shutil.copytree(ckpt, missing)
+    os.remove(missing / shards[1])
+    _expect(tmp_path, missing, rf"shard {shards[1]} of .*missing_shard is missing \(the index puts '.+' in it\)")
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(ckpt, truncated)
+    with open(truncated / shards[0], "r+b") as f:
+        f.truncate(os.path.getsize(truncated / shards[0]) // 2)
+    _expect(tmp_path, truncated, rf"{shards[0]}.*truncated")
+
+    unindexed = tmp_path / "unindexed"
+    shutil.copytree(ckpt, unindexed)
+    dropped = "model.layers.1.mlp.down_proj.weight"
+    index_copy = dict(index, weight_map={k: v for k, v in index["weight_map"].items() if k != dropped})
+    (unindexed / "model.safetensors.index.json").write_text(json.dumps(index_copy))
+    _expect(tmp_path, unindexed, rf"tensor '{dropped}' of the model is in no shard of .*unindexed")
+
+    reshaped = tmp_path / "reshaped"
+    shutil.copytree(ckpt, reshaped)
+    config = json.loads((reshaped / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (reshaped / "config.json").write_text(json.dumps(config))
+    _expect(tmp_path, reshaped, r"tensor 'model.layers.0.mlp.gate_proj.weight' in shard .* has shape \[\d+, \d+\]; the model built from its config has")
+
+    bin_only = tmp_path / "bin_only"
+    bin_only.mkdir()
+    shutil.copy(ckpt / "config.json", bin_only / "config.json")
+    torch.save({}, bin_only / "pytorch_model.bin")
+    _expect(tmp_path, bin_only, r"has no safetensors .*its weights are in pytorch_model.bin.*convert once")
+
+
+def _write_checkpoint_shard_by_shard(folder, config) -> int:
+    """A random bf16 checkpoint of ``config``'s model, written one layer's shard at a time (the
+    model never in memory); returns the largest tensor's bytes."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir()
+    config.save_pretrained(folder)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if "rotary" not in name}
+    groups: dict[str, list[str]] = {}
+    for name in shapes:
+        parts = name.split(".")
+        groups.setdefault(f"layer-{parts[2]}" if parts[:2] == ["model", "layers"] else "other", []).append(name)
+    generator = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for i, (group, names) in enumerate(sorted(groups.items())):
+        shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: (torch.randn(shapes[n], generator=generator) * 0.02).to(torch.bfloat16) for n in names}, folder / shard, metadata={"format": "pt"})
+        weight_map.update({n: shard for n in names})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return max(math.prod(s) for s in shapes.values()) * 2
+
+
+PEAK_RSS = """
+import resource, sys
+import torch, transformers, executorch.exir, hostswap.llm, hostswap.checkpoint
+if sys.argv[1] == "export":
+    hostswap.checkpoint.export_checkpoint(sys.argv[2], sys.argv[3], max_seq_len=64)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_export_memory_stays_within_one_tensor_of_the_baseline(tmp_path):
+    """A 3.7 GB bf16 checkpoint, about three times what the bound leaves: the export's peak
+    RSS stays within the process's own baseline (torch, transformers and executorch imported)
+    + 1 GiB + the largest tensor, and its weights are the checkpoint's."""
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=8, num_attention_heads=32,
+                         num_key_value_heads=32, max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    largest = _write_checkpoint_shard_by_shard(tmp_path / "ckpt", config)
+    checkpoint_bytes = sum(p.stat().st_size for p in (tmp_path / "ckpt").glob("*.safetensors"))
+    run = lambda *a: subprocess.run([sys.executable, "-c", PEAK_RSS, *a], capture_output=True, text=True, timeout=1800)
+    baseline = run("baseline")
+    exported = run("export", str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert baseline.returncode == 0 and exported.returncode == 0, exported.stderr[-3000:]
+    base, peak = int(baseline.stdout.split()[-1]), int(exported.stdout.split()[-1])
+    allowed = base + 2**30 + largest
+    print(f"checkpoint {checkpoint_bytes / 2**30:.2f} GiB, largest tensor {largest / 2**20:.0f} MiB; peak RSS {peak / 2**30:.2f} GiB, "
+          f"baseline {base / 2**30:.2f} GiB, bound {allowed / 2**30:.2f} GiB")
+    assert checkpoint_bytes > 2.5 * (2**30 + largest)  # the bound could not hold the weights
+    assert peak <= allowed, (peak, allowed)
+    with PtdFile(tmp_path / "out.ptd") as ptd:
+        from safetensors import safe_open
+
+        with safe_open(tmp_path / "ckpt" / "model-00001-of-00009.safetensors", "pt") as shard:
+            name = next(iter(shard.keys()))
+            assert torch.equal(ptd.host_tensor("model." + name), shard.get_tensor(name))
