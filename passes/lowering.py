@@ -258,7 +258,6 @@ def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.
     if progress:
         progress(f"writing {pte_path} and {ptd_path}")
     program = manager.buffer  # the .pte holds no weights: small
-    program_checksum = checksum(program)
     with tempfile.TemporaryDirectory(dir=directory, prefix=".hostswap-save-") as tmp:
         manager.write_tensor_data_to_file(tmp)
         written = [f for f in os.listdir(tmp) if f.endswith(".ptd")]
@@ -266,17 +265,23 @@ def save(programs: ExportedProgram | dict[str, ExportedProgram], path: str | os.
             raise WeightOffloadError(f"expected ExecuTorch to write one .ptd, it wrote {written}")
         written = os.path.join(tmp, written[0])
         _check_ptd_holds(written, manager.hostswap_weight_checksums)
-        # the per-weight checksums after ExecuTorch's segments (schedules/checksums.py)
-        with open(written, "ab") as f:
-            f.write(encode_trailer(manager.hostswap_weight_checksums, program_checksum))
-        program_file = os.path.join(tmp, "program.pte")
-        with open(program_file, "wb") as f:
-            f.write(program)
-        if progress:
-            progress("both files written; moving them into place")
-        os.replace(written, ptd_path)
-        os.replace(program_file, pte_path)
+        _place_pair(tmp, program, written, manager.hostswap_weight_checksums, pte_path, ptd_path, progress)
     return pte_path, ptd_path
+
+
+def _place_pair(tmp: str, program: bytes, weights_file: str, checksums: dict[str, str], pte_path: str, ptd_path: str, progress=None) -> None:
+    """Finish a save in ``tmp``: the checksum trailer after the weights file's segments
+    (schedules/checksums.py), the program beside it, then both moved to their final names, the
+    ``.ptd`` first."""
+    with open(weights_file, "ab") as f:
+        f.write(encode_trailer(checksums, checksum(program)))
+    program_file = os.path.join(tmp, "program.pte")
+    with open(program_file, "wb") as f:
+        f.write(program)
+    if progress:
+        progress("both files written; moving them into place")
+    os.replace(weights_file, ptd_path)
+    os.replace(program_file, pte_path)
 
 
 def _target_paths(path) -> tuple[str, str, str]:
@@ -336,13 +341,5 @@ def save_streamed(programs: dict[str, ExportedProgram], path: str | os.PathLike,
         for ep in lowered.values():
             _zero_meta_state(ep)
         manager = emit(edge, schedules, checksums, records, constant_methods=constant_methods, progress=progress, unread=unread)
-        program = manager.buffer
-        with open(weights_file, "ab") as f:
-            f.write(encode_trailer(checksums, checksum(program)))
-        program_file = os.path.join(tmp, "program.pte")
-        with open(program_file, "wb") as f:
-            f.write(program)
-        say("both files written; moving them into place")
-        os.replace(weights_file, ptd_path)
-        os.replace(program_file, pte_path)
+        _place_pair(tmp, manager.buffer, weights_file, checksums, pte_path, ptd_path, progress)
     return pte_path, ptd_path
