@@ -42,10 +42,14 @@ def _inspect(args) -> int:
         print(f"hostswap inspect: {e}", file=sys.stderr)
         return 2
     budget = None if args.budget_mb is None else int(args.budget_mb * 2**20)
+    if args.host_budget_mb is not None and (budget is None or args.host_budget_mb < 0):
+        print("hostswap inspect: --host-budget-mb needs --budget-mb (the GPU budget decides what is streamed) and a number of MB, 0 or more", file=sys.stderr)
+        return 2
+    host_budget = None if args.host_budget_mb is None else int(args.host_budget_mb * 2**20)
     if args.format == "json":
-        print(json.dumps(schedule.to_dict(budget), indent=2))
+        print(json.dumps(schedule.to_dict(budget, host_budget), indent=2))
     else:
-        print(schedule.table(budget))
+        print(schedule.table(budget, host_budget))
     if args.plot:
         schedule.plot(args.plot, budget)
         print(f"plot written to {args.plot}", file=sys.stderr)
@@ -171,7 +175,8 @@ def _generate(args) -> int:
             return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        with llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=args.budget_mb, device=device, policy=args.policy) as g:
+        with llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=args.budget_mb, host_memory_budget_mb=args.host_budget_mb,
+                           device=device, policy=args.policy) as g:
             print(f"loaded: {g.memory_report()}", file=sys.stderr, flush=True)
             if tokenizer is not None:
                 print(args.prompt, end="", flush=True)
@@ -181,7 +186,7 @@ def _generate(args) -> int:
             per_token = g.stats["bytes_streamed_per_token"]
             if device.type == "cuda" and per_token:
                 bound = per_token / _pinned_bandwidth(device) * 1e3
-                line += f"; bound {bound:.2f} ms/token (streamed bytes / pinned H2D)"
+                line += f"; bound {bound:.2f} ms/token (streamed bytes / pinned H2D{'; disk reads not counted' if g.stats['bytes_from_disk_per_token'] else ''})"
             print(line, file=sys.stderr)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"hostswap generate: {e}", file=sys.stderr)
@@ -197,6 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--ptd", help="the weights file to check the program against (default: the .ptd beside the .pte, if there is one)")
     p.add_argument("--method", help="the method whose schedule to show (a program with several, e.g. decode)")
     p.add_argument("--budget-mb", type=float, help="also tell whether this budget loads and what each policy streams")
+    p.add_argument("--host-budget-mb", type=float, help="with --budget-mb: also place each streamed weight in pinned host memory or on disk "
+                   "within this many MB of pinned weights, as generate --host-budget-mb does")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--plot", metavar="FILE", help="draw weight bytes per kernel with floor and budget lines (.png or .svg)")
     p.set_defaults(func=_inspect)
@@ -220,6 +227,9 @@ def main(argv=None) -> int:
     g.add_argument("--budget-mb", type=_budget_mb, default="auto",
                    help="GPU memory for weights (MB), or auto (the default): the free memory less the KV cache, the activations and a margin, "
                         "capped at the weights' total; a number below the floor fails with the minimum")
+    g.add_argument("--host-budget-mb", type=_budget_mb, default="auto",
+                   help="pinned host memory for streamed weights (MB), or auto (the default): 75%% of the RAM available at load; "
+                        "weights beyond it are read from the .ptd on disk ahead of their copies (0: all of them)")
     g.add_argument("--prompt", help="text, encoded with the tokenizer export-llm saved")
     g.add_argument("--prompt-ids", help="comma-separated token ids, for a program without a tokenizer")
     g.add_argument("--max-new-tokens", type=int, default=128)

@@ -310,6 +310,7 @@ class GenerationStats:
     decode_seconds: float = 0.0  # every decode step after the first token
     bytes_streamed_prefill: int = 0
     bytes_streamed_decode: int = 0
+    bytes_from_disk_decode: int = 0  # of those, read from the .ptd (the disk tier)
 
     @property
     def ms_per_token(self) -> float | None:
@@ -325,6 +326,11 @@ class GenerationStats:
     def bytes_streamed_per_token(self) -> float | None:
         steps = self.new_tokens - 1
         return self.bytes_streamed_decode / steps if steps > 0 else None
+
+    @property
+    def bytes_from_disk_per_token(self) -> float | None:
+        steps = self.new_tokens - 1
+        return self.bytes_from_disk_decode / steps if steps > 0 else None
 
 
 class Generator:
@@ -351,10 +357,11 @@ class Generator:
         device = check_device_argument(device)
         if not isinstance(warm_up, bool):
             raise GenerationError(f"warm_up must be True or False, got {warm_up!r}")
+        where_possible = cuda_graph is None  # by default, decode is graphed unless weights come from the disk
         if cuda_graph is None:
             cuda_graph = device.type == "cuda" and policy == "planned"
         self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=device,
-                             policy=policy, cuda_graph=(DECODE,) if cuda_graph else False, **module_options)
+                             policy=policy, cuda_graph=(DECODE,) if cuda_graph else False, cuda_graph_where_possible=where_possible, **module_options)
         try:
             missing = [m for m in (PREFILL, DECODE) if m not in self.module.schedules]
             if missing:
@@ -439,12 +446,13 @@ class Generator:
         t0, bytes0 = time.perf_counter(), self.module.pool.stats.bytes_h2d
         last = prefill(self._step, ids, self.prefill_chunk, self.max_seq_len)
         self._sync()
-        t1, bytes1 = time.perf_counter(), self.module.pool.stats.bytes_h2d
+        t1, bytes1, disk1 = time.perf_counter(), self.module.pool.stats.bytes_h2d, self.module.disk_bytes_read
         stats.prefill_seconds, stats.bytes_streamed_prefill = t1 - t0, bytes1 - bytes0
         new = decode_greedily(self._step, last, prompt, max_new_tokens, eos, on_token)
         self._sync()
         stats.decode_seconds = time.perf_counter() - t1
         stats.bytes_streamed_decode = self.module.pool.stats.bytes_h2d - bytes1
+        stats.bytes_from_disk_decode = self.module.disk_bytes_read - disk1
         stats.new_tokens = len(new)
         self.last = stats
         return torch.cat([ids, torch.tensor([new], dtype=torch.long)], dim=1)
@@ -457,7 +465,8 @@ class Generator:
         return {
             "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
             "prefill_ms": s.prefill_seconds * 1e3, "ms_per_token": s.ms_per_token, "tokens_per_s": s.tokens_per_second,
-            "bytes_streamed_per_token": s.bytes_streamed_per_token, "kv_cache_bytes": module["state_bytes"],
+            "bytes_streamed_per_token": s.bytes_streamed_per_token, "bytes_from_disk_per_token": s.bytes_from_disk_per_token,
+            "kv_cache_bytes": module["state_bytes"], "host_budget_bytes": module["host_budget_bytes"],
             "activation_arena_bytes": module["activation_arena_bytes"], "weight_budget_bytes": module["budget_bytes"],
             "hits": module["hits"], "misses": module["misses"], "bytes_h2d": module["bytes_h2d"],
             # one-time costs, apart from the steady-state speed above
@@ -471,16 +480,18 @@ class Generator:
                   f"KV cache {m['state_bytes'] / 2**20:.1f} MiB, activations {m['activation_arena_bytes'] / 2**20:.1f} MiB; "
                   f"host memory pinned for streaming {m['pinned_host_bytes'] / 2**20:.1f} MiB")
         auto = self.module.auto_budget
-        return memory if auto is None else f"{auto.explain(self.device)}\n{memory}"
+        lines = ([] if auto is None else [auto.explain(self.device)]) + [memory, self.module.host_budget.explain(self.module.tiers)]
+        return "\n".join(lines)
 
     def summary(self) -> str:
         """The last generation's steady-state speed and memory, then the one-time costs apart."""
         s = self.stats
         ms = f"{s['ms_per_token']:.2f} ms/token, {s['tokens_per_s']:.1f} tokens/s" if s["ms_per_token"] is not None else "one token"
         per_token = s["bytes_streamed_per_token"]
+        disk = f" ({s['bytes_from_disk_per_token'] / 2**20:.1f} MiB of it from disk)" if s["bytes_from_disk_per_token"] else ""
         once = f"load {s['load_s']:.2f} s" + (f", warm-up {s['warm_up_s']:.2f} s" if s["warm_up_s"] is not None else ", no warm-up (the first call's costs are in its times)")
         return (f"prefill {s['prefill_ms']:.1f} ms ({s['prompt_tokens']} tokens), {ms}, {s['new_tokens']} new tokens; "
-                f"streamed {per_token / 2**20 if per_token is not None else 0:.1f} MiB/token; device memory: weights "
+                f"streamed {per_token / 2**20 if per_token is not None else 0:.1f} MiB/token{disk}; device memory: weights "
                 f"{s['weight_budget_bytes'] / 2**20:.1f} MiB, KV cache {s['kv_cache_bytes'] / 2**20:.1f} MiB, "
                 f"activations {s['activation_arena_bytes'] / 2**20:.1f} MiB; one-time: {once}")
 

@@ -13,6 +13,7 @@ import torch
 
 from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, free_memory, total_memory
 from hostswap.runtime.executor import MethodExecutor
+from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_host_tiers
 from hostswap.runtime.instructions import ListRef, ProgramError
 from hostswap.runtime.method_loader import state_memory_ids
 from hostswap.runtime.lru_pool import LruPool
@@ -20,7 +21,7 @@ from hostswap.runtime.planned_pool import PlannedPool
 from hostswap.runtime.pool import PoolCreationError
 from hostswap.runtime.ptd import PtdFile, open_pair, verify_showing_progress
 from hostswap.schedules.artifacts import ArtifactError
-from hostswap.schedules.policies import check_budget
+from hostswap.schedules.policies import check_budget, plan_layout
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, read_program_bytes, torch_dtype
 from hostswap.schedules.serialization import decode_program
 from hostswap.schedules.weight_schedule import check_prefetch_depth
@@ -132,6 +133,13 @@ class Module:
     state (a KV cache), its activations and a margin (``runtime/budget.py``), capped at the
     weights' total; ``auto_budget`` tells what it chose and why.
 
+    ``host_memory_budget_mb`` (default ``"auto"``: a share of the RAM available at load,
+    ``runtime/host_tier.py``) caps the streamed weight bytes kept in pinned host memory; the
+    planned policy reads the others from the ``.ptd`` on disk ahead of their copies
+    (``tiers`` tells which weight is where; a forward with disk reads runs eagerly, so
+    ``cuda_graph`` then fails unless ``cuda_graph_where_possible``). The lru policy keeps every
+    streamed weight pinned.
+
     At load the ``.ptd`` index is validated and both files are checked to be the pair
     ``hostswap.save`` wrote, without reading a weight (docs/weight-offload.md, "Trusting the
     files"); ``verify=True`` also hashes every weight byte against its checksum. A bad file
@@ -140,10 +148,14 @@ class Module:
     registration and unmaps the file.
     """
 
-    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False):
+    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False,
+                 host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False):
         t0 = time.perf_counter()
         self._closed = True  # until loaded
         check_budget_argument(weight_offload_budget_mb)
+        check_host_budget_argument(host_memory_budget_mb)
+        self._host_budget_mb = host_memory_budget_mb
+        self._graph_where_possible = cuda_graph_where_possible
         self.device = check_device_argument(device)
         if policy not in POOLS:
             raise ValueError(f"policy must be one of {tuple(POOLS)}, got {policy!r}")
@@ -198,20 +210,36 @@ class Module:
     def _load(self, policy: str, graphed: set[str], prefault: bool, lock: bool, warm_pool: bool, verify: bool) -> None:
         self._check_weights()
         self.verified_bytes, self.verify_seconds = verify_showing_progress(self.ptd) if verify else (0, 0.0)
+        layout = plan_layout(self.schedule, self.budget_bytes) if policy == "planned" else None
+        self.host_budget, self.tiers = plan_host_tiers(self._host_budget_mb, self.schedule, layout)
+        if self.tiers.disk and graphed:
+            if not self._graph_where_possible:
+                raise ValueError(f"cuda_graph needs every streamed weight in pinned host memory; host_memory_budget_mb={self.host_budget.budget_bytes / 2**20:.1f} "
+                                 f"leaves {len(self.tiers.disk)} weights on disk, read eagerly. Raise the host budget or load without cuda_graph")
+            graphed.clear()
+        # only what is copied after load (resident weights are copied once, at load) and the
+        # tables row gathers read in place: the pages the host tier keeps
+        host_tier = [self.schedule.fqns[w] for w in sorted(self.tiers.pinned)] + list(self.schedule.host_read)
         if prefault:
-            self.ptd.prefault()
+            self.ptd.prefault(host_tier if self.tiers.disk else None)
         if lock:
-            self.ptd.lock()
+            self.ptd.lock(host_tier if self.tiers.disk else None)
         state_sizes, activations = self._arena_sizes()
         check_device_memory(self.device, min(self.budget_bytes, self.schedule.total_bytes), sum(state_sizes.values()), activations, free_memory(self.device))
         host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
-        self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
+        if layout is None:
+            self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
+        else:
+            reader = open_disk_reader(self.ptd, self.schedule, self.tiers, pinned=self.device.type == "cuda")
+            try:
+                self.pool = PlannedPool(self.schedule, host, self.budget_bytes, self.device, layout=layout, disk_reader=reader, disk_fills=self.tiers.disk_fills)
+            except BaseException:
+                if reader is not None:
+                    reader.close()
+                raise
         del host
         if self.device.type == "cuda":
-            # only what is copied after load; resident weights were copied once, above
-            # only what is copied after load (resident weights were copied once, above), and
-            # the tables row gathers read in place
-            self.ptd.register_with_cuda([self.schedule.fqns[w] for w in self.pool.streamed_weights()] + list(self.schedule.host_read))
+            self.ptd.register_with_cuda(host_tier)
         self._host_read = {fqn: self.ptd.device_view(fqn, self.device) if self.device.type == "cuda" else self.ptd.host_tensor(fqn)
                            for fqn in self.schedule.host_read}
         self._executors: dict[str, MethodExecutor] = {}
@@ -414,10 +442,22 @@ class Module:
         s["activation_arena_bytes"] = max(m.executor.arena_bytes for m in self._probed.values())
         s["state_bytes"] = self.state_bytes
         s["budget_bytes"] = self.budget_bytes
-        s["pinned_host_bytes"] = self.ptd.pinned_bytes
+        reader = self.pool.disk_reader if isinstance(self.pool, PlannedPool) else None
+        s["pinned_host_bytes"] = self.ptd.pinned_bytes + (reader.staging_bytes if reader is not None else 0)
+        s["host_budget_bytes"] = self.host_budget.budget_bytes
+        s["disk_bytes_per_forward"] = self.tiers.disk_bytes_per_forward
+        s["disk_bytes_read"] = reader.bytes_read if reader is not None else 0
+        s["disk_wait_seconds"] = reader.wait_seconds if reader is not None else 0.0
+        s["disk_reads"] = reader.mode if reader is not None else None
         s["host_read_bytes"] = sum(self.schedule.host_read_bytes)  # gathered in place, never copied
         s["policy"] = self.policy
         return s
+
+    @property
+    def disk_bytes_read(self) -> int:
+        """Weight bytes the disk tier has read since load."""
+        reader = self.pool.disk_reader if isinstance(self.pool, PlannedPool) else None
+        return reader.bytes_read if reader is not None else 0
 
     def method_names(self) -> list[str]:
         return [p.name for p in self.program.execution_plan]

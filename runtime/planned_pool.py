@@ -12,6 +12,10 @@ When fills are issued:
   bytes a fill overwrites has been launched;
 - at the end of a forward, the next forward's first fills that its idle copy engine tail
   can hide (carried fills, measured on CUDA).
+
+A fill of a weight in the disk tier (schedules/tiers.py) copies from the staging ring, where
+the disk reader (runtime/disk_reader.py) has read it ahead in the same fill order; the region
+goes back to the reader behind the copy's event.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from hostswap.runtime.pool import PoolCreationError, ScheduleDivergenceError, WeightPool
-from hostswap.schedules.policies import issue_horizon, plan_layout
+from hostswap.schedules.policies import PlannedLayout, issue_horizon, plan_layout
 from hostswap.schedules.weight_schedule import WeightSchedule
 
 
@@ -42,11 +46,15 @@ class PlannedPool(WeightPool):
 
     capturable = True
 
-    def __init__(self, schedule: WeightSchedule, host_weights: dict[str, torch.Tensor], budget_bytes: int, device: torch.device, warm: bool = True):
+    def __init__(self, schedule: WeightSchedule, host_weights: dict[str, torch.Tensor], budget_bytes: int, device: torch.device, warm: bool = True,
+                 layout: PlannedLayout | None = None, disk_reader=None, disk_fills: tuple[int, ...] = ()):
         # ``warm`` is accepted for the common signature: the arena is allocated and its resident
-        # part copied here, so a planned pool is always warm at load.
+        # part copied here, so a planned pool is always warm at load. ``disk_fills``: the fill
+        # probes ``disk_reader`` serves, in its read order.
         super().__init__(schedule, host_weights, budget_bytes, device)
-        self.layout = layout = plan_layout(schedule, budget_bytes)
+        self.layout = layout = layout if layout is not None else plan_layout(schedule, budget_bytes)
+        self.disk_reader = disk_reader
+        self._disk_read_of = {q: i for i, q in enumerate(disk_fills)}  # fill probe -> its read in the reader's cycle
         try:
             self.arena = torch.empty(layout.arena_bytes, dtype=torch.uint8, device=device)
         except (RuntimeError, torch.OutOfMemoryError) as e:
@@ -92,6 +100,8 @@ class PlannedPool(WeightPool):
 
     def close(self) -> None:
         super().close()
+        if self.disk_reader is not None:
+            self.disk_reader.close()
         self._resident.clear()
         self._ring_tensor.clear()
         self.arena = None
@@ -232,7 +242,14 @@ class PlannedPool(WeightPool):
         """Copy probe ``q``'s weight into its ring slot after kernel ``waits_for``; its bytes."""
         self.streams.copy_waits_for_kernel(waits_for)
         w = self.schedule.probe_weight[q]
-        self._ring_ready[q] = self.streams.copy(self._ring_tensor[q], self.host[w], self._fill_events.get(q))
+        read = self._disk_read_of.get(q)
+        if read is None:
+            self._ring_ready[q] = self.streams.copy(self._ring_tensor[q], self.host[w], self._fill_events.get(q))
+        else:
+            data, region = self.disk_reader.take(read)
+            host = self.host[w]
+            self._ring_ready[q] = self.streams.copy(self._ring_tensor[q], data.view(host.dtype).view(host.shape), self._fill_events.get(q))
+            self.disk_reader.release(region, self._ring_ready[q])
         self.stats.bytes_h2d += self.schedule.weight_bytes[w]
         return self.schedule.weight_bytes[w]
 

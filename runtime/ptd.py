@@ -77,6 +77,14 @@ class PtdFile:
         return self._bytes.data_ptr()
 
     @property
+    def identity(self) -> tuple[int, int]:
+        """(size, modification time in ns) of the file at load."""
+        return self._identity
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    @property
     def pinned_bytes(self) -> int:
         return sum(n for _, n in self.registered)
 
@@ -113,28 +121,34 @@ class PtdFile:
             raise ArtifactError(self.path, f"weight '{bad[0]}'", f"its bytes do not match the checksum stored at save ({len(bad)} of {len(entries)} weights differ: {bad[:5]}); the file is corrupt")
         return total, seconds
 
-    def prefault(self) -> None:
-        """Touch every page so the first forward does not fault them in from the page cache."""
-        self.mapping.madvise(mmap.MADV_WILLNEED)
-        page = mmap.PAGESIZE
-        # a strided sum reads one byte per page, in C
-        self._bytes[::page].sum()
+    def _ranges(self, fqns) -> list[tuple[int, int]]:
+        """Page-aligned (start, length) ranges holding the given weights (None: the whole file)."""
+        if fqns is None:
+            return [(0, self.nbytes)]
+        return page_ranges(((self.entries[f].offset, self.entries[f].nbytes) for f in fqns), mmap.PAGESIZE)
 
-    def lock(self) -> None:
-        """mlock the mapping: its pages stay in RAM (needs RLIMIT_MEMLOCK)."""
+    def prefault(self, fqns=None) -> None:
+        """Touch every page of the given weights (default: all) so the first forward does not
+        fault them in from the page cache."""
+        page = mmap.PAGESIZE
+        for start, length in self._ranges(fqns):
+            self.mapping.madvise(mmap.MADV_WILLNEED, start, length)
+            # a strided sum reads one byte per page, in C
+            self._bytes[start : start + length : page].sum()
+
+    def lock(self, fqns=None) -> None:
+        """mlock the pages of the given weights (default: the whole mapping): they stay in RAM
+        (needs RLIMIT_MEMLOCK)."""
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.mlock(ctypes.c_void_p(self.base_pointer), ctypes.c_size_t(self.nbytes)) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mlock of {self.path} ({self.nbytes} bytes) failed: {os.strerror(err)}")
+        for start, length in self._ranges(fqns):
+            if libc.mlock(ctypes.c_void_p(self.base_pointer + start), ctypes.c_size_t(length)) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mlock of {self.path} ({length} bytes at {start}) failed: {os.strerror(err)}")
 
     def register_with_cuda(self, fqns=None) -> int:
         """cudaHostRegister, read-only, the pages holding the given weights (default: the whole
         mapping), so copies from them are asynchronous DMA; returns the bytes registered."""
-        if fqns is None:
-            ranges = [(0, self.nbytes)]
-        else:
-            ranges = page_ranges(((self.entries[f].offset, self.entries[f].nbytes) for f in fqns), mmap.PAGESIZE)
-        for start, length in ranges:
+        for start, length in self._ranges(fqns):
             register_host_memory(self.base_pointer + start, length, what=f"{self.path} bytes {start}..{start + length}")
             self.registered.append((self.base_pointer + start, length))
         return self.pinned_bytes

@@ -6,6 +6,7 @@ from tabulate import tabulate
 
 from hostswap.schedules.policies import lru_streamed_bytes, mb_ceil, plan_layout
 from hostswap.schedules.schedule_facts import ScheduleFacts
+from hostswap.schedules.tiers import plan_tiers
 
 MB = 2**20
 
@@ -14,7 +15,9 @@ def _mb(nbytes: int) -> str:
     return f"{nbytes / MB:.2f}"
 
 
-def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None) -> dict:
+def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, host_budget_bytes: int | None = None) -> dict:
+    """The schedule as plain data; with ``budget_bytes``, what each policy streams under it, and
+    with ``host_budget_bytes`` too, each weight's tier (GPU, pinned host, disk) under both."""
     floor = schedule.floor
     kernel_bytes = schedule.kernel_weight_bytes()
     j = floor.floor_kernel
@@ -68,14 +71,25 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None) ->
                 planned_resident_bytes=layout.resident_bytes,
                 planned_ring_bytes=layout.ring_bytes,
             )
+            if host_budget_bytes is not None:
+                tiers = plan_tiers(schedule, layout, host_budget_bytes)
+                budget["tiers"] = {
+                    "host_budget_bytes": host_budget_bytes,
+                    "gpu_bytes": layout.resident_bytes, "host_bytes": tiers.pinned_bytes,
+                    "disk_bytes": sum(schedule.weight_bytes[w] for w in tiers.disk),
+                    "host_bytes_per_forward": tiers.pinned_bytes_per_forward, "disk_bytes_per_forward": tiers.disk_bytes_per_forward,
+                    "staging_bytes": tiers.staging_bytes, "host_read_bytes": tiers.host_read_bytes,
+                    "weights": {schedule.fqns[w]: tiers.tier_of(w) for w in range(len(schedule.fqns))},
+                }
         else:
             budget["required_mb"] = mb_ceil(floor.floor_bytes)
         report["budget"] = budget
     return report
 
 
-def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None) -> str:
-    r = schedule_report(schedule, budget_bytes)
+def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host_budget_bytes: int | None = None) -> str:
+    r = schedule_report(schedule, budget_bytes, host_budget_bytes)
+    tier = r.get("budget", {}).get("tiers", {}).get("weights")
     s = r["summary"]
     out = ["Summary"]
     out.append(
@@ -105,8 +119,8 @@ def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None) -> s
     out.append("\nAccess order")
     out.append(
         tabulate(
-            [[a["probe"], a["fqn"], a["kernel"], a["op"], a["dtype"] or "", a["bytes"]] for a in r["access_order"]],
-            headers=["probe", "fqn", "kernel", "op", "dtype", "bytes"],
+            [[a["probe"], a["fqn"], a["kernel"], a["op"], a["dtype"] or "", a["bytes"]] + ([tier[a["fqn"]]] if tier else []) for a in r["access_order"]],
+            headers=["probe", "fqn", "kernel", "op", "dtype", "bytes"] + (["tier"] if tier else []),
             tablefmt="simple",
         )
     )
@@ -124,6 +138,21 @@ def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None) -> s
                     tablefmt="simple",
                 )
             )
+            if tier:
+                t = b["tiers"]
+                out.append(f"\nTiers with {_mb(t['host_budget_bytes'])} MB of pinned host memory for streamed weights")
+                out.append(
+                    tabulate(
+                        [
+                            ["gpu (resident)", t["gpu_bytes"], 0],
+                            ["host (pinned)", t["host_bytes"], t["host_bytes_per_forward"]],
+                            ["disk (.ptd)", t["disk_bytes"], t["disk_bytes_per_forward"]],
+                        ],
+                        headers=["tier", "weight bytes", "bytes copied / forward"],
+                        tablefmt="simple",
+                    )
+                )
+                out.append(f"  pinned besides: staging for disk reads {t['staging_bytes']} bytes, tables read in place {t['host_read_bytes']} bytes")
         else:
             out.append(f"  would NOT load: at least {b['required_mb']} MB required")
     return "\n".join(out)

@@ -1,0 +1,111 @@
+"""The host-memory budget: how many streamed weight bytes stay in pinned RAM, the rest read
+from the disk (schedules/tiers.py plans which; runtime/disk_reader.py reads them).
+
+``host_memory_budget_mb`` counts the streamed weights kept pinned. Tables read in place and
+the disk reads' staging ring are pinned besides it, and said at load. ``"auto"`` (the
+default) takes ``AUTO_HOST_SHARE`` of the memory the system has available at load, less
+those two: never more pinned memory than the machine can give, so a model larger than that
+runs from the disk instead of failing in ``cudaHostRegister`` or pushing the system into swap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from hostswap.runtime.disk_reader import DiskReader
+from hostswap.runtime.ptd import PtdFile
+from hostswap.schedules.policies import PlannedLayout
+from hostswap.schedules.tiers import STAGING_READS, TierPlan, plan_tiers, read_span
+
+AUTO = "auto"
+# Of the memory available at load: the rest stays for the process itself (Python, torch, the
+# program's host-side state), the page cache of whatever else runs, and other processes.
+AUTO_HOST_SHARE = 0.75
+
+
+def check_host_budget_argument(budget_mb) -> None:
+    """Refuse what is neither ``"auto"`` nor a finite number of MB at or above 0."""
+    if isinstance(budget_mb, str):
+        if budget_mb != AUTO:
+            raise ValueError(f"host_memory_budget_mb must be a number of MB or 'auto', got {budget_mb!r}")
+        return
+    if isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float)):
+        raise ValueError(f"host_memory_budget_mb must be a number of MB or 'auto', got {budget_mb!r} ({type(budget_mb).__name__})")
+    if not math.isfinite(budget_mb) or budget_mb < 0:
+        raise ValueError(f"host_memory_budget_mb must be a finite number of MB, 0 or more (0: every streamed weight from the disk), got {budget_mb!r}")
+
+
+def available_host_memory() -> int:
+    """RAM the system can give without swapping (``MemAvailable``; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostBudget:
+    """The host budget of a load, and the figures ``"auto"`` chose it from (None when given)."""
+
+    budget_bytes: int
+    available_bytes: int | None = None
+    reserved_bytes: int = 0  # tables read in place and the largest staging ring, pinned besides
+
+    def explain(self, tiers: TierPlan) -> str:
+        if tiers.disk:
+            where = (f"{len(tiers.disk)} streamed weights ({_mib(tiers.disk_bytes_per_forward)} a forward) are read from the disk, "
+                     f"{len(tiers.pinned)} ({_mib(tiers.pinned_bytes)}) stay pinned; staging ring {_mib(tiers.staging_bytes)}")
+        else:
+            where = f"every streamed weight ({_mib(tiers.pinned_bytes)}) stays pinned, none is read from the disk"
+        given = ("given" if self.available_bytes is None else
+                 f"auto: {AUTO_HOST_SHARE:.0%} of {_mib(self.available_bytes)} available - {_mib(self.reserved_bytes)} for tables read in place and staging")
+        return f"host budget {_mib(self.budget_bytes)} ({given}): {where}"
+
+
+def host_budget(budget_mb, schedule, streamed: list[int], available_bytes: int | None = None) -> HostBudget:
+    """The budget in bytes; for ``"auto"``, ``AUTO_HOST_SHARE`` of ``available_bytes`` (default:
+    the system's, now) less the tables read in place and the staging ring the largest streamed
+    weight would need."""
+    check_host_budget_argument(budget_mb)
+    if budget_mb != AUTO:
+        return HostBudget(round(budget_mb * 2**20))
+    available = available_host_memory() if available_bytes is None else available_bytes
+    staging = STAGING_READS * max((read_span(schedule.weight_bytes[w]) for w in streamed), default=0)
+    reserved = sum(schedule.host_read_bytes) + staging
+    return HostBudget(max(0, int(available * AUTO_HOST_SHARE) - reserved), available, reserved)
+
+
+def plan_host_tiers(budget_mb, schedule, layout: PlannedLayout | None) -> tuple[HostBudget, TierPlan]:
+    """The host budget and every weight's tier under it. ``layout``: the planned policy's
+    (None: the lru policy, which streams every weight from pinned memory and has no disk tier)."""
+    streamed = [w for w in range(len(schedule.fqns)) if layout is None or w not in layout.resident]
+    budget = host_budget(budget_mb, schedule, streamed)
+    if layout is not None:
+        return budget, plan_tiers(schedule, layout, budget.budget_bytes)
+    nbytes = schedule.weight_bytes
+    streamed_bytes = sum(nbytes[w] for w in streamed)
+    if streamed_bytes > budget.budget_bytes:
+        raise ValueError(f"policy='lru' streams every weight from pinned host memory ({_mib(streamed_bytes)}); host_memory_budget_mb="
+                         f"{budget.budget_bytes / 2**20:.1f} is less. Use policy='planned', which reads what does not fit from the disk")
+    return budget, TierPlan(resident=frozenset(), pinned=frozenset(streamed), disk=frozenset(), disk_fills=(), host_budget_bytes=budget.budget_bytes,
+                            pinned_bytes=streamed_bytes, host_read_bytes=sum(schedule.host_read_bytes), staging_bytes=0,
+                            disk_bytes_per_forward=0, pinned_bytes_per_forward=sum(nbytes[w] for w in schedule.probe_weight))
+
+
+def open_disk_reader(ptd: PtdFile, schedule, tiers: TierPlan, pinned: bool) -> DiskReader | None:
+    """The reader of ``tiers``' disk fills from ``ptd`` (None without a disk tier); ``pinned``:
+    its staging registered with CUDA."""
+    if not tiers.disk:
+        return None
+    entries = [ptd.entries[schedule.fqns[schedule.probe_weight[q]]] for q in tiers.disk_fills]
+    return DiskReader(ptd, [(e.fqn, e.offset, e.nbytes) for e in entries], tiers.staging_bytes, pinned=pinned)
