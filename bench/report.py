@@ -25,6 +25,10 @@ forward produced it, nor can layer 0's backward start before its reload. So
 ``bound = max(no-offload step, bytes / D2H + bytes / H2D + no-offload step / n)``, with the
 last term one layer's forward and backward.
 
+Export: each export's time against the disk time, the checkpoint's bytes read at the disk's
+O_DIRECT read speed plus written at its sequential write speed, both measured in the same run:
+the weights are read once and written once, so an export at 1.0 would cost nothing beyond its I/O.
+
 Training: the optimizer's copies start when the backward has made the gradients, so a row's
 bound is its own forward+backward + the optimizer's bytes over the pinned bandwidth measured
 in the run (each direction alone, and both at once: the slowest of the three).
@@ -608,6 +612,38 @@ def verify_section(paths: list[str], plot_path: str | None) -> str:
     return table
 
 
+# --- export --------------------------------------------------------------------------------------
+def export_section(paths: list[str], plot_path: str | None) -> str:
+    """The disk's speeds and a row per export: time, GB/s of the checkpoint's bytes, peak RSS
+    and RSS above the child's import baseline, and the time over the disk time (the checkpoint's
+    bytes read at the disk's read speed plus written at its write speed)."""
+    results = [json.load(open(p)) for p in paths]
+    env = results[0]["environment"]
+    machine = (f"{env.get('gpu') or 'CPU'} host, {env.get('cpu_count')} cores, {env.get('ram_bytes', 0) / 2**30:.0f} GiB RAM; torch {env['torch']}, "
+               f"transformers {env.get('transformers')}")
+    disks, table = [], []
+    for r in results:
+        disk = r.get("disk")
+        if disk:
+            disks.append(f"write {disk['write_bytes_per_s'] / 1e9:.2f} GB/s (sequential, {disk['bytes'] / 1e9:.0f} GB, fsync included), read "
+                         f"{disk['read_bytes_per_s'] / 1e9:.2f} GB/s ({disk['read_mode']}, {disk['read_threads']} threads, {disk['block_bytes'] // 2**20} MiB blocks)"
+                         f" on {r['environment'].get('work_filesystem')}")
+        for row in r["rows"]:
+            n = row["checkpoint_bytes"]
+            name = f"{row['checkpoint']} ({row['layers']} layers, hidden {row['hidden_size']})"
+            if "error" in row:
+                table.append([name, f"{n / 1e9:.2f}", row["path"], row["error"], *[""] * 8])
+                continue
+            disk_s = n / disk["read_bytes_per_s"] + n / disk["write_bytes_per_s"] if disk else None
+            cell = lambda key: "" if row.get(key) is None else f"{row[key]:.1f}"  # noqa: E731
+            table.append([name, f"{n / 1e9:.2f}", row["path"], f"{row['seconds']:.1f}", cell("load_s"), cell("trace_lower_s"), cell("write_s"), cell("sync_s"),
+                          f"{n / row['seconds'] / 1e9:.3g}", f"{row['peak_rss_bytes'] / 2**30:.2f}",
+                          f"{(row['peak_rss_bytes'] - row['baseline_rss_bytes']) / 2**30:.2f}", f"{row['seconds'] / disk_s:.1f}" if disk_s else ""])
+    headers = ["checkpoint", "GB", "path", "export s", "load s", "before the weights s", "weights s", "then fsync s", "GB/s", "peak RSS GiB", "above baseline GiB",
+               "export / disk time"]
+    return (machine + "; disk: " + "; ".join(disks or ["not measured"]) + "\n\n" + tabulate(table, headers=headers, tablefmt="github", disable_numparse=True))
+
+
 # --- training ---------------------------------------------------------------------------------
 TRAIN_OPTIMIZER_ROW = "hostswap OffloadAdamW, fp32 master"
 MASTER_REFERENCE_ROW = "plain AdamW on fp32 masters, bf16 weights, whole GPU"  # bench/train.py: its arithmetic without offload
@@ -781,13 +817,16 @@ bound, and against the peer a user would pick instead.
 | verify | `python bench/verify.py --layers 12` | what trusting the files costs on the generation benchmark's model: the index and pair checks every load adds, `verify=True` hashing every byte, against a plain copy of the weights out of the mapping (files in the page cache) |
 | train | `python bench/train.py` | a training step of a 1.57 B-parameter transformers Llama under a GPU memory cap plain AdamW does not fit in: `OffloadAdamW` (fp32 masters and moments on the host), `OffloadContext` and checkpointing with the residual stream offloaded, against torchao's `CPUOffloadOptimizer`, `save_on_cpu` and plain AdamW; then activation offload's cost to a forward+backward at batch 1 and 4, steps interleaved with the step that offloads nothing |
 | activations | `python bench/activations.py --layers 8` | activation offload: a training step of decoder blocks with k of n layers offloaded, against no offload, `save_on_cpu` and PyTorch's AOTAutograd activation offloading |
+| export | `python bench/export.py` | exporting a transformers checkpoint: a Llama 3 8B-shaped bf16 checkpoint (16 GB) streamed from its shards with `hostswap.llm.export_checkpoint`, and a 2 GB one both streamed and loaded (`from_pretrained` + `hostswap.llm.export`), each in a process of its own (time, peak RSS), beside the disk's own write and O_DIRECT read speeds |
 
 Each command takes `--help`; results go to `bench/results/<benchmark>_<device>.json`.
 """
 
 # docs/benchmarks.md: every benchmark, every table; the README: the headline alone, and a pointer to the rest
-SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section}
-TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files"}
+SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
+            "export": export_section}
+TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
+          "export": "Exporting a checkpoint"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "generate": "Greedy decoding of a transformers `LlamaForCausalLM` (hidden 2048, GQA, bf16, random weights). Decode cells: ms per token "
@@ -799,6 +838,12 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
                "below the total.",
     "activations": "k of n layers offloaded. \"saved / theory\" is the drop of the step's peak over the bytes offloaded; the transfer-bound "
                    "step is defined in `bench/report.py`.",
+    "export": "Each export runs in a process of its own with the checkpoint's pages dropped from the page cache first. \"Before the weights\": "
+              "building or loading aside, tracing and lowering (in memory also emitting the program) until the first weight is written; \"weights\": "
+              "writing the `.ptd` (streamed: each tensor read from its shard, converted, hashed and written); \"then fsync\": flushing what the export "
+              "left in the page cache, after it returned (not in its time). Peak RSS is the process's high-water mark, "
+              "its baseline the RSS after importing torch, transformers, accelerate, executorch and hostswap. Disk time: the checkpoint's bytes at "
+              "the read speed plus the same bytes at the write speed.",
     "train": "Host GiB is what the offloads hold in host memory; the bound is the row's forward+backward plus the optimizer's copies at "
              "the measured bandwidth (`bench/report.py`).",
 }
