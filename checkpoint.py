@@ -1,8 +1,10 @@
 """Export a transformers checkpoint folder for generation without loading its weights.
 
-The model is built from its config on the meta device (accelerate's ``init_empty_weights``;
-buffers computed at construction, such as rotary tables, stay real), traced and lowered as
-``hostswap.llm.export`` does, and the ``.ptd`` is then written one tensor at a time, each
+The model is built from its config on the meta device (accelerate's ``init_empty_weights``)
+and traced there with meta inputs: nothing is allocated or read for a weight, and every tensor
+the tracer sees is on one device (torch 2.11 refuses meta weights beside CPU inputs). Buffers
+computed at construction (rotary tables) are kept aside and put back by name once the program
+is lowered. The program is lowered as ``hostswap.llm.export`` does, and the ``.ptd`` is then written one tensor at a time, each
 read from its safetensors shard (plain reads: nothing stays mapped), converted to the program's dtype and hashed
 as it is written (``passes/lowering.py: save_streamed``). Peak memory is the traced program
 plus about one tensor; the weights are read once and written once.
@@ -132,7 +134,8 @@ class SafetensorsCheckpoint:
 
 
 def _meta_model(folder: str, dtype: torch.dtype | None):
-    """The checkpoint's model with its parameters on the meta device, and the dtype it holds."""
+    """The checkpoint's model with its parameters and buffers on the meta device, the values of
+    the buffers it computed at construction (by program FQN), and the dtype it holds."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -150,10 +153,20 @@ def _meta_model(folder: str, dtype: torch.dtype | None):
     except OSError:
         pass  # the config's own
     model.tie_weights()
-    return model.eval(), dtype
+    values, on_meta = {}, {}
+    for module_name, module in model.named_modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.device.type != "meta":
+                values[f"{MODEL_PREFIX}{module_name}.{name}" if module_name else MODEL_PREFIX + name] = buffer
+                module._buffers[name] = on_meta.setdefault(id(buffer), buffer.to("meta"))
+    return model.eval(), values, dtype
 
 
-def _checkpoint_names(model, prefix: str = "model.") -> dict[str, list[str]]:
+# where transformers' exportable wrapper holds the model: the prefix of every program FQN
+MODEL_PREFIX = "model."
+
+
+def _checkpoint_names(model, prefix: str = MODEL_PREFIX) -> dict[str, list[str]]:
     """Program FQN -> the names the checkpoint may store that tensor under (the model's own
     name first, then the names of tensors tied to it)."""
     by_object: dict[int, list[str]] = {}
@@ -180,10 +193,10 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
     checkpoint = SafetensorsCheckpoint(folder)
     say = progress or (lambda _msg: None)
     say(f"building {folder}'s model on the meta device (no weights loaded)")
-    model, dtype = _meta_model(folder, dtype)
+    model, buffer_values, dtype = _meta_model(folder, dtype)
     names = _checkpoint_names(model)
     programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
-                                          gather_from_host=gather_from_host, progress=progress)
+                                          gather_from_host=gather_from_host, progress=progress, device="meta")
     del model
 
     def tensor_for(entry) -> torch.Tensor:
@@ -212,7 +225,8 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
             bar[0].update(entry.nbytes)
 
     try:
-        return save_streamed(programs, out, tensor_for, constant_methods=constants, progress=progress, on_start=start, on_written=written)
+        return save_streamed(programs, out, tensor_for, constant_methods=constants, progress=progress, on_start=start, on_written=written,
+                             values=buffer_values)
     finally:
         if bar:
             bar[0].close()

@@ -186,9 +186,10 @@ def export_checkpoint(folder: str | os.PathLike, path: str | os.PathLike, **opti
 
 
 def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
-                    progress: Callable[[str], None] | None = None) -> tuple[dict, dict]:
+                    progress: Callable[[str], None] | None = None, device: str = "cpu") -> tuple[dict, dict]:
     """The probed ``prefill`` and ``decode`` programs of ``export``, and the constant methods
-    that describe them, before lowering."""
+    that describe them, before lowering. ``device``: of the example inputs, the model's own
+    (``"meta"`` for a model traced without values)."""
     from hostswap.passes import apply_weight_offload
 
     _check_positive_int("max_seq_len", max_seq_len)
@@ -202,9 +203,9 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
     programs = {}
     for name, length in ((PREFILL, prefill_chunk), (DECODE, 1)):
         say(f"exporting {name} ({length} token{'s' if length > 1 else ''})")
-        ids = torch.zeros(1, length, dtype=torch.long)
+        ids = torch.zeros(1, length, dtype=torch.long, device=device)
         with torch.no_grad():
-            ep = wrapper.export(input_ids=ids, cache_position=torch.arange(length, dtype=torch.long))
+            ep = wrapper.export(input_ids=ids, cache_position=torch.arange(length, dtype=torch.long, device=device))
             reset_state(ep)
         programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host)
     eos = _eos_ids(model)

@@ -154,8 +154,8 @@ def lower_to_edge(programs: ExportedProgram | dict[str, ExportedProgram], progre
 def _external_weights_unread(fqns: set[str]):
     """While ExecuTorch emits a program, record the external weights named ``fqns`` by name
     only. Its emitter copies every constant's bytes into memory (to write its own .ptd, and
-    to store identical tensors once); a program traced with its weights on the meta device
-    has no bytes to copy, and the .ptd of such a program is written by ``save_streamed``.
+    to store identical tensors once); a program traced without its weights' values has none to
+    copy, and the .ptd of such a program is written by ``save_streamed``.
     A weight's entry in the .pte is its name, dtype and shape, which stay the emitter's."""
     from executorch.exir.emit import _emitter
     from executorch.exir.schema import TensorDataLocation
@@ -306,16 +306,24 @@ def _zero_meta_state(ep: ExportedProgram) -> None:
 
 
 def save_streamed(programs: dict[str, ExportedProgram], path: str | os.PathLike, tensor_for, *, constant_methods: dict | None = None,
-                  progress=None, on_start=None, on_written=None) -> tuple[str, str]:
-    """``save`` for programs traced with their weights on the meta device: each weight's bytes
-    come from ``tensor_for(entry)`` (a ``PtdTensor``: name, dtype, shape) when its turn comes,
-    and go straight to the ``.ptd`` (index first, weights in access order, hashed as written),
-    one tensor in memory at a time. Weights that are not on the meta device (buffers computed
-    at construction, constants made by tracing) are written from the programs themselves.
+                  progress=None, on_start=None, on_written=None, unread: frozenset[str] = frozenset(),
+                  values: dict[str, torch.Tensor] | None = None) -> tuple[str, str]:
+    """``save`` for programs traced without their weights' values: the weights named in
+    ``unread`` (placeholders whose values were never written) and those on the meta device.
+    Each such weight's bytes come from ``tensor_for(entry)`` (a ``PtdTensor``: name, dtype,
+    shape) when its turn comes, and go straight to the ``.ptd`` (index first, weights in
+    access order, hashed as written), one tensor in memory at a time; the placeholders are
+    never read. Other weights (buffers computed at construction, constants made by tracing)
+    are written from the programs themselves. ``values``: tensors traced on the meta device
+    whose values are known (buffers computed at construction), put back by FQN once lowered.
     The same temporary names and final moves as ``save``."""
     directory, pte_path, ptd_path = _target_paths(path)
     edge, schedules = lower_to_edge(programs, progress)
     lowered = {name: edge.exported_program(name) for name in schedules}
+    for ep in lowered.values():
+        for table in (ep.state_dict, ep.constants):
+            for fqn in table.keys() & (values or {}).keys():
+                table[fqn] = values[fqn]
     tensors, holder = {}, {}
     for ep in lowered.values():
         for fqn in weight_placeholders(ep).values():
@@ -324,9 +332,10 @@ def save_streamed(programs: dict[str, ExportedProgram], path: str | os.PathLike,
                 tensors[fqn], holder[fqn] = PtdTensor(fqn, t.dtype, tuple(t.shape)), t
     entries = entries_in_order([s.fqns for s in schedules.values()], tensors)
 
+    unread = set(unread) | {fqn for fqn, t in holder.items() if t.device.type == "meta"}
+
     def data(entry: PtdTensor) -> torch.Tensor:
-        own = holder[entry.fqn]
-        return tensor_for(entry) if own.device.type == "meta" else own
+        return tensor_for(entry) if entry.fqn in unread else holder[entry.fqn]
 
     say = progress or (lambda _msg: None)
     with tempfile.TemporaryDirectory(dir=directory, prefix=".hostswap-save-") as tmp:
@@ -335,7 +344,6 @@ def save_streamed(programs: dict[str, ExportedProgram], path: str | os.PathLike,
         if on_start is not None:
             on_start(entries)
         checksums = write_ptd(weights_file, entries, data, on_written)
-        unread = {fqn for fqn, t in holder.items() if t.device.type == "meta"}
         del holder
         records = {e.fqn: (dtype_name(e.dtype), e.shape, checksums[e.fqn]) for e in entries}
         for ep in lowered.values():
