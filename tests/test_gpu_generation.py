@@ -104,3 +104,25 @@ def test_generate_without_a_budget_takes_auto_and_prints_its_choice(program):
     print(result.stderr)
     assert "weight budget auto:" in result.stderr and "every weight resident" in result.stderr  # 0.1 GiB on an 80 GB GPU
     assert "one-time: load" in result.stderr and "ms/token" in result.stderr and len(result.stdout.split()) == 16
+
+
+def test_weights_read_from_disk_give_the_tokens_of_weights_in_pinned_memory(program):
+    """At the floor, host budgets of nothing and half the weights (read through the pinned
+    staging ring, decode eager) give the 32 tokens of every weight pinned (decode graphed);
+    an explicit cuda_graph with weights on disk is refused."""
+    import hostswap.llm as llm
+
+    schedules = hostswap.schedules.load_weight_schedules(program + ".pte")
+    floor = max(s.floor_bytes for s in schedules.values()) / MB + 1
+    total = schedules["decode"].total_bytes / MB
+    tokens, disk = {}, {}
+    for host in (total, total / 2, 0):
+        with llm.Generator(program + ".pte", program + ".ptd", weight_offload_budget_mb=floor, host_memory_budget_mb=host, device="cuda") as g:
+            tokens[host] = g.generate(_prompt(), 32)[0, PROMPT:].tolist()
+            disk[host] = (g.stats["bytes_from_disk_per_token"], g.module.cuda_graph, g.module.stats["disk_reads"])
+            print(f"host budget {host:.0f} MiB: {g.summary()}; {g.module.host_budget.explain(g.module.tiers)}")
+    assert disk[total][0] == 0 and disk[total][1]  # all pinned: graphed decode, nothing from disk
+    assert disk[total / 2][0] > 0 and disk[0][0] > disk[total / 2][0] and not disk[0][1]
+    assert tokens[total / 2] == tokens[total] and tokens[0] == tokens[total], tokens
+    with pytest.raises(ValueError, match="cuda_graph needs every streamed weight in pinned host memory"):
+        llm.Generator(program + ".pte", program + ".ptd", weight_offload_budget_mb=floor, host_memory_budget_mb=0, device="cuda", cuda_graph=True)
