@@ -481,7 +481,9 @@ class Generator:
                   f"KV cache {m['state_bytes'] / 2**20:.1f} MiB, activations {m['activation_arena_bytes'] / 2**20:.1f} MiB; "
                   f"host memory pinned for streaming {m['pinned_host_bytes'] / 2**20:.1f} MiB")
         auto = self.module.auto_budget
-        lines = ([] if auto is None else [auto.explain(self.device)]) + [memory, self.module.host_budget.explain(self.module.tiers)]
+        tiers = self.module.tiers
+        eager = f"; decode runs eagerly (no CUDA graph) while weights come from disk" if tiers.disk and self.device.type == "cuda" else ""
+        lines = ([] if auto is None else [auto.explain(self.device)]) + [memory, self.module.host_budget.explain(tiers) + eager]
         return "\n".join(lines)
 
     def summary(self) -> str:

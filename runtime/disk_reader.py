@@ -100,8 +100,10 @@ class DiskReader:
     """Reads a fixed cycle of weights (``(fqn, offset, nbytes)``) from ``ptd``'s file into staging."""
 
     def __init__(self, ptd: PtdFile, sequence: list[tuple[str, int, int]], staging_bytes: int, pinned: bool, threads: int = READER_THREADS,
-                 direct: bool = True):
-        # ``direct=False``: buffered reads even where O_DIRECT is taken
+                 direct: bool = True, device=None):
+        # ``direct=False``: buffered reads even where O_DIRECT is taken. ``pinned``: staging
+        # registered with CUDA for copies to ``device``.
+        self._device = device
         self.ptd, self.sequence = ptd, sequence
         self.path = ptd.path
         self._identity = ptd.identity
@@ -133,9 +135,16 @@ class DiskReader:
         return len(self._buffer)
 
     # --- the pool's side ----------------------------------------------------------------------
+    def ready(self, index: int) -> bool:
+        """Whether read ``index`` is the next one and has been read: ``take`` would not wait.
+        Submits what the ring has room for, so the pool's polls keep the reads going."""
+        self._submit()
+        return bool(self._pending) and self._pending[0].index == index and all(f.done() for f in self._pending[0].futures)
+
     def take(self, index: int) -> tuple[torch.Tensor, int]:
         """The bytes of read ``index`` of the sequence, once read, and the ring region to
         ``release`` when the copy out of it has been issued."""
+        t = time.perf_counter()
         if self._pending and self._pending[0].index != index:
             self._restart(index)
         elif not self._pending:
@@ -146,11 +155,14 @@ class DiskReader:
                 raise RuntimeError(f"disk reader of {self.path}: the staging ring ({self.staging_bytes} bytes) cannot hold read {index}")
             self._submit()
         read = self._pending.popleft()
-        t = time.perf_counter()
         try:
             for f in read.futures:
                 f.result()
         except BaseException:
+            # every chunk of this read stops before its region is handed out again
+            for f in read.futures:
+                f.cancel()
+            concurrent.futures.wait(read.futures)
             self._restart(None)
             raise
         self.wait_seconds += time.perf_counter() - t
@@ -182,8 +194,14 @@ class DiskReader:
                 return  # a whole cycle in flight
 
     def _read_chunk(self, fqn: str, at: int, offset: int, length: int, needed: int) -> None:
-        with memoryview(self._buffer) as view, view[at : at + length] as target:
-            got = os.preadv(self._fd, [target], offset)
+        got = 0
+        with memoryview(self._buffer) as view:
+            while got < min(length, needed):  # a read may return fewer bytes than asked (a signal, a network filesystem)
+                with view[at + got : at + length] as target:
+                    n = os.preadv(self._fd, [target], offset + got)
+                if n == 0:
+                    break
+                got += n
         if got < min(length, needed):
             raise ArtifactError(self.path, f"weight '{fqn}'", f"read {got} of {min(length, needed)} bytes at offset {offset}: the file is shorter than at load. Load it again")
         if self.mode == "buffered":
@@ -200,8 +218,8 @@ class DiskReader:
         self._pending.clear()
         # regions taken and not released (an abandoned copy) are free once every copy is done
         if self._taken:
-            if torch.cuda.is_available() and self._pinned:
-                torch.cuda.synchronize()
+            if self._pinned:
+                torch.cuda.synchronize(self._device)
             self._taken.clear()
         while self.ring.regions and self.ring.wait_oldest():
             pass
@@ -238,7 +256,16 @@ def _open_for_reads(fd: int, direct: bool) -> tuple[str, int]:
     path = f"/proc/self/fd/{fd}"
     if direct and hasattr(os, "O_DIRECT"):
         try:
-            return "O_DIRECT", os.open(path, os.O_RDONLY | os.O_DIRECT)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         except OSError:
-            pass  # some filesystems (older tmpfs, some network ones) refuse O_DIRECT
+            fd = -1  # some filesystems (older tmpfs, some network ones) refuse O_DIRECT
+        if fd >= 0:
+            probe = mmap.mmap(-1, DIRECT_ALIGNMENT)
+            try:
+                os.preadv(fd, [probe], 0)  # some take the open and refuse the reads
+                return "O_DIRECT", fd
+            except OSError:
+                os.close(fd)
+            finally:
+                probe.close()
     return "buffered", os.open(path, os.O_RDONLY)

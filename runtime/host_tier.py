@@ -102,10 +102,11 @@ def plan_host_tiers(budget_mb, schedule, layout: PlannedLayout | None) -> tuple[
                             disk_bytes_per_forward=0, pinned_bytes_per_forward=sum(nbytes[w] for w in schedule.probe_weight))
 
 
-def open_disk_reader(ptd: PtdFile, schedule, tiers: TierPlan, pinned: bool) -> DiskReader | None:
-    """The reader of ``tiers``' disk fills from ``ptd`` (None without a disk tier); ``pinned``:
-    its staging registered with CUDA."""
+def open_disk_reader(ptd: PtdFile, schedule, tiers: TierPlan, device) -> DiskReader | None:
+    """The reader of ``tiers``' disk fills from ``ptd`` (None without a disk tier), its staging
+    registered with CUDA for a CUDA ``device``."""
+    pinned = device.type == "cuda"
     if not tiers.disk:
         return None
     entries = [ptd.entries[schedule.fqns[schedule.probe_weight[q]]] for q in tiers.disk_fills]
-    return DiskReader(ptd, [(e.fqn, e.offset, e.nbytes) for e in entries], tiers.staging_bytes, pinned=pinned)
+    return DiskReader(ptd, [(e.fqn, e.offset, e.nbytes) for e in entries], tiers.staging_bytes, pinned=pinned, device=device)

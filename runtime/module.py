@@ -230,7 +230,7 @@ class Module:
         if layout is None:
             self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
         else:
-            reader = open_disk_reader(self.ptd, self.schedule, self.tiers, pinned=self.device.type == "cuda")
+            reader = open_disk_reader(self.ptd, self.schedule, self.tiers, self.device)
             try:
                 self.pool = PlannedPool(self.schedule, host, self.budget_bytes, self.device, layout=layout, disk_reader=reader, disk_fills=self.tiers.disk_fills)
             except BaseException:

@@ -275,13 +275,18 @@ class PlannedPool(WeightPool):
         kernel launched long before. Issued here, the copy waits on the GPU for that kernel's
         event (as every fill does), so the copy stream runs as far ahead as the ring allows.
         Stream order is kept: fills are issued in probe order, and the first one not yet
-        released stops the walk.
+        released stops the walk, as does a fill from the disk tier not yet read.
         """
         waits_for, n = self.layout.fill_waits_for, self.schedule.num_probes
         while self._issued < n:
             q = self._issued
             if q in waits_for:
                 if waits_for[q] > self._launched:
+                    return
+                read = self._disk_read_of.get(q)
+                if read is not None and not self.disk_reader.ready(read):
+                    # not read yet: waiting here would hold back the launches of kernels whose
+                    # weights are ready; the next launch, or the probe that needs it, comes back
                     return
                 self._issue_fill(q)
                 self.stats.prefetches_issued += 1

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -167,6 +168,10 @@ def test_reader_reads_every_weight_as_mapped_in_order_and_after_a_restart(ptd_fi
     try:
         for cycle in range(2):
             for i, (fqn, _, _) in enumerate(sequence):
+                if cycle:  # polled as the pool polls before issuing a fill it must not wait for
+                    while not reader.ready(i):
+                        time.sleep(0.001)
+                    assert not reader.ready((i + 1) % len(sequence))  # not the next in order
                 data, region = reader.take(i)
                 assert torch.equal(data, ptd_file.host_tensor(fqn).reshape(-1).view(torch.uint8)), (cycle, fqn)
                 reader.release(region, None)
