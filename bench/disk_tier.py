@@ -13,7 +13,7 @@ weights) and each host budget (all, half and a quarter of the weights) a ``Gener
 token / pinned bandwidth, bytes read from disk per token / disk bandwidth); bench/report.py
 sets each row against it. AirLLM (bench/airllm_peer.py), the disk-streaming peer, runs on the
 same checkpoint in a child process when it is installed. Rows go to
-``bench/results/disk_tier_<device>.json`` as they are measured.
+``bench/results/tiers_<device>.json`` as they are measured.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     os.makedirs(args.work, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
-    path = result_path(args.out, "disk_tier", device, args.part)
+    path = result_path(args.out, "tiers", device, args.part)
     result = {"environment": environment(device), "rows": []}
 
     def save():

@@ -5,8 +5,8 @@
 
 Each benchmark's files of one device are one run (a run split with --part gives several
 files, read as one table). docs/benchmarks.md is written whole, every table of every
-benchmark. README.md gets one headline, streamed generation's bf16 decode table and its plot
-(README_SECTIONS), between ``<!-- report:generate -->`` and ``<!-- /report:generate -->``; the
+benchmark. README.md gets one headline table, streamed generation's bf16 decode table and its plot, and
+one sentence for weights read from disk (README_SECTIONS), between ``<!-- report:generate -->`` and ``<!-- /report:generate -->``; the
 rest of the README is left as it is.
 
 Generation: the bound of a row is max(the fastest all-resident decode of its prompt in the run,
@@ -644,6 +644,66 @@ def export_section(paths: list[str], plot_path: str | None) -> str:
     return (machine + "; disk: " + "; ".join(disks or ["not measured"]) + "\n\n" + tabulate(table, headers=headers, tablefmt="github", disable_numparse=True))
 
 
+# --- the disk tier ----------------------------------------------------------------------------
+def disk_tier_bound_ms(row: dict, run: dict) -> float:
+    """max(all-resident decode, bytes streamed per token / pinned H2D, bytes from disk per token / O_DIRECT read)."""
+    return 1e3 * max(run["all_resident"]["ms_per_token"] / 1e3, row["bytes_streamed_per_token"] / run["pinned_h2d_bytes_per_s"],
+                     row["bytes_from_disk_per_token"] / run["disk_read_bytes_per_s"])
+
+
+def _disk_tier_run(paths: list[str]) -> dict:
+    run = json.load(open(paths[0]))
+    for p in paths[1:]:
+        run["rows"] += json.load(open(p))["rows"]
+    return run
+
+
+def disk_tier_section(paths: list[str], plot_path: str | None) -> str:
+    """A row per (GPU budget, host budget): decode against its three-term bound, and AirLLM on
+    the same checkpoint."""
+    run = _disk_tier_run(paths)
+    c = run["checkpoint"]
+    head = (f"{c['checkpoint']['bytes'] / 1e9:.2f} GB bf16 checkpoint ({c['checkpoint']['layers']} layers, hidden {c['checkpoint']['hidden_size']}, "
+            f"vocab {c['checkpoint']['vocab_size']}); {run['weight_bytes'] / 2**30:.2f} GiB of streamed weights, floor {run['floor_bytes'] / 2**20:.0f} MiB. "
+            f"Measured in the run: pinned H2D {run['pinned_h2d_bytes_per_s'] / 1e9:.1f} GB/s, the `.ptd`'s read {run['disk_read_bytes_per_s'] / 1e9:.2f} GB/s "
+            f"({run['disk_read_mode']}), all-resident decode {run['all_resident']['ms_per_token']:.2f} ms/token (graphed). Export from the "
+            f"checkpoint: {c['export_s']:.0f} s, peak RSS {c['export_peak_rss_bytes'] / 2**30:.2f} GiB "
+            f"({(c['export_peak_rss_bytes'] - c['rss_before_export_bytes']) / 2**30:.2f} GiB above the process before it; largest tensor "
+            f"{c['checkpoint']['largest_tensor_bytes'] / 2**30:.2f} GiB).")
+    table = []
+    for row in run["rows"]:
+        bound = disk_tier_bound_ms(row, run)
+        table.append([row["gpu_budget"], f"{row['weight_budget_bytes'] / 2**30:.2f}", row["host_budget"], f"{row['host_budget_bytes'] / 2**30:.2f}",
+                      f"{row['pinned_host_bytes'] / 2**30:.2f}", f"{row['bytes_streamed_per_token'] / 2**30:.2f}", f"{row['bytes_from_disk_per_token'] / 2**30:.2f}",
+                      "graphed" if row["graphed"] else "eager", f"{row['ms_per_token']:.1f}", f"{bound:.1f}", f"{row['ms_per_token'] / bound:.2f}"])
+    headers = ["GPU budget", "GiB", "host budget", "GiB", "pinned GiB", "streamed GiB/token", "from disk GiB/token", "decode", "ms/token", "bound ms", "ratio"]
+    out = head + "\n\n" + tabulate(table, headers=headers, tablefmt="github", disable_numparse=True)
+    peer = run.get("airllm")
+    if peer and "error" not in peer:
+        out += (f"\n\nAirLLM {peer['airllm_version']} on the same checkpoint (its layers split once in {peer['split_seconds']:.0f} s, read back through the "
+                f"page cache): {peer['ms_per_token']:.0f} ms/token, GPU peak {peer['gpu_peak_bytes'] / 2**30:.2f} GiB.")
+    elif peer:
+        out += f"\n\nAirLLM did not run: {peer['error'][:300]}"
+    return out
+
+
+def disk_tier_headline(paths: list[str]) -> str:
+    """One sentence: the checkpoint at the GPU floor with the least host memory, against its bound and AirLLM."""
+    run = _disk_tier_run(paths)
+    floor = [r for r in run["rows"] if r["gpu_budget"] == "floor"]
+    least = min(floor, key=lambda r: r["host_budget_bytes"])
+    pinned = next((r for r in floor if not r["bytes_from_disk_per_token"]), None)
+    peer = run.get("airllm") or {}
+    line = (f"A {run['checkpoint']['checkpoint']['bytes'] / 1e9:.0f} GB bf16 Llama checkpoint at its GPU floor ({least['weight_budget_bytes'] / 2**30:.1f} GiB) "
+            f"with {least['host_budget_bytes'] / 2**30:.1f} GiB of pinned RAM for weights reads {least['bytes_from_disk_per_token'] / 2**30:.1f} GiB from disk per token: "
+            f"{least['ms_per_token'] / 1e3:.1f} s/token, {least['ms_per_token'] / disk_tier_bound_ms(least, run):.2f} x its bound")
+    if pinned:
+        line += f"; with every streamed weight pinned, {pinned['ms_per_token']:.0f} ms/token ({pinned['ms_per_token'] / disk_tier_bound_ms(pinned, run):.2f} x)"
+    if "ms_per_token" in peer:
+        line += f". AirLLM on the same checkpoint: {peer['ms_per_token'] / 1e3:.1f} s/token"
+    return line + f" ({run['environment'].get('gpu') or run['environment'].get('device')})."
+
+
 # --- training ---------------------------------------------------------------------------------
 TRAIN_OPTIMIZER_ROW = "hostswap OffloadAdamW, fp32 master"
 MASTER_REFERENCE_ROW = "plain AdamW on fp32 masters, bf16 weights, whole GPU"  # bench/train.py: its arithmetic without offload
@@ -819,14 +879,16 @@ bound, and against the peer a user would pick instead.
 | activations | `python bench/activations.py --layers 8` | activation offload: a training step of decoder blocks with k of n layers offloaded, against no offload, `save_on_cpu` and PyTorch's AOTAutograd activation offloading |
 | export | `python bench/export.py` | exporting a transformers checkpoint: a Llama 3 8B-shaped bf16 checkpoint (16 GB) streamed from its shards with `hostswap.llm.export_checkpoint`, and a 2 GB one both streamed and loaded (`from_pretrained` + `hostswap.llm.export`), each in a process of its own (time, peak RSS), beside the disk's own write and O_DIRECT read speeds |
 
+| tiers | `python bench/disk_tier.py --work DIR` | decode with the weights beyond the host budget read from disk: a 16 GB Llama 3 8B-shaped checkpoint exported from its shards, at the GPU floor and half, with host budgets of all, half and a quarter of the weights, against max(compute, PCIe, disk) measured in the run, and AirLLM on the same checkpoint |
+
 Each command takes `--help`; results go to `bench/results/<benchmark>_<device>.json`.
 """
 
 # docs/benchmarks.md: every benchmark, every table; the README: the headline alone, and a pointer to the rest
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
-            "export": export_section}
+            "export": export_section, "tiers": disk_tier_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
-          "export": "Exporting a checkpoint"}
+          "export": "Exporting a checkpoint", "tiers": "Weights read from disk"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "generate": "Greedy decoding of a transformers `LlamaForCausalLM` (hidden 2048, GQA, bf16, random weights). Decode cells: ms per token "
@@ -844,10 +906,15 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
               "left in the page cache, after it returned (not in its time). Peak RSS is the process's high-water mark, "
               "its baseline the RSS after importing torch, transformers, accelerate, executorch and hostswap. Disk time: the checkpoint's bytes at "
               "the read speed plus the same bytes at the write speed.",
+    "tiers": "Greedy decode of the checkpoint exported with `hostswap.llm.export_checkpoint`, at each GPU budget and host budget "
+                 "(`host_memory_budget_mb`: streamed weights kept pinned; the rest read from the `.ptd` with O_DIRECT each token). "
+                 "Bound: max(all-resident decode, bytes streamed per token / pinned H2D, bytes read from disk per token / the `.ptd`'s "
+                 "O_DIRECT read speed, 8 threads, 16 MiB blocks), all measured in the same run; a ratio below 1 is a read faster than "
+                 "that single measurement of the disk.",
     "train": "Host GiB is what the offloads hold in host memory; the bound is the row's forward+backward plus the optimizer's copies at "
              "the measured bandwidth (`bench/report.py`).",
 }
-README_SECTIONS = {"generate": generation_headline}
+README_SECTIONS = {"generate": generation_headline, "tiers": disk_tier_headline}
 README_MORE = ("Longer prompts, prefill, tokens/s, token checks, quantized decode and its quality, and the weight, activation, training and "
                "verification benchmarks: [docs/benchmarks.md](docs/benchmarks.md).")
 
@@ -875,7 +942,7 @@ def render(draw_plots: bool = True) -> dict[str, str]:
             note = f"{NOTES[benchmark]}\n\n" if benchmark in NOTES else ""
             doc.append(f"## {TITLES[benchmark]} ({device})\n\nFrom {names}.\n\n{note}{full}\n" + (f"\n![{benchmark}]({os.path.relpath(plot, os.path.join(ROOT, 'docs'))})\n" if image else ""))
             if benchmark in README_SECTIONS:
-                block = README_SECTIONS[benchmark](paths) + (f"\n\n![{benchmark}]({os.path.relpath(plot, ROOT)})" if image else "") + "\n\n" + README_MORE + "\n"
+                block = README_SECTIONS[benchmark](paths) + (f"\n\n![{benchmark}]({os.path.relpath(plot, ROOT)})" if image else "") + "\n\n" + (README_MORE + "\n" if benchmark == "generate" else "")
                 marker = re.compile(rf"(<!-- report:{benchmark} -->\n).*?(<!-- /report:{benchmark} -->)", re.S)
                 readme = marker.sub(lambda m: m.group(1) + block + m.group(2), readme)
     return {os.path.join(ROOT, "docs", "benchmarks.md"): "\n".join(doc), readme_path: readme}
