@@ -107,7 +107,7 @@ def _export_llm(args) -> int:
                 say(f"quantizing the weights to {args.quantize} (torchao, weight-only)")
                 llm.quantize(model, args.quantize)
             pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say)
-    except llm.GenerationError as e:
+    except (llm.GenerationError, OSError) as e:  # OSError: a full disk (DiskFullError names the file), an unwritable folder
         print(f"hostswap export-llm: {e}", file=sys.stderr)
         return 2
     try:

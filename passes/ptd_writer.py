@@ -11,6 +11,7 @@ once each (ExecuTorch's own writer stores them once): the data need not be read 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -80,26 +81,55 @@ def ptd_index_bytes(tensors: list[PtdTensor]) -> tuple[bytes, list[int]]:
     return head + b"\0" * (base - len(head)), [base + o for o in offsets]
 
 
+class DiskFullError(OSError):
+    """The filesystem cannot hold the file being written; names it and the bytes it needs."""
+
+
+# what a full disk or a file-size limit looks like to a write
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def check_room(directory: str, nbytes: int, free_bytes: int | None = None) -> None:
+    """Refuse, before writing, ``nbytes`` that ``directory``'s filesystem has no room for
+    (``free_bytes``: what it has, default from statvfs)."""
+    if free_bytes is None:
+        stat = os.statvfs(directory)
+        free_bytes = stat.f_bavail * stat.f_frsize
+    if nbytes > free_bytes:
+        raise DiskFullError(errno.ENOSPC, f"{directory} has {free_bytes / 2**30:.2f} GiB free; the weights need {nbytes / 2**30:.2f} GiB. "
+                                          "Free space there or write elsewhere")
+
+
 def write_ptd(path: str | os.PathLike, tensors: list[PtdTensor], data: Callable[[PtdTensor], torch.Tensor],
               on_written: Callable[[PtdTensor], None] | None = None) -> dict[str, str]:
     """Write ``tensors`` to ``path``, each one's bytes from ``data(entry)`` (a tensor of its
     dtype and shape, read when its turn comes); returns FQN -> checksum. Raises ValueError
-    naming the tensor whose data disagrees with its entry."""
+    naming the tensor whose data disagrees with its entry, and ``DiskFullError`` (before the
+    first byte where the filesystem reports too little room, else when a write fails for it)."""
     head, offsets = ptd_index_bytes(tensors)
+    total = (offsets[-1] + tensors[-1].nbytes) if tensors else len(head)
+    check_room(os.path.dirname(os.path.abspath(path)), total)
     checksums: dict[str, str] = {}
     with open(path, "wb") as f:
-        f.write(head)
-        for entry, offset in zip(tensors, offsets):
-            tensor = data(entry)
-            if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-                raise ValueError(f"tensor '{entry.fqn}' is {tensor.dtype} {list(tensor.shape)}; the program reads {entry.dtype} {list(entry.shape)}")
-            f.write(b"\0" * (offset - f.tell()))
-            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            f.write(memoryview(raw))
-            checksums[entry.fqn] = checksum(raw)
-            del tensor, raw
-            if on_written is not None:
-                on_written(entry)
+        try:
+            f.write(head)
+            for entry, offset in zip(tensors, offsets):
+                tensor = data(entry)
+                if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+                    raise ValueError(f"tensor '{entry.fqn}' is {tensor.dtype} {list(tensor.shape)}; the program reads {entry.dtype} {list(entry.shape)}")
+                f.write(b"\0" * (offset - f.tell()))
+                raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+                f.write(memoryview(raw))
+                checksums[entry.fqn] = checksum(raw)
+                del tensor, raw
+                if on_written is not None:
+                    on_written(entry)
+            f.flush()
+        except OSError as e:
+            if e.errno not in _NO_ROOM:
+                raise
+            raise DiskFullError(e.errno, f"writing {path} stopped at about {f.tell() / 2**30:.2f} of {total / 2**30:.2f} GiB: "
+                                         f"{e.strerror}. Nothing was written under the final names; free space there or write elsewhere") from None
     return checksums
 
 

@@ -162,3 +162,33 @@ def test_export_memory_stays_within_one_tensor_of_the_baseline(tmp_path):
         with safe_open(sorted((tmp_path / "ckpt").glob("*.safetensors"))[0], "pt") as shard:
             name = next(iter(shard.keys()))
             assert torch.equal(ptd.host_tensor("model." + name), shard.get_tensor(name))
+
+
+def test_no_room_on_disk_is_refused_before_writing_and_named_when_a_write_fails(tmp_path):
+    """A filesystem reporting too little room stops the export before its first byte; one that
+    fills up mid-write (here a file-size limit, as a full disk) stops it with the file and the
+    bytes named, and nothing is left under the final names."""
+    import subprocess
+    import sys
+
+    from hostswap.passes.ptd_writer import DiskFullError, check_room
+
+    with pytest.raises(DiskFullError, match=f"{tmp_path} has 0.00 GiB free; the weights need 1.00 GiB"):
+        check_room(str(tmp_path), 2**30, free_bytes=1000)
+    ckpt = _saved("Llama", tmp_path / "ckpt")
+    script = (
+        "import resource, signal, sys\n"
+        "from hostswap.checkpoint import export_checkpoint\n"
+        "from hostswap.passes.ptd_writer import DiskFullError\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"  # a write past the limit fails with EFBIG instead of ending the process
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+        "try:\n"
+        "    export_checkpoint(sys.argv[1], sys.argv[2], max_seq_len=30, prefill_chunk=4)\n"
+        "except DiskFullError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(ckpt), str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert "REFUSED" in done.stdout, done.stderr[-3000:]
+    assert "weights.ptd stopped at about" in done.stdout and "File too large" in done.stdout
+    assert not (tmp_path / "out.pte").exists() and not (tmp_path / "out.ptd").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hostswap-save-")]
