@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from hostswap.llm import GenerationError, export_programs
+from hostswap.passes.ptd_writer import PtdTensor
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -179,14 +180,73 @@ def _checkpoint_names(model, prefix: str = MODEL_PREFIX) -> dict[str, list[str]]
     return names
 
 
+class _LinearQuantizer:
+    """torchao weight-only quantization of a meta model's linears (shapes only, for tracing), and
+    of each linear's real weight when the writer asks for one of its inner tensors."""
+
+    def __init__(self, model, scheme: str):
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        from hostswap.llm import QUANTIZATION_SCHEMES, int4_plan
+        from hostswap.passes.quantized_linear import is_torchao_tensor
+
+        if scheme not in QUANTIZATION_SCHEMES:
+            raise GenerationError(f"quantization must be one of {list(QUANTIZATION_SCHEMES)}, got {scheme!r}")
+        self.scheme, self._quantize = scheme, quantize_
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        cannot = f"torchao cannot quantize this model to {scheme}"
+        if scheme == "int8":
+            self.config = Int8WeightOnlyConfig(set_inductor_config=False)
+            linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        else:
+            linears, self.config = int4_plan(model, cannot)
+            if self.device.type != "cuda":
+                raise GenerationError(f"{cannot}: int4 (torchao's tile_packed_to_4d layout, PyTorch's tinygemm kernel) packs on CUDA only, "
+                                      "and no CUDA device is available")
+        self.shapes: dict[str, tuple[int, ...]] = {}  # program FQN of a quantized weight -> its full-precision shape
+        for name, linear in linears:
+            shape = tuple(linear.weight.shape)
+            try:
+                quantize_(linear, self.config)
+            except (ImportError, NotImplementedError, RuntimeError, ValueError, AssertionError) as e:
+                raise GenerationError(f"{cannot}: {name}: {type(e).__name__}: {e}") from e
+            if is_torchao_tensor(linear.weight):
+                self.shapes[f"{MODEL_PREFIX}{name}.weight"] = shape
+        self._last: tuple[str, dict[str, torch.Tensor]] | None = None  # the linear quantized last, its inner tensors
+
+    def weight_of(self, fqn: str) -> str | None:
+        """The quantized weight whose inner tensor ``fqn`` is (``...weight_qdata``), else None."""
+        head, _, inner = fqn.rpartition(".weight_")
+        return f"{head}.weight" if inner and f"{head}.weight" in self.shapes else None
+
+    def inner_tensor(self, fqn: str, full_precision: Callable[[str, tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
+        """Inner tensor ``fqn`` of its linear's quantized weight; ``full_precision(weight fqn,
+        shape)`` reads the weight. One kernel reads a linear's inner tensors, so they are written
+        one after the other: the last linear's are kept until another is asked for."""
+        from hostswap.passes.quantized_linear import describe
+
+        weight = self.weight_of(fqn)
+        if self._last is None or self._last[0] != weight:
+            self._last = None  # the last linear's tensors go before the next is made
+            out_features, in_features = self.shapes[weight]
+            linear = torch.nn.Linear(in_features, out_features, bias=False, device="meta")
+            linear.weight = torch.nn.Parameter(full_precision(weight, self.shapes[weight]).to(self.device), requires_grad=False)
+            self._quantize(linear, self.config)
+            names, inner, _layout = describe(linear.weight, weight.removeprefix(MODEL_PREFIX).removesuffix(".weight"))
+            self._last = (weight, {f"{weight}_{n}": t.detach().cpu() for n, t in zip(names, inner)})
+        return self._last[1][fqn]
+
+
 def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None,
                       dtype: torch.dtype | str | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
-                      progress: Callable[[str], None] | None = None, show_bar: bool = False) -> tuple[str, str]:
+                      progress: Callable[[str], None] | None = None, show_bar: bool = False, quantize: str | None = None) -> tuple[str, str]:
     """Write ``<out>.pte`` and ``<out>.ptd`` for the transformers causal LM in ``folder`` (its
     config and safetensors shards) without loading the model: the same program, weight bytes
     and weights digest as ``hostswap.llm.export`` of the loaded model. ``dtype``: the weights'
     dtype in the program (default: the config's); each tensor is converted as it is read.
-    ``show_bar``: a progress bar of bytes written, GB/s and time left."""
+    ``show_bar``: a progress bar of bytes written, GB/s and time left. ``quantize``: ``"int8"`` or
+    ``"int4"``, as ``hostswap.llm.quantize`` applies them, each linear's weight quantized when its
+    turn to be written comes (on the GPU when there is one; int4 needs one)."""
     from hostswap.passes.lowering import save_streamed
 
     folder = os.fspath(folder)
@@ -195,11 +255,17 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
     say(f"building {folder}'s model on the meta device (no weights loaded)")
     model, buffer_values, dtype = _meta_model(folder, dtype)
     names = _checkpoint_names(model)
+    quantizer = None
+    if quantize is not None:
+        say(f"quantizing the linear layers to {quantize} on the meta device (shapes only; each weight is quantized as it is written)")
+        quantizer = _LinearQuantizer(model, quantize)
     programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
                                           gather_from_host=gather_from_host, progress=progress, device="meta")
     del model
 
     def tensor_for(entry) -> torch.Tensor:
+        if quantizer is not None and quantizer.weight_of(entry.fqn):
+            return quantizer.inner_tensor(entry.fqn, lambda fqn, shape: tensor_for(PtdTensor(fqn, dtype, shape)))
         stored = next((n for n in names.get(entry.fqn, ()) if n in checkpoint), None)
         if stored is None:
             raise CheckpointError(f"tensor '{entry.fqn.removeprefix('model.')}' of the model is in no shard of {folder}")

@@ -90,13 +90,12 @@ def _export_llm(args) -> int:
     from hostswap.checkpoint import export_checkpoint, has_safetensors
 
     try:
-        if has_safetensors(args.checkpoint) and not args.quantize and not args.in_memory:
-            # streamed from the shards, one tensor at a time: no model in memory
+        if has_safetensors(args.checkpoint) and not args.in_memory:
+            # streamed from the shards, one tensor at a time (quantized as it is written): no model in memory
             pte, ptd = export_checkpoint(args.checkpoint, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
-                                         dtype=args.dtype, progress=say, show_bar=sys.stderr.isatty())
+                                         dtype=args.dtype, progress=say, show_bar=sys.stderr.isatty(), quantize=args.quantize)
         else:
-            why = ("--quantize quantizes the loaded model" if args.quantize else "--in-memory" if args.in_memory
-                   else "the checkpoint has no safetensors shards to stream")
+            why = "--in-memory" if args.in_memory else "the checkpoint has no safetensors shards to stream"
             say(f"loading {args.checkpoint} into memory ({why})")
             try:
                 model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype) if args.dtype else "auto")

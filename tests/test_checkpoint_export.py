@@ -192,3 +192,37 @@ def test_no_room_on_disk_is_refused_before_writing_and_named_when_a_write_fails(
     assert "weights.ptd stopped at about" in done.stdout and "File too large" in done.stdout
     assert not (tmp_path / "out.pte").exists() and not (tmp_path / "out.ptd").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hostswap-save-")]
+
+
+@pytest.mark.parametrize("name", ["Llama", "Qwen2", "Phi-3"])
+def test_quantized_streamed_export_is_the_quantized_in_memory_export(name, tmp_path):
+    """int8 while writing, one linear at a time: the weights, checksums and tokens of
+    hostswap.llm.quantize + export on the loaded model."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = _saved(name, tmp_path / "ckpt")
+    loaded = llm.quantize(AutoModelForCausalLM.from_pretrained(ckpt).eval(), "int8")
+    pte_a, ptd_a = llm.export(loaded, tmp_path / "loaded", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    pte_b, ptd_b = export_checkpoint(ckpt, tmp_path / "streamed", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, quantize="int8")
+    with PtdFile(ptd_a) as fa, PtdFile(ptd_b) as fb:
+        assert any(f.endswith(".weight_qdata") for f in fb.entries)
+        assert fa.index.checksums == fb.index.checksums
+    assert saved_weights_digest(read_program(pte_a)) == saved_weights_digest(read_program(pte_b))
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    tokens = []
+    for pte, ptd in ((pte_a, ptd_a), (pte_b, ptd_b)):
+        with llm.Generator(pte, ptd, weight_offload_budget_mb="auto", device="cpu") as g:
+            tokens.append(g.generate(prompt, 6, eos_token_id=[]))
+    assert torch.equal(tokens[0], tokens[1])
+
+
+def test_quantized_streamed_export_refuses_what_it_cannot_quantize(tmp_path):
+    ckpt = _saved("Llama", tmp_path / "ckpt")
+    with pytest.raises(llm.GenerationError, match="quantization must be one of"):
+        export_checkpoint(ckpt, tmp_path / "out", max_seq_len=MAX_SEQ_LEN, quantize="int3")
+    if not torch.cuda.is_available():
+        with pytest.raises(llm.GenerationError, match="int4 .* packs on CUDA only"):
+            export_checkpoint(ckpt, tmp_path / "out", max_seq_len=MAX_SEQ_LEN, quantize="int4", dtype=torch.bfloat16)
+    with pytest.raises(llm.GenerationError, match="int4 takes bfloat16 weights"):
+        export_checkpoint(ckpt, tmp_path / "out", max_seq_len=MAX_SEQ_LEN, quantize="int4")  # the checkpoint's float32
+    assert not (tmp_path / "out.pte").exists()

@@ -126,3 +126,32 @@ def test_weights_read_from_disk_give_the_tokens_of_weights_in_pinned_memory(prog
     assert tokens[total / 2] == tokens[total] and tokens[0] == tokens[total], tokens
     with pytest.raises(ValueError, match="cuda_graph needs every streamed weight in pinned host memory"):
         llm.Generator(program + ".pte", program + ".ptd", weight_offload_budget_mb=floor, host_memory_budget_mb=0, device="cuda", cuda_graph=True)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_quantized_streamed_export_is_the_quantized_in_memory_export_on_cuda(scheme, tmp_path):
+    """Each linear quantized on the GPU as it is written gives the weights, checksums and tokens
+    of hostswap.llm.quantize + export on the loaded model (int4 packs on CUDA only)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import hostswap.llm as llm
+    from hostswap.checkpoint import export_checkpoint
+    from hostswap.runtime.ptd import PtdFile
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, bos_token_id=None, eos_token_id=None)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
+    loaded = llm.quantize(AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16).eval(), scheme)
+    a = llm.export(loaded, tmp_path / "loaded", max_seq_len=64)
+    b = export_checkpoint(tmp_path / "ckpt", tmp_path / "streamed", max_seq_len=64, quantize=scheme)
+    with PtdFile(a[1]) as fa, PtdFile(b[1]) as fb:
+        assert any(f.endswith(".weight_qdata") for f in fb.entries)
+        differ = sorted(f for f in fa.entries if fa.index.checksums[f] != fb.index.checksums.get(f))
+        print(f"{scheme}: {len(differ)} of {len(fa.entries)} weights differ: {differ[:4]}")
+        assert not differ
+    tokens = []
+    for pte, ptd in (a, b):
+        with llm.Generator(pte, ptd, device="cuda") as g:
+            tokens.append(g.generate(_prompt()[:, :16], 16, eos_token_id=[])[0].tolist())
+    assert tokens[0] == tokens[1]
