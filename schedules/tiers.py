@@ -16,9 +16,11 @@ holds ``STAGING_READS`` of the largest disk read, so that many reads are in flig
 copies drain the oldest.
 
 Every forward reads the same disk bytes whichever streamed weights are pinned, so the choice
-only spreads them: disk weights are picked evenly along the fill order (the share of disk bytes
-stays level), so that the reader and the link overlap over the whole forward instead of the
-reader lagging through one stretch of disk weights.
+sizes the staging ring and spreads the reads. Weights larger than every other are pinned first
+where the budget holds them (the staging ring then follows the layers' size, not a head's);
+the rest are picked evenly along the fill order (the share of disk bytes stays level), so that
+the reader and the link overlap over the whole forward instead of the reader lagging through
+one stretch of disk weights.
 """
 
 from __future__ import annotations
@@ -81,12 +83,24 @@ def plan_tiers(schedule: ScheduleFacts, layout: PlannedLayout, host_budget_bytes
     if total <= host_budget_bytes:
         pinned = set(order)
     else:
-        share, used, seen = host_budget_bytes / total, 0, 0
-        for w in order:  # level: pinned bytes follow the budget's share of the bytes so far
+        # The staging ring holds reads of the largest disk weight: pin every weight above the
+        # smallest size cap whose larger weights the budget holds (a head far larger than the
+        # layers then stays in RAM, and staging follows the layers' size).
+        cap = max(nbytes[w] for w in order)
+        for size in sorted({nbytes[w] for w in order}, reverse=True)[1:]:
+            if sum(nbytes[w] for w in order if nbytes[w] > size) > host_budget_bytes:
+                break
+            cap = size
+        pinned = {w for w in order if nbytes[w] > cap}
+        used = sum(nbytes[w] for w in pinned)
+        rest = [w for w in order if w not in pinned]
+        share, level, seen = (host_budget_bytes - used) / sum(nbytes[w] for w in rest), 0, 0
+        for w in rest:  # level: the rest's pinned bytes follow the budget's share of its bytes so far
             seen += nbytes[w]
-            if used + nbytes[w] <= min(host_budget_bytes, share * seen):
+            if level + nbytes[w] <= share * seen:
                 pinned.add(w)
-                used += nbytes[w]
+                level += nbytes[w]
+        used += level
         for w in order:  # then what the rounding left room for
             if w not in pinned and used + nbytes[w] <= host_budget_bytes:
                 pinned.add(w)

@@ -105,6 +105,12 @@ def test_plan_places_every_streamed_weight_and_spreads_the_disk_bytes(program):
         assert tiers.staging_bytes == (STAGING_READS * read_span(largest) if tiers.disk else 0)
         if budget >= total:
             assert not tiers.disk
+    # a weight larger than all others is pinned where the budget holds it: staging follows the rest
+    largest = max(streamed, key=lambda w: schedule.weight_bytes[w])
+    others = max((schedule.weight_bytes[w] for w in streamed if w != largest), default=0)
+    if schedule.weight_bytes[largest] > others:
+        tiers = plan_tiers(schedule, layout, schedule.weight_bytes[largest])
+        assert largest in tiers.pinned and tiers.staging_bytes == STAGING_READS * read_span(others)
     # half the bytes on disk: in every half of the fill order, some disk bytes (not all at one end)
     tiers = plan_tiers(schedule, layout, total // 2)
     fills = sorted(layout.fill_offset)
