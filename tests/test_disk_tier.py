@@ -295,3 +295,18 @@ def test_generate_cli_reads_from_disk_below_the_host_budget(program):
     assert "read from the disk" in result.stderr and "from disk)" in result.stderr
     bad = _cli("generate", prefix, "--prompt-ids", "1", "--device", "cpu", "--host-budget-mb", "-3")
     assert bad.returncode == 2 and "host_memory_budget_mb" in bad.stderr
+
+
+def test_a_cgroup_limit_caps_the_memory_auto_counts_on():
+    from hostswap.runtime.host_tier import available_host_memory, cgroup_room
+
+    files = {"/sys/fs/cgroup/user.slice/job/memory.max": "8589934592\n", "/sys/fs/cgroup/user.slice/job/memory.current": "1073741824\n"}
+    assert cgroup_room("0::/user.slice/job\n", files.get) == 7 * 2**30
+    unlimited = {"/sys/fs/cgroup/memory.max": "max\n", "/sys/fs/cgroup/memory.current": "5\n"}
+    assert cgroup_room("0::/\n", unlimited.get) is None
+    assert cgroup_room(None, files.get) is None and cgroup_room("1:cpu:/x\n", files.get) is None
+    v1 = {"/sys/fs/cgroup/memory/memory.limit_in_bytes": "4294967296\n", "/sys/fs/cgroup/memory/memory.usage_in_bytes": "1073741824\n"}
+    assert cgroup_room("4:memory:/not/mounted/here\n0::/\n", v1.get) == 3 * 2**30  # a container's v1 root
+    v1_unlimited = {k: ("9223372036854771712\n" if "limit" in k else "1\n") for k in v1}
+    assert cgroup_room("4:memory:/\n", v1_unlimited.get) is None
+    assert 0 < available_host_memory()
