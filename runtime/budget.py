@@ -25,16 +25,23 @@ AUTO_MARGIN_SHARE = 0.05
 AUTO_MARGIN_MIN_BYTES = 512 * 2**20
 
 
-def check_budget_argument(budget_mb) -> None:
-    """Refuse what is neither ``"auto"`` nor a positive finite number of MB."""
+def check_mb_argument(name: str, budget_mb, zero: str | None = None) -> None:
+    """Refuse, naming the argument ``name``, what is neither ``"auto"`` nor a finite number of
+    MB above 0 (or 0 and above, where ``zero`` says what 0 means)."""
     if isinstance(budget_mb, str):
         if budget_mb != AUTO:
-            raise ValueError(f"weight_offload_budget_mb must be a number of MB or 'auto', got {budget_mb!r}")
+            raise ValueError(f"{name} must be a number of MB or 'auto', got {budget_mb!r}")
         return
     if isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float)):
-        raise ValueError(f"weight_offload_budget_mb must be a number of MB or 'auto', got {budget_mb!r} ({type(budget_mb).__name__})")
-    if not math.isfinite(budget_mb) or budget_mb <= 0:
-        raise ValueError(f"weight_offload_budget_mb must be a finite number of MB above 0, got {budget_mb!r}")
+        raise ValueError(f"{name} must be a number of MB or 'auto', got {budget_mb!r} ({type(budget_mb).__name__})")
+    if not math.isfinite(budget_mb) or budget_mb < 0 or (budget_mb == 0 and zero is None):
+        least = "above 0" if zero is None else f"0 or more (0: {zero})"
+        raise ValueError(f"{name} must be a finite number of MB {least}, got {budget_mb!r}")
+
+
+def check_budget_argument(budget_mb) -> None:
+    """Refuse what is neither ``"auto"`` nor a positive finite number of MB."""
+    check_mb_argument("weight_offload_budget_mb", budget_mb)
 
 
 def free_memory(device: torch.device) -> int:

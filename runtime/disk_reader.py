@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from hostswap.runtime.ptd import PtdFile, register_host_memory, unregister_host_memory
+from hostswap.runtime.ptd import PtdFile, file_identity, register_host_memory, unregister_host_memory
 from hostswap.schedules.artifacts import ArtifactError
 from hostswap.schedules.tiers import DIRECT_ALIGNMENT
 
@@ -206,7 +206,7 @@ class DiskReader:
             raise ArtifactError(self.path, f"weight '{fqn}'", f"read {got} of {min(length, needed)} bytes at offset {offset}: the file is shorter than at load. Load it again")
         if self.mode == "buffered":
             os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
-        if _identity(os.fstat(self._fd)) != self._identity:
+        if file_identity(os.fstat(self._fd)) != self._identity:
             raise ArtifactError(self.path, "file", f"changed on disk while the disk tier read weight '{fqn}' from it; the weights it serves are no longer the ones checked at load. Load it again")
 
     def _restart(self, index: int | None) -> None:
@@ -245,10 +245,6 @@ class DiskReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-def _identity(stat: os.stat_result) -> tuple[int, int]:
-    return (stat.st_size, stat.st_mtime_ns)
 
 
 def _open_for_reads(fd: int, direct: bool) -> tuple[str, int]:

@@ -11,15 +11,14 @@ runs from the disk instead of failing in ``cudaHostRegister`` or pushing the sys
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
+from hostswap.runtime.budget import AUTO, check_mb_argument
 from hostswap.runtime.disk_reader import DiskReader
 from hostswap.runtime.ptd import PtdFile
 from hostswap.schedules.policies import PlannedLayout
 from hostswap.schedules.tiers import STAGING_READS, TierPlan, plan_tiers, read_span
 
-AUTO = "auto"
 # Of the memory available at load: the rest stays for the process itself (Python, torch, the
 # program's host-side state), the page cache of whatever else runs, and other processes.
 AUTO_HOST_SHARE = 0.75
@@ -27,14 +26,7 @@ AUTO_HOST_SHARE = 0.75
 
 def check_host_budget_argument(budget_mb) -> None:
     """Refuse what is neither ``"auto"`` nor a finite number of MB at or above 0."""
-    if isinstance(budget_mb, str):
-        if budget_mb != AUTO:
-            raise ValueError(f"host_memory_budget_mb must be a number of MB or 'auto', got {budget_mb!r}")
-        return
-    if isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float)):
-        raise ValueError(f"host_memory_budget_mb must be a number of MB or 'auto', got {budget_mb!r} ({type(budget_mb).__name__})")
-    if not math.isfinite(budget_mb) or budget_mb < 0:
-        raise ValueError(f"host_memory_budget_mb must be a finite number of MB, 0 or more (0: every streamed weight from the disk), got {budget_mb!r}")
+    check_mb_argument("host_memory_budget_mb", budget_mb, zero="every streamed weight from the disk")
 
 
 def available_host_memory() -> int:

@@ -50,7 +50,7 @@ class PtdFile:
         try:
             stat = os.fstat(self._file.fileno())
             self.nbytes = stat.st_size
-            self._identity = _identity(stat)
+            self._identity = file_identity(stat)
             if self.nbytes == 0:
                 raise ArtifactError(self.path, "header", "the file is empty")
             self.mapping = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
@@ -92,7 +92,7 @@ class PtdFile:
         """Refuse to go on with a file that was replaced, truncated or rewritten since load."""
         # The file this mapping reads, not the path: a file renamed over the path leaves the
         # mapped one intact, and it still serves the weights checked at load.
-        now = _identity(os.fstat(self._file.fileno()))
+        now = file_identity(os.fstat(self._file.fileno()))
         if now != self._identity:
             was = self._identity
             reason = f"size {was[0]} -> {now[0]} bytes, modified {time.ctime(was[1] / 1e9)} -> {time.ctime(now[1] / 1e9)}"
@@ -253,7 +253,8 @@ def verify_showing_progress(ptd: PtdFile) -> tuple[int, float]:
         return ptd.verify(progress=lambda done, _total: bar.update(done - bar.n))
 
 
-def _identity(stat: os.stat_result) -> tuple[int, int]:
+def file_identity(stat: os.stat_result) -> tuple[int, int]:
+    """(size, modification time in ns): what tells a file changed since it was loaded."""
     return (stat.st_size, stat.st_mtime_ns)
 
 
