@@ -249,6 +249,10 @@ def _keep_greedily(schedule: ScheduleFacts, sizes: list[int], kept: set[int], bu
     Returns the stream sequence and a safe ring size for the final ``kept``.
     """
     kept_bytes = sum(sizes[w] for w in kept)
+    if kept_bytes + sum(sizes[w] for w in range(len(sizes)) if w not in kept) <= budget_bytes:
+        # everything fits: nothing streams, no ring (and no trial of each weight against the rest)
+        kept.update(range(len(sizes)))
+        return _stream_sequence(schedule, kept)[0], 0
     changed = True
     while changed:
         changed = False
