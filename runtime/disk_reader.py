@@ -179,7 +179,7 @@ class DiskReader:
 
     # --- reading ahead ------------------------------------------------------------------------
     def _submit(self) -> None:
-        while True:
+        while len(self._pending) < len(self.sequence):  # at most one whole cycle in flight
             fqn, offset, nbytes = self.sequence[self._next]
             first = offset // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
             span = -(-(offset + nbytes) // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT - first
@@ -190,8 +190,6 @@ class DiskReader:
                        for done in range(0, span, CHUNK_BYTES)]
             self._pending.append(_Read(self._next, start, offset - first, nbytes, futures))
             self._next = (self._next + 1) % len(self.sequence)
-            if self._pending[0].index == self._next:
-                return  # a whole cycle in flight
 
     def _read_chunk(self, fqn: str, at: int, offset: int, length: int, needed: int) -> None:
         got = 0

@@ -310,3 +310,19 @@ def test_a_cgroup_limit_caps_the_memory_auto_counts_on():
     v1_unlimited = {k: ("9223372036854771712\n" if "limit" in k else "1\n") for k in v1}
     assert cgroup_room("4:memory:/\n", v1_unlimited.get) is None
     assert 0 < available_host_memory()
+
+
+def test_reader_keeps_at_most_one_cycle_in_flight(ptd_file):
+    """With room for every read, the reader runs a whole cycle ahead and no further: a read is
+    never in flight twice."""
+    sequence = _sequence(ptd_file)[:2]
+    reader = DiskReader(ptd_file, sequence, 8 * sum(read_span(n) for _, _, n in sequence), pinned=False, threads=1)
+    try:
+        for _ in range(3):
+            reader.ready(0)
+        assert [r.index for r in reader._pending] == [0, 1]
+        data, region = reader.take(0)
+        reader.release(region, None)
+        assert [r.index for r in reader._pending] == [1, 0]
+    finally:
+        reader.close()
