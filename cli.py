@@ -173,13 +173,22 @@ def _generate(args) -> int:
             print(f"hostswap generate: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
             return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from hostswap.sampling import SamplingError, SamplingParams
+
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                                  seed=args.seed)
+    except SamplingError as e:
+        print(f"hostswap generate: {e}", file=sys.stderr)
+        return 2
     try:
         with llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=args.budget_mb, host_memory_budget_mb=args.host_budget_mb,
                            device=device, policy=args.policy) as g:
             print(f"loaded: {g.memory_report()}", file=sys.stderr, flush=True)
             if tokenizer is not None:
                 print(args.prompt, end="", flush=True)
-            g.generate(ids, args.max_new_tokens, on_token=llm.print_tokens(tokenizer.decode if tokenizer else None, ids[0].tolist()))
+            g.generate(ids, args.max_new_tokens, on_token=llm.print_tokens(tokenizer.decode if tokenizer else None, ids[0].tolist()),
+                       sampling=None if sampling.greedy and sampling.repetition_penalty == 1.0 else sampling)
             print()
             line = g.summary()
             per_token = g.stats["bytes_streamed_per_token"]
@@ -232,6 +241,11 @@ def main(argv=None) -> int:
     g.add_argument("--prompt", help="text, encoded with the tokenizer export-llm saved")
     g.add_argument("--prompt-ids", help="comma-separated token ids, for a program without a tokenizer")
     g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy; above 0: sample, on the device")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens whose probabilities reach p")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1: tokens already in the text become less likely")
+    g.add_argument("--seed", type=int, default=None, help="the same seed samples the same tokens")
     g.add_argument("--policy", choices=["planned", "lru"], default="planned")
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.set_defaults(func=_generate)

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 
+from hostswap.sampling import SamplingParams, TokenChooser
+
 PREFIX = "hostswap_llm_"
 MAX_SEQ_LEN = PREFIX + "max_seq_len"
 PREFILL_CHUNK = PREFIX + "prefill_chunk"
@@ -272,9 +274,11 @@ class DeviceTokens:
 
 
 def decode_greedily(step: Step, logits: torch.Tensor, position: int, max_new_tokens: int, eos=frozenset(),
-                    on_token: Callable[[int], None] | None = None) -> list[int]:
+                    on_token: Callable[[int], None] | None = None, choose=None, logprobs: list | None = None) -> list[int]:
     """Greedy tokens from the logits after the prompt: the first from ``logits``, the rest one
     decode call each, the first at ``position``; stops after ``max_new_tokens`` or at ``eos``.
+    ``choose`` (a ``sampling.TokenChooser``) picks each token instead of ``argmax``, on the
+    device; the device tensors of its log-probabilities are appended to ``logprobs``.
 
     The host reads each token one step behind the device. A token is chosen on the device
     (argmax) and fed to the next decode call as a device tensor, with its position, so that
@@ -284,14 +288,23 @@ def decode_greedily(step: Step, logits: torch.Tensor, position: int, max_new_tok
     late: the step queued after it runs, and its token is dropped.
     """
     device = logits.device
-    token = logits.argmax().reshape(1, 1)
+
+    def pick(row: torch.Tensor) -> torch.Tensor:
+        if choose is None:
+            return row.argmax().reshape(1, 1)
+        token, logprob = choose(row)
+        if logprobs is not None:
+            logprobs.append(logprob)
+        return token
+
+    token = pick(logits.reshape(-1, logits.shape[-1])[-1])
     positions = torch.tensor([position], dtype=torch.long).to(device)
     tokens = DeviceTokens(device, max_new_tokens)
     tokens.push(token)
     new: list[int] = []
     while True:
         if tokens.pushed < max_new_tokens:
-            token = step(DECODE, token, positions)[0, -1].argmax().reshape(1, 1)
+            token = pick(step(DECODE, token, positions)[0, -1])
             positions = positions + 1
             tokens.push(token)
         new.append(tokens.pop())
@@ -373,6 +386,7 @@ class Generator:
             self.eos_token_ids = frozenset(self.module.run_method(EOS_TOKEN_IDS, []) if EOS_TOKEN_IDS in self.module.method_names() else [])
             self.device = device
             self.last = GenerationStats()
+            self.last_logprobs: list[float] | None = None  # of the last generate's new tokens, when asked for
             self.warm_up_seconds = self._warm_up() if warm_up else None
         except BaseException:
             self.module.close()
@@ -408,11 +422,15 @@ class Generator:
             torch.cuda.synchronize(self.device)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: int | list[int] | None = None,
-                 on_token: Callable[[int], None] | None = None) -> torch.Tensor:
+                 on_token: Callable[[int], None] | None = None, sampling=None, logprobs: bool = False) -> torch.Tensor:
         """Greedy tokens after ``input_ids`` ([1, n] or [n]); returns prompt + new tokens as
         [1, n + new], as transformers' ``generate`` does. Stops after ``max_new_tokens`` or at an
         end-of-sequence token (the program's, or ``eos_token_id``). ``on_token`` sees each new
-        token as it comes."""
+        token as it comes. ``sampling``: a ``hostswap.sampling.SamplingParams`` (temperature,
+        top-k, top-p, repetition penalty, seed), chosen on the device; ``logprobs``: keep each
+        new token's log-probability in ``last_logprobs``."""
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise GenerationError(f"sampling must be a hostswap.sampling.SamplingParams, got {type(sampling).__name__}")
         self.module.ensure_open()
         if not isinstance(input_ids, torch.Tensor):
             raise GenerationError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
@@ -449,7 +467,10 @@ class Generator:
         self._sync()
         t1, bytes1, disk1 = time.perf_counter(), self.module.pool.stats.bytes_h2d, self.module.disk_bytes_read
         stats.prefill_seconds, stats.bytes_streamed_prefill = t1 - t0, bytes1 - bytes0
-        new = decode_greedily(self._step, last, prompt, max_new_tokens, eos, on_token)
+        chosen: list = []
+        choose = None if sampling is None and not logprobs else TokenChooser(sampling or SamplingParams(), self.device, self.vocab_size, ids)
+        new = decode_greedily(self._step, last, prompt, max_new_tokens, eos, on_token, choose, chosen if logprobs else None)
+        self.last_logprobs = torch.cat(chosen)[: len(new)].tolist() if logprobs else None
         self._sync()
         stats.decode_seconds = time.perf_counter() - t1
         stats.bytes_streamed_decode = self.module.pool.stats.bytes_h2d - bytes1

@@ -1,0 +1,93 @@
+"""Choosing the next token on the device: greedy, or sampled with temperature, top-k, top-p and a
+repetition penalty from a seeded generator.
+
+Every step runs as tensor ops on the logits' device, the token and its log-probability staying
+there: the decode loop queues the next step before the host reads a token, as it does greedily.
+The same seed gives the same tokens (one ``torch.Generator`` on the device, drawn once a step).
+Greedy (the default) is ``argmax``, bitwise what it was before sampling existed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+
+class SamplingError(ValueError):
+    """A sampling parameter out of its range; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. ``temperature=0`` (the default) is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: every token
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0  # > 1 makes tokens already in the sequence less likely (CTRL's rule)
+    seed: int | None = None
+
+    def __post_init__(self):
+        def number(name, low, high=math.inf, low_open=False):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
+                bound = f"{'above' if low_open else 'at least'} {low}" + (f" and at most {high}" if high != math.inf else "")
+                raise SamplingError(f"{name} must be a number {bound}, got {value!r}")
+
+        number("temperature", 0.0)
+        number("top_p", 0.0, 1.0, low_open=True)
+        number("repetition_penalty", 0.0, low_open=True)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an int, 0 (every token) or more, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise SamplingError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class TokenChooser:
+    """Chooses each next token from a step's last logits, on their device."""
+
+    def __init__(self, params: SamplingParams, device: torch.device, vocab_size: int, prompt: torch.Tensor):
+        self.params = params
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        # tokens seen so far, for the repetition penalty (prompt included, as transformers does)
+        self.seen = None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.seen[prompt.reshape(-1).to(device)] = True
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the token [1, 1], its log-probability under the distribution it was drawn from [1])
+        for one position's logits [vocab]."""
+        p = self.params
+        scores = logits.float()
+        if self.seen is not None:
+            penalized = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+            scores = torch.where(self.seen, penalized, scores)
+        if p.greedy:
+            token = scores.argmax().reshape(1)
+            logprob = torch.log_softmax(scores, dim=-1)[token]
+        else:
+            scores = scores / p.temperature
+            if p.top_k and p.top_k < scores.numel():
+                kth = torch.topk(scores, p.top_k).values[-1]
+                scores = scores.masked_fill(scores < kth, -math.inf)
+            if p.top_p < 1.0:
+                ordered, order = torch.sort(scores, descending=True)
+                cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
+                drop = cumulative - torch.softmax(ordered, dim=-1) >= p.top_p  # keep the smallest prefix reaching top_p
+                scores = scores.scatter(0, order, ordered.masked_fill(drop, -math.inf))
+            logprobs = torch.log_softmax(scores, dim=-1)
+            token = torch.multinomial(logprobs.exp(), 1, generator=self.generator)
+            logprob = logprobs[token]
+        if self.seen is not None:
+            self.seen[token] = True
+        return token.reshape(1, 1), logprob.reshape(1)
