@@ -36,7 +36,7 @@ Measured in this process, ``run_airllm`` returns:
 
 The page cache: AirLLM reads its files through the page cache, so on a host whose RAM holds the
 split, the reads after the first pass (and, just after a split, the first pass as well) come
-from RAM. ``drop_cache`` controls this. ``"none"`` leaves the cache as it is. ``"start"`` fsyncs
+from RAM. ``drop_cache`` controls this. ``"none"`` leaves the cache as it is. ``"start"`` writes back
 the split's files and drops their pages (``posix_fadvise(DONTNEED)``) once before ``generate``.
 ``"every-token"`` also drops them after each token; the interval of the next token starts once
 the drop has returned, so the drop's own time is not counted.
@@ -74,6 +74,9 @@ import traceback
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procfs import drop_page_cache, memory  # noqa: E402
+
 # what drop_cache accepts
 DROP_CACHE = ("none", "start", "every-token")
 
@@ -81,35 +84,6 @@ DROP_CACHE = ("none", "start", "every-token")
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _vm_hwm() -> int | None:
-    """The process's peak resident set (VmHWM) in bytes, where /proc has it."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def drop_page_cache(folder: str) -> int:
-    """Write back and drop from the page cache every file in ``folder``; returns the files' bytes."""
-    total = 0
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            total += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return total
 
 
 class _TokenClock:
@@ -279,7 +253,7 @@ def run_airllm(checkpoint_folder, work_dir, prompt_ids: list[int], new_tokens: i
         result["gpu_reserved_peak_bytes"] = torch.cuda.max_memory_reserved(dev)
     else:
         result["gpu_peak_bytes"] = result["gpu_reserved_peak_bytes"] = None
-    result["host_peak_rss_bytes"] = _vm_hwm()
+    result["host_peak_rss_bytes"] = memory()["peak"]
     if model._executor is not None:
         model._executor.shutdown(wait=True)
     return result

@@ -35,18 +35,13 @@ import hostswap.llm as llm  # noqa: E402
 from hostswap.schedules import load_weight_schedules  # noqa: E402
 from checkpoints import llama3_8b, llama_of_size, write_checkpoint  # noqa: E402
 from export import read_speed  # noqa: E402
+from procfs import memory  # noqa: E402
 from weights import environment, h2d_bandwidth, result_path  # noqa: E402
 
 MB = 2**20
 GPU_BUDGETS = ("floor", "50%")
 HOST_SHARES = (("100%", 1.0), ("50%", 0.5), ("25%", 0.25))
 MAX_SEQ_LEN, PREFILL_CHUNK, PROMPT = 64, 16, 16
-
-
-def _status(field: str) -> int:
-    """A size field of /proc/self/status (VmRSS, VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 def prepare(work: str, size_gb: float | None) -> tuple[str, dict]:
@@ -59,11 +54,11 @@ def prepare(work: str, size_gb: float | None) -> tuple[str, dict]:
     start = time.perf_counter()
     written = write_checkpoint(folder, config)
     facts = {"checkpoint": written, "checkpoint_write_s": time.perf_counter() - start}
-    baseline = _status("VmRSS")
+    baseline = memory()["rss"]
     start = time.perf_counter()
     llm.export_checkpoint(folder, base, max_seq_len=MAX_SEQ_LEN, prefill_chunk=PREFILL_CHUNK)
     # the export is this process's first large work: its peak is the process's peak so far
-    facts.update(export_s=time.perf_counter() - start, export_peak_rss_bytes=_status("VmHWM"), rss_before_export_bytes=baseline,
+    facts.update(export_s=time.perf_counter() - start, export_peak_rss_bytes=memory()["peak"], rss_before_export_bytes=baseline,
                  config=config.to_dict() if hasattr(config, "to_dict") else str(config))
     json.dump(facts, open(facts_path, "w"), default=str)
     return base, facts

@@ -42,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from procfs import drop_page_cache, memory  # noqa: E402
+
 BLOCK = 16 * 2**20
 READERS = 8
 STREAMED, IN_MEMORY = "streamed", "in-memory"
@@ -57,15 +59,6 @@ def storage_io() -> dict:
             return {names[key]: int(value) for key, value in (line.split(": ") for line in f) if key in names}
     except (OSError, ValueError):
         return {}
-
-
-def memory() -> dict:
-    """This process's RSS now and its peak, from ``/proc/self/status``. Not ``ru_maxrss``: a
-    process started by exec inherits its parent's peak there (Linux carries the old memory
-    map's high-water mark over the exec), so a child of a large parent reads the parent's."""
-    with open("/proc/self/status") as f:
-        fields = {key: int(rest.split()[0]) * 1024 for key, _, rest in (line.partition(":") for line in f) if key in ("VmRSS", "VmHWM")}
-    return {"rss": fields["VmRSS"], "peak": fields["VmHWM"]}
 
 
 def child(path: str, folder: str, out: str, max_seq_len: str) -> None:
@@ -119,18 +112,6 @@ def phase_split(phases: list, seconds: float) -> dict:
         return {}
     written = times[first + 1] if first + 1 < len(times) else seconds
     return {"load_s": loaded, "trace_lower_s": times[first] - (loaded or 0.0), "write_s": written - times[first], "rest_s": seconds - written}
-
-
-def drop_page_cache(folder: str) -> None:
-    """Evict every file of ``folder`` from the page cache (written back first), so an export
-    reads it from the disk."""
-    os.sync()
-    for name in os.listdir(folder):
-        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _open_direct(path: str, buffer) -> int | None:

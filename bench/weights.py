@@ -38,8 +38,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hostswap  # noqa: E402
+from procfs import drop_page_cache  # noqa: E402
 from hostswap.llm import QUANTIZATION_SCHEMES  # noqa: E402
 from hostswap.models import DecoderBlock, llama_decoder  # noqa: E402
 from hostswap.runtime import Module  # noqa: E402
@@ -190,16 +192,6 @@ def host_memory() -> dict:
             if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
                 fields[key.lower() + "_bytes"] = int(rest.split()[0]) * 1024
     return fields
-
-
-def drop_page_cache(path: str) -> None:
-    """Evict ``path``'s clean pages from the page cache (no root needed)."""
-    os.sync()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def compare(out: torch.Tensor, reference: torch.Tensor) -> dict:

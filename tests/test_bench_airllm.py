@@ -2,9 +2,7 @@
 (and on the GPU where there is one). Skipped where airllm is not installed (CI does not
 install it)."""
 
-import importlib.util
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -13,18 +11,10 @@ import torch
 
 pytest.importorskip("airllm")
 
-ROOT = pathlib.Path(__file__).parents[1]
+import bench_scripts
 
-
-def _bench(name: str):
-    # bench/ is scripts beside the package, not part of the installed one: load the file itself.
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-checkpoints, peer = _bench("checkpoints"), _bench("airllm_peer")
+ROOT = bench_scripts.ROOT
+checkpoints, peer = bench_scripts.load("checkpoints"), bench_scripts.load("airllm_peer")
 
 
 @pytest.fixture(scope="module")

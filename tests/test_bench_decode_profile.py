@@ -1,16 +1,10 @@
 """bench/decode_profile.py's reading of a profiler trace, on a synthetic one (no GPU)."""
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
-# bench/ is scripts beside the package, not part of the installed one: load the file itself.
-_spec = importlib.util.spec_from_file_location("bench_decode_profile", pathlib.Path(__file__).parents[1] / "bench" / "decode_profile.py")
-_profile = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = _profile  # dataclasses look their module up while the file runs
-_spec.loader.exec_module(_profile)
+import bench_scripts
+
+_profile = bench_scripts.load("decode_profile")
 Fill, replay_timeline, budget_bytes = _profile.Fill, _profile.replay_timeline, _profile.budget_bytes
 
 

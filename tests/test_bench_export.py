@@ -1,26 +1,16 @@
 """bench/export.py end to end at a few MB on the CPU, and bench/checkpoints.py's shards as
 transformers and safetensors read them."""
 
-import importlib.util
 import json
-import pathlib
 import subprocess
 import sys
 
 import torch
 
-ROOT = pathlib.Path(__file__).parents[1]
+import bench_scripts
 
-
-def _bench(name: str):
-    # bench/ is scripts beside the package, not part of the installed one: load the file itself.
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-checkpoints, report = _bench("checkpoints"), _bench("report")
+ROOT = bench_scripts.ROOT
+checkpoints, report = bench_scripts.load("checkpoints"), bench_scripts.load("report")
 
 
 def test_checkpoint_shards_load_in_transformers_with_the_configs_shapes(tmp_path):

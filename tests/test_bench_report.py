@@ -1,13 +1,11 @@
 """bench/report.py's target checks, on synthetic rows (no GPU, no benchmark run)."""
 
-import importlib.util
 import pathlib
 import re
 
-# bench/ is scripts beside the package, not part of the installed one: load the file itself.
-_spec = importlib.util.spec_from_file_location("bench_report", pathlib.Path(__file__).parents[1] / "bench" / "report.py")
-_report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_report)
+import bench_scripts
+
+_report = bench_scripts.load("report")
 targets = _report.targets
 
 

@@ -1,16 +1,14 @@
 """bench/train.py end to end on a tiny model on the CPU (what CI can run), and its report's
 target checks on synthetic rows."""
 
-import importlib.util
 import json
-import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).parents[1]
-_spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
-_report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_report)
+import bench_scripts
+
+ROOT = bench_scripts.ROOT
+_report = bench_scripts.load("report")
 
 
 def test_quick_run_trains_every_configuration_with_the_losses_of_its_reference(tmp_path):

@@ -1,16 +1,14 @@
 """bench/weights.py end to end on a tiny model on the CPU (what CI can run): every
 configuration loads and runs, bf16 and int8, in decode and prefill, and the report renders it."""
 
-import importlib.util
 import json
-import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).parents[1]
-_spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
-_report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_report)
+import bench_scripts
+
+ROOT = bench_scripts.ROOT
+_report = bench_scripts.load("report")
 
 
 def test_quick_run_measures_every_configuration_and_int8_beside_bf16(tmp_path):
