@@ -104,7 +104,7 @@ class DiskReader:
         # ``direct=False``: buffered reads even where O_DIRECT is taken. ``pinned``: staging
         # registered with CUDA for copies to ``device``.
         self._device = device
-        self.ptd, self.sequence = ptd, sequence
+        self.sequence = sequence
         self.path = ptd.path
         self._identity = ptd.identity
         self.mode, self._fd = _open_for_reads(ptd.fileno(), direct)
@@ -125,7 +125,7 @@ class DiskReader:
         self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="hostswap-disk")
         self._pending: collections.deque[_Read] = collections.deque()
         self._next = 0  # sequence index of the next read to submit
-        self._taken: dict[int, int] = {}  # ring start -> bytes, taken but not yet released
+        self._taken: set[int] = set()  # ring starts of reads taken and not yet released
         self.bytes_read = 0
         self.wait_seconds = 0.0  # time the pool waited for a read
         self.restarts = 0
@@ -159,21 +159,18 @@ class DiskReader:
             for f in read.futures:
                 f.result()
         except BaseException:
-            # every chunk of this read stops before its region is handed out again
-            for f in read.futures:
-                f.cancel()
-            concurrent.futures.wait(read.futures)
+            _stop([read])  # every chunk of this read stops before its region is handed out again
             self._restart(None)
             raise
         self.wait_seconds += time.perf_counter() - t
         self.bytes_read += read.nbytes
-        self._taken[read.start] = read.nbytes
+        self._taken.add(read.start)
         self._submit()
         return self.staging[read.start + read.skip : read.start + read.skip + read.nbytes], read.start
 
     def release(self, region: int, event) -> None:
         """The copy out of ``region`` was issued; it may be refilled after ``event`` (None: now)."""
-        self._taken.pop(region, None)
+        self._taken.discard(region)
         self.ring.release(region, event)
         self._submit()
 
@@ -209,10 +206,7 @@ class DiskReader:
 
     def _restart(self, index: int | None) -> None:
         """Drop the reads ahead (waiting for those in flight) and start again at ``index``."""
-        for read in self._pending:
-            for f in read.futures:
-                f.cancel()
-            concurrent.futures.wait(read.futures)
+        _stop(self._pending)
         self._pending.clear()
         # regions taken and not released (an abandoned copy) are free once every copy is done
         if self._taken:
@@ -227,9 +221,7 @@ class DiskReader:
             self._next = index
 
     def close(self) -> None:
-        for read in self._pending:
-            for f in read.futures:
-                f.cancel()
+        _stop(self._pending)
         self._executor.shutdown(wait=True)
         self._pending.clear()
         if self._pinned:
@@ -243,6 +235,14 @@ class DiskReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _stop(reads) -> None:
+    """Cancel the chunks of ``reads`` not yet started and wait for those running."""
+    for read in reads:
+        for f in read.futures:
+            f.cancel()
+        concurrent.futures.wait(read.futures)
 
 
 def _open_for_reads(fd: int, direct: bool) -> tuple[str, int]:

@@ -16,8 +16,8 @@ import os
 from hostswap.runtime.budget import AUTO, check_mb_argument
 from hostswap.runtime.disk_reader import DiskReader
 from hostswap.runtime.ptd import PtdFile
-from hostswap.schedules.policies import PlannedLayout
-from hostswap.schedules.tiers import STAGING_READS, TierPlan, plan_tiers, read_span
+from hostswap.schedules.policies import PlannedLayout, lru_resident
+from hostswap.schedules.tiers import TierPlan, plan_tiers, staging_bytes
 
 # Of the memory available at load: the rest stays for the process itself (Python, torch, the
 # program's host-side state), the page cache of whatever else runs, and other processes.
@@ -107,15 +107,16 @@ def host_budget(budget_mb, schedule, streamed: list[int], available_bytes: int |
     if budget_mb != AUTO:
         return HostBudget(round(budget_mb * 2**20))
     available = available_host_memory() if available_bytes is None else available_bytes
-    staging = STAGING_READS * max((read_span(schedule.weight_bytes[w]) for w in streamed), default=0)
-    reserved = sum(schedule.host_read_bytes) + staging
+    reserved = sum(schedule.host_read_bytes) + staging_bytes(schedule.weight_bytes[w] for w in streamed)
     return HostBudget(max(0, int(available * AUTO_HOST_SHARE) - reserved), available, reserved)
 
 
-def plan_host_tiers(budget_mb, schedule, layout: PlannedLayout | None) -> tuple[HostBudget, TierPlan]:
-    """The host budget and every weight's tier under it. ``layout``: the planned policy's
-    (None: the lru policy, which streams every weight from pinned memory and has no disk tier)."""
-    streamed = [w for w in range(len(schedule.fqns)) if layout is None or w not in layout.resident]
+def plan_host_tiers(budget_mb, schedule, layout: PlannedLayout | None, lru_budget_bytes: int = 0) -> tuple[HostBudget, TierPlan]:
+    """The host budget and every weight's tier under it. ``layout``: the planned policy's (None:
+    the lru policy at ``lru_budget_bytes``, which streams every weight it does not keep
+    resident from pinned memory and has no disk tier)."""
+    resident = layout.resident if layout is not None else frozenset(lru_resident(schedule, lru_budget_bytes))
+    streamed = [w for w in range(len(schedule.fqns)) if w not in resident]
     budget = host_budget(budget_mb, schedule, streamed)
     if layout is not None:
         return budget, plan_tiers(schedule, layout, budget.budget_bytes)
@@ -124,9 +125,9 @@ def plan_host_tiers(budget_mb, schedule, layout: PlannedLayout | None) -> tuple[
     if streamed_bytes > budget.budget_bytes:
         raise ValueError(f"policy='lru' streams every weight from pinned host memory ({_mib(streamed_bytes)}); host_memory_budget_mb="
                          f"{budget.budget_bytes / 2**20:.1f} is less. Use policy='planned', which reads what does not fit from the disk")
-    return budget, TierPlan(resident=frozenset(), pinned=frozenset(streamed), disk=frozenset(), disk_fills=(), host_budget_bytes=budget.budget_bytes,
+    return budget, TierPlan(resident=resident, pinned=frozenset(streamed), disk=frozenset(), disk_fills=(), host_budget_bytes=budget.budget_bytes,
                             pinned_bytes=streamed_bytes, host_read_bytes=sum(schedule.host_read_bytes), staging_bytes=0,
-                            disk_bytes_per_forward=0, pinned_bytes_per_forward=sum(nbytes[w] for w in schedule.probe_weight))
+                            disk_bytes_per_forward=0, pinned_bytes_per_forward=sum(nbytes[w] for w in schedule.probe_weight if w not in resident))
 
 
 def open_disk_reader(ptd: PtdFile, schedule, tiers: TierPlan, device) -> DiskReader | None:

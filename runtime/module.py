@@ -211,7 +211,7 @@ class Module:
         self._check_weights()
         self.verified_bytes, self.verify_seconds = verify_showing_progress(self.ptd) if verify else (0, 0.0)
         layout = plan_layout(self.schedule, self.budget_bytes) if policy == "planned" else None
-        self.host_budget, self.tiers = plan_host_tiers(self._host_budget_mb, self.schedule, layout)
+        self.host_budget, self.tiers = plan_host_tiers(self._host_budget_mb, self.schedule, layout, self.budget_bytes)
         if self.tiers.disk and graphed:
             if not self._graph_where_possible:
                 raise ValueError(f"cuda_graph needs every streamed weight in pinned host memory; host_memory_budget_mb={self.host_budget.budget_bytes / 2**20:.1f} "
@@ -442,11 +442,11 @@ class Module:
         s["activation_arena_bytes"] = max(m.executor.arena_bytes for m in self._probed.values())
         s["state_bytes"] = self.state_bytes
         s["budget_bytes"] = self.budget_bytes
-        reader = self.pool.disk_reader if isinstance(self.pool, PlannedPool) else None
+        reader = self.pool.disk_reader
         s["pinned_host_bytes"] = self.ptd.pinned_bytes + (reader.staging_bytes if reader is not None else 0)
         s["host_budget_bytes"] = self.host_budget.budget_bytes
         s["disk_bytes_per_forward"] = self.tiers.disk_bytes_per_forward
-        s["disk_bytes_read"] = reader.bytes_read if reader is not None else 0
+        s["disk_bytes_read"] = self.disk_bytes_read
         s["disk_wait_seconds"] = reader.wait_seconds if reader is not None else 0.0
         s["disk_reads"] = reader.mode if reader is not None else None
         s["host_read_bytes"] = sum(self.schedule.host_read_bytes)  # gathered in place, never copied
@@ -456,8 +456,7 @@ class Module:
     @property
     def disk_bytes_read(self) -> int:
         """Weight bytes the disk tier has read since load."""
-        reader = self.pool.disk_reader if isinstance(self.pool, PlannedPool) else None
-        return reader.bytes_read if reader is not None else 0
+        return self.pool.disk_reader.bytes_read if self.pool.disk_reader is not None else 0
 
     def method_names(self) -> list[str]:
         return [p.name for p in self.program.execution_plan]

@@ -58,6 +58,8 @@ class WeightPool:
 
     # Whether a forward can be captured in a CUDA graph (no allocator calls inside a forward).
     capturable = False
+    # The reader of weights in the disk tier (runtime/disk_reader.py), for a pool that has one.
+    disk_reader = None
 
     def __init__(self, schedule: WeightSchedule, host_weights: dict[str, torch.Tensor], budget_bytes: int, device: torch.device):
         self.schedule, self.device, self.budget_bytes = schedule, device, budget_bytes

@@ -43,20 +43,23 @@ class Action:
     demand: bool = False
 
 
+def lru_resident(schedule: ScheduleFacts, budget_bytes: int) -> set[int]:
+    """Weights the lru policy loads once and never evicts: every one when all fit the budget
+    (no per-probe bookkeeping and no per-kernel events are needed then), else the pinned ones."""
+    if sum(aligned(b) for b in schedule.weight_bytes) <= budget_bytes:
+        return set(range(len(schedule.weight_bytes)))
+    ids = {f: i for i, f in enumerate(schedule.fqns)}
+    return {ids[f] for f in schedule.pin}
+
+
 class LruPolicy:
     """Per-weight allocations, least-recently-used victims, prefetch of the next d probes."""
 
     def __init__(self, schedule: ScheduleFacts, budget_bytes: int):
         check_budget(schedule, budget_bytes)
         self.schedule = schedule
-        ids = {f: i for i, f in enumerate(schedule.fqns)}
         self.sizes = [aligned(b) for b in schedule.weight_bytes]
-        if sum(self.sizes) <= budget_bytes:
-            # everything fits: load all once, as the runtime does pinned weights; nothing is
-            # ever evicted, so no per-probe bookkeeping and no per-kernel events are needed
-            self.pinned = set(range(len(self.sizes)))
-        else:
-            self.pinned = {ids[f] for f in schedule.pin}
+        self.pinned = lru_resident(schedule, budget_bytes)
         self.may_evict = len(self.pinned) < len(self.sizes)
         self.capacity = budget_bytes - sum(self.sizes[w] for w in self.pinned)
         self.resident: OrderedDict[int, None] = OrderedDict()

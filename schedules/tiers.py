@@ -42,6 +42,11 @@ def read_span(nbytes: int) -> int:
     return -(-(nbytes + DIRECT_ALIGNMENT - 1) // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
 
 
+def staging_bytes(weight_bytes) -> int:
+    """The staging ring for disk reads of weights of these sizes (0 for none)."""
+    return STAGING_READS * max((read_span(n) for n in weight_bytes), default=0)
+
+
 @dataclasses.dataclass(frozen=True)
 class TierPlan:
     """Every weight's tier, the disk reads of a forward in fill order, and the host memory used."""
@@ -107,7 +112,7 @@ def plan_tiers(schedule: ScheduleFacts, layout: PlannedLayout, host_budget_bytes
                 used += nbytes[w]
     disk = [w for w in order if w not in pinned]
     disk_fills = tuple(q for q in fills if schedule.probe_weight[q] not in pinned)
-    staging = STAGING_READS * max((read_span(nbytes[w]) for w in disk), default=0)
+    staging = staging_bytes(nbytes[w] for w in disk)
     return TierPlan(
         resident=frozenset(layout.resident), pinned=frozenset(pinned), disk=frozenset(disk), disk_fills=disk_fills,
         host_budget_bytes=host_budget_bytes, pinned_bytes=sum(nbytes[w] for w in pinned),

@@ -257,6 +257,9 @@ def test_bad_host_budgets_are_named_before_any_work(program, bad):
 def test_lru_refuses_a_host_budget_it_cannot_keep(program):
     with pytest.raises(ValueError, match="policy='lru' streams every weight from pinned host memory.*Use policy='planned'"):
         Module(program.pte, weight_offload_budget_mb=program.floor / MB * 1.5, device="cpu", policy="lru", host_memory_budget_mb=0)
+    # every weight fits the GPU budget: lru keeps them all resident, and nothing needs pinning
+    with Module(program.pte, weight_offload_budget_mb=program.schedule.total_bytes / MB + 1, device="cpu", policy="lru", host_memory_budget_mb=0) as m:
+        assert not m.tiers.pinned and not m.tiers.disk and len(m.tiers.resident) == len(program.schedule.fqns)
 
 
 def test_auto_host_budget_is_a_share_of_available_memory_less_what_is_pinned_besides(program):
