@@ -185,24 +185,22 @@ class _LinearQuantizer:
     of each linear's real weight when the writer asks for one of its inner tensors."""
 
     def __init__(self, model, scheme: str):
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import quantize_
 
-        from hostswap.llm import QUANTIZATION_SCHEMES, int4_plan
+        from hostswap.llm import QUANTIZATION_SCHEMES, int4_device, int4_plan, int8_config
         from hostswap.passes.quantized_linear import is_torchao_tensor
 
         if scheme not in QUANTIZATION_SCHEMES:
             raise GenerationError(f"quantization must be one of {list(QUANTIZATION_SCHEMES)}, got {scheme!r}")
-        self.scheme, self._quantize = scheme, quantize_
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self._quantize = quantize_
         cannot = f"torchao cannot quantize this model to {scheme}"
         if scheme == "int8":
-            self.config = Int8WeightOnlyConfig(set_inductor_config=False)
+            self.config = int8_config()
+            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
         else:
             linears, self.config = int4_plan(model, cannot)
-            if self.device.type != "cuda":
-                raise GenerationError(f"{cannot}: int4 (torchao's tile_packed_to_4d layout, PyTorch's tinygemm kernel) packs on CUDA only, "
-                                      "and no CUDA device is available")
+            self.device = int4_device(cannot)
         self.shapes: dict[str, tuple[int, ...]] = {}  # program FQN of a quantized weight -> its full-precision shape
         for name, linear in linears:
             shape = tuple(linear.weight.shape)
@@ -268,7 +266,7 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
             return quantizer.inner_tensor(entry.fqn, lambda fqn, shape: tensor_for(PtdTensor(fqn, dtype, shape)))
         stored = next((n for n in names.get(entry.fqn, ()) if n in checkpoint), None)
         if stored is None:
-            raise CheckpointError(f"tensor '{entry.fqn.removeprefix('model.')}' of the model is in no shard of {folder}")
+            raise CheckpointError(f"tensor '{entry.fqn.removeprefix(MODEL_PREFIX)}' of the model is in no shard of {folder}")
         tensor = checkpoint.tensor(stored)
         if tuple(tensor.shape) != entry.shape:
             raise CheckpointError(f"tensor '{stored}' in shard {checkpoint.shard_of(stored)} of {folder} has shape {list(tensor.shape)}; "

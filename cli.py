@@ -188,7 +188,7 @@ def _generate(args) -> int:
             if tokenizer is not None:
                 print(args.prompt, end="", flush=True)
             g.generate(ids, args.max_new_tokens, on_token=llm.print_tokens(tokenizer.decode if tokenizer else None, ids[0].tolist()),
-                       sampling=None if sampling.greedy and sampling.repetition_penalty == 1.0 else sampling)
+                       sampling=sampling)
             print()
             line = g.summary()
             per_token = g.stats["bytes_streamed_per_token"]

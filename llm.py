@@ -85,18 +85,31 @@ def quantize(model, scheme: str):
     layout pads input features to a multiple of 1024. Both leave torch.compile's settings alone
     (``set_inductor_config=False``): the program runs torchao's eager kernels, except int8
     decode rows on CUDA, which run ``kernels/int8_weight_only.py``."""
-    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    from torchao.quantization import quantize_
 
     if scheme not in QUANTIZATION_SCHEMES:
         raise GenerationError(f"quantization must be one of {list(QUANTIZATION_SCHEMES)}, got {scheme!r}")
     cannot = f"torchao cannot quantize this model to {scheme} here"
     if scheme == "int8":
         try:
-            quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))
+            quantize_(model, int8_config())
         except (ImportError, NotImplementedError, RuntimeError, ValueError) as e:
             raise GenerationError(f"{cannot}: {type(e).__name__}: {e}") from e
         return model
     linears, config = int4_plan(model, cannot)
+    quantize_each(linears, config, int4_device(cannot), quantize_, cannot)
+    return model
+
+
+def int8_config():
+    """torchao's weight-only int8, leaving torch.compile's settings alone."""
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    return Int8WeightOnlyConfig(set_inductor_config=False)
+
+
+def int4_device(cannot: str) -> torch.device:
+    """The CUDA device int4 packs on; refuses a machine without one of compute capability 8.0+."""
     if not torch.cuda.is_available():
         raise GenerationError(f"{cannot}: int4 (torchao's tile_packed_to_4d layout, PyTorch's tinygemm kernel) packs and runs on CUDA only, "
                               "and no CUDA device is available")
@@ -104,8 +117,7 @@ def quantize(model, scheme: str):
     if capability[0] < 8:
         raise GenerationError(f"{cannot}: the tinygemm int4 kernel needs a GPU of compute capability 8.0 or newer, this one is "
                               f"{capability[0]}.{capability[1]}")
-    quantize_each(linears, config, torch.device("cuda", torch.cuda.current_device()), quantize_, cannot)
-    return model
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def int4_plan(model, cannot: str = "torchao cannot quantize this model to int4"):
@@ -273,10 +285,11 @@ class DeviceTokens:
         return token
 
 
-def decode_greedily(step: Step, logits: torch.Tensor, position: int, max_new_tokens: int, eos=frozenset(),
-                    on_token: Callable[[int], None] | None = None, choose=None, logprobs: list | None = None) -> list[int]:
-    """Greedy tokens from the logits after the prompt: the first from ``logits``, the rest one
-    decode call each, the first at ``position``; stops after ``max_new_tokens`` or at ``eos``.
+def decode_tokens(step: Step, logits: torch.Tensor, position: int, max_new_tokens: int, eos=frozenset(),
+                  on_token: Callable[[int], None] | None = None, choose=None, logprobs: list | None = None) -> list[int]:
+    """Tokens from the logits after the prompt, greedy unless ``choose`` is given: the first from
+    ``logits``, the rest one decode call each, the first at ``position``; stops after
+    ``max_new_tokens`` or at ``eos``.
     ``choose`` (a ``sampling.TokenChooser``) picks each token instead of ``argmax``, on the
     device; the device tensors of its log-probabilities are appended to ``logprobs``.
 
@@ -468,8 +481,9 @@ class Generator:
         t1, bytes1, disk1 = time.perf_counter(), self.module.pool.stats.bytes_h2d, self.module.disk_bytes_read
         stats.prefill_seconds, stats.bytes_streamed_prefill = t1 - t0, bytes1 - bytes0
         chosen: list = []
-        choose = None if sampling is None and not logprobs else TokenChooser(sampling or SamplingParams(), self.device, self.vocab_size, ids)
-        new = decode_greedily(self._step, last, prompt, max_new_tokens, eos, on_token, choose, chosen if logprobs else None)
+        sampling = sampling or SamplingParams()
+        choose = None if sampling.argmax and not logprobs else TokenChooser(sampling, self.device, self.vocab_size, ids)
+        new = decode_tokens(self._step, last, prompt, max_new_tokens, eos, on_token, choose, chosen if logprobs else None)
         self.last_logprobs = torch.cat(chosen)[: len(new)].tolist() if logprobs else None
         self._sync()
         stats.decode_seconds = time.perf_counter() - t1
@@ -503,7 +517,7 @@ class Generator:
                   f"host memory pinned for streaming {m['pinned_host_bytes'] / 2**20:.1f} MiB")
         auto = self.module.auto_budget
         tiers = self.module.tiers
-        eager = f"; decode runs eagerly (no CUDA graph) while weights come from disk" if tiers.disk and self.device.type == "cuda" else ""
+        eager = "; decode runs eagerly (no CUDA graph) while weights come from disk" if tiers.disk and self.device.type == "cuda" else ""
         lines = ([] if auto is None else [auto.explain(self.device)]) + [memory, self.module.host_budget.explain(tiers) + eager]
         return "\n".join(lines)
 

@@ -48,6 +48,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def argmax(self) -> bool:
+        """Whether the token is the logits' own argmax: greedy with no penalty (top-k and top-p
+        keep the likeliest token)."""
+        return self.greedy and self.repetition_penalty == 1.0
+
 
 class TokenChooser:
     """Chooses each next token from a step's last logits, on their device."""
@@ -82,8 +88,8 @@ class TokenChooser:
                 scores = scores.masked_fill(scores < kth, -math.inf)
             if p.top_p < 1.0:
                 ordered, order = torch.sort(scores, descending=True)
-                cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
-                drop = cumulative - torch.softmax(ordered, dim=-1) >= p.top_p  # keep the smallest prefix reaching top_p
+                probs = torch.softmax(ordered, dim=-1)
+                drop = probs.cumsum(-1) - probs >= p.top_p  # keep the smallest prefix reaching top_p
                 scores = scores.scatter(0, order, ordered.masked_fill(drop, -math.inf))
             logprobs = torch.log_softmax(scores, dim=-1)
             token = torch.multinomial(logprobs.exp(), 1, generator=self.generator)

@@ -306,17 +306,14 @@ def _zero_meta_state(ep: ExportedProgram) -> None:
 
 
 def save_streamed(programs: dict[str, ExportedProgram], path: str | os.PathLike, tensor_for, *, constant_methods: dict | None = None,
-                  progress=None, on_start=None, on_written=None, unread: frozenset[str] = frozenset(),
-                  values: dict[str, torch.Tensor] | None = None) -> tuple[str, str]:
-    """``save`` for programs traced without their weights' values: the weights named in
-    ``unread`` (placeholders whose values were never written) and those on the meta device.
-    Each such weight's bytes come from ``tensor_for(entry)`` (a ``PtdTensor``: name, dtype,
-    shape) when its turn comes, and go straight to the ``.ptd`` (index first, weights in
-    access order, hashed as written), one tensor in memory at a time; the placeholders are
-    never read. Other weights (buffers computed at construction, constants made by tracing)
-    are written from the programs themselves. ``values``: tensors traced on the meta device
+                  progress=None, on_start=None, on_written=None, values: dict[str, torch.Tensor] | None = None) -> tuple[str, str]:
+    """``save`` for programs traced with their weights on the meta device: each such weight's
+    bytes come from ``tensor_for(entry)`` (a ``PtdTensor``: name, dtype, shape) when its turn
+    comes, and go straight to the ``.ptd`` (index first, weights in access order, hashed as
+    written), one tensor in memory at a time. ``values``: tensors traced on the meta device
     whose values are known (buffers computed at construction), put back by FQN once lowered.
-    The same temporary names and final moves as ``save``."""
+    Other weights (constants made by tracing) are written from the programs themselves. The
+    same temporary names and final moves as ``save``."""
     directory, pte_path, ptd_path = _target_paths(path)
     edge, schedules = lower_to_edge(programs, progress)
     lowered = {name: edge.exported_program(name) for name in schedules}
@@ -332,7 +329,7 @@ def save_streamed(programs: dict[str, ExportedProgram], path: str | os.PathLike,
                 tensors[fqn], holder[fqn] = PtdTensor(fqn, t.dtype, tuple(t.shape)), t
     entries = entries_in_order([s.fqns for s in schedules.values()], tensors)
 
-    unread = set(unread) | {fqn for fqn, t in holder.items() if t.device.type == "meta"}
+    unread = {fqn for fqn, t in holder.items() if t.device.type == "meta"}
 
     def data(entry: PtdTensor) -> torch.Tensor:
         return tensor_for(entry) if entry.fqn in unread else holder[entry.fqn]

@@ -4,10 +4,8 @@ error for every bad checkpoint."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import pathlib
 import shutil
 
 import pytest
@@ -23,11 +21,11 @@ from hostswap.schedules.serialization import saved_weights_digest
 from real_models import BY_NAME, VOCAB, build
 from test_generation import GENERATION_ARCHITECTURES
 
+import bench_scripts
+
 MB = 2**20
 # bench/ is scripts beside the package: its checkpoint writer is loaded from the file itself
-_spec = importlib.util.spec_from_file_location("bench_checkpoints", pathlib.Path(__file__).parents[1] / "bench" / "checkpoints.py")
-checkpoints = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(checkpoints)
+checkpoints = bench_scripts.load("checkpoints")
 MAX_SEQ_LEN, CHUNK = 30, 4
 
 
@@ -221,7 +219,7 @@ def test_quantized_streamed_export_refuses_what_it_cannot_quantize(tmp_path):
     with pytest.raises(llm.GenerationError, match="quantization must be one of"):
         export_checkpoint(ckpt, tmp_path / "out", max_seq_len=MAX_SEQ_LEN, quantize="int3")
     if not torch.cuda.is_available():
-        with pytest.raises(llm.GenerationError, match="int4 .* packs on CUDA only"):
+        with pytest.raises(llm.GenerationError, match="int4 .* packs and runs on CUDA only"):
             export_checkpoint(ckpt, tmp_path / "out", max_seq_len=MAX_SEQ_LEN, quantize="int4", dtype=torch.bfloat16)
     with pytest.raises(llm.GenerationError, match="int4 takes bfloat16 weights"):
         export_checkpoint(ckpt, tmp_path / "out", max_seq_len=MAX_SEQ_LEN, quantize="int4")  # the checkpoint's float32

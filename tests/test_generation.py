@@ -175,13 +175,13 @@ def test_decode_queues_the_next_step_before_the_host_reads_a_token():
 
     first = torch.zeros(vocab)
     first[1] = 1
-    new = llm.decode_greedily(step, first, 5, 6, on_token=seen.append)
+    new = llm.decode_tokens(step, first, 5, 6, on_token=seen.append)
     assert new == seen == [1, 4, 7, 0, 3, 6]
     # the step for token i+1 is queued while the host has read only tokens before i
     assert calls == [(1, 5, 0), (4, 6, 1), (7, 7, 2), (0, 8, 3), (3, 9, 4)]
     calls.clear()
     seen.clear()
-    assert llm.decode_greedily(step, first, 5, 6, eos={7}, on_token=seen.append) == seen == [1, 4, 7]
+    assert llm.decode_tokens(step, first, 5, 6, eos={7}, on_token=seen.append) == seen == [1, 4, 7]
     assert [c[0] for c in calls] == [1, 4, 7]  # the step after the end token ran, its token dropped
 
 
