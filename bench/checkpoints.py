@@ -116,6 +116,7 @@ def write_checkpoint(folder: str | os.PathLike, config, *, shard_bytes: float = 
     folder = os.fspath(folder)
     os.makedirs(folder)
     start = time.perf_counter()
+    config.dtype = torch.bfloat16  # the shards hold bf16: the config says so, as a real checkpoint's does
     config.save_pretrained(folder)
     shapes = tensor_shapes(config)
     shards, size = [[]], 0
