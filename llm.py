@@ -51,7 +51,13 @@ def _static_cache_wrapper(model, max_seq_len: int):
     from hostswap.passes.quantized_linear import prepare_quantized
 
     prepare_quantized(model)  # torchao quantized linears: one kernel reads each weight's packed data and scales
+    from hostswap.experts import route_experts
+
+    route_experts(model)  # MoE experts: a kernel that reads only the experts the router picks
     model.config.use_cache = True
+    if "head_dim" in vars(model.config) and model.config.head_dim is None:
+        # attention computes it (Mixtral's config leaves it None); transformers' static cache reads the attribute as given
+        model.config.head_dim = model.config.hidden_size // model.config.num_attention_heads
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         model.set_attn_implementation("sdpa")
     config = model.generation_config
@@ -338,6 +344,7 @@ class GenerationStats:
     bytes_streamed_prefill: int = 0
     bytes_streamed_decode: int = 0
     bytes_from_disk_decode: int = 0  # of those, read from the .ptd (the disk tier)
+    expert_bytes_decode: int = 0  # routed experts' rows the MoE kernels read in place (besides the streamed bytes)
 
     @property
     def ms_per_token(self) -> float | None:
@@ -358,6 +365,11 @@ class GenerationStats:
     def bytes_from_disk_per_token(self) -> float | None:
         steps = self.new_tokens - 1
         return self.bytes_from_disk_decode / steps if steps > 0 else None
+
+    @property
+    def expert_bytes_per_token(self) -> float | None:
+        steps = self.new_tokens - 1
+        return self.expert_bytes_decode / steps if steps > 0 else None
 
 
 class Generator:
@@ -478,7 +490,7 @@ class Generator:
         t0, bytes0 = time.perf_counter(), self.module.pool.stats.bytes_h2d
         last = prefill(self._step, ids, self.prefill_chunk, self.max_seq_len)
         self._sync()
-        t1, bytes1, disk1 = time.perf_counter(), self.module.pool.stats.bytes_h2d, self.module.disk_bytes_read
+        t1, bytes1, disk1, experts1 = time.perf_counter(), self.module.pool.stats.bytes_h2d, self.module.disk_bytes_read, self.module.expert_bytes_read
         stats.prefill_seconds, stats.bytes_streamed_prefill = t1 - t0, bytes1 - bytes0
         chosen: list = []
         sampling = sampling or SamplingParams()
@@ -489,6 +501,7 @@ class Generator:
         stats.decode_seconds = time.perf_counter() - t1
         stats.bytes_streamed_decode = self.module.pool.stats.bytes_h2d - bytes1
         stats.bytes_from_disk_decode = self.module.disk_bytes_read - disk1
+        stats.expert_bytes_decode = self.module.expert_bytes_read - experts1
         stats.new_tokens = len(new)
         self.last = stats
         return torch.cat([ids, torch.tensor([new], dtype=torch.long)], dim=1)
@@ -502,6 +515,7 @@ class Generator:
             "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
             "prefill_ms": s.prefill_seconds * 1e3, "ms_per_token": s.ms_per_token, "tokens_per_s": s.tokens_per_second,
             "bytes_streamed_per_token": s.bytes_streamed_per_token, "bytes_from_disk_per_token": s.bytes_from_disk_per_token,
+            "expert_bytes_per_token": s.expert_bytes_per_token, "expert_reads": module["expert_reads"],
             "kv_cache_bytes": module["state_bytes"], "host_budget_bytes": module["host_budget_bytes"],
             "activation_arena_bytes": module["activation_arena_bytes"], "weight_budget_bytes": module["budget_bytes"],
             "hits": module["hits"], "misses": module["misses"], "bytes_h2d": module["bytes_h2d"],
@@ -527,6 +541,8 @@ class Generator:
         ms = f"{s['ms_per_token']:.2f} ms/token, {s['tokens_per_s']:.1f} tokens/s" if s["ms_per_token"] is not None else "one token"
         per_token = s["bytes_streamed_per_token"]
         disk = f" ({s['bytes_from_disk_per_token'] / 2**20:.1f} MiB of it from disk)" if s["bytes_from_disk_per_token"] else ""
+        if s["expert_bytes_per_token"]:
+            disk += f", routed experts read in place {s['expert_bytes_per_token'] / 2**20:.1f} MiB/token"
         once = f"load {s['load_s']:.2f} s" + (f", warm-up {s['warm_up_s']:.2f} s" if s["warm_up_s"] is not None else ", no warm-up (the first call's costs are in its times)")
         return (f"prefill {s['prefill_ms']:.1f} ms ({s['prompt_tokens']} tokens), {ms}, {s['new_tokens']} new tokens; "
                 f"streamed {per_token / 2**20 if per_token is not None else 0:.1f} MiB/token{disk}; device memory: weights "

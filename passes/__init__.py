@@ -1,6 +1,7 @@
 """Graph rewrites: the weight probe pass and the custom op it inserts."""
 
 from hostswap.passes import probe_op  # noqa: F401  (registers hostswap::probe)
+from hostswap.passes import routed_experts  # noqa: F401  (registers hostswap::routed_experts)
 from hostswap.passes.lowering import save, to_executorch
 from hostswap.passes.quantized_linear import QuantizedLayoutError, prepare_quantized
 from hostswap.passes.weight_offload import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from hostswap.schedules.custom_ops import PROBE_OPERATOR
+from hostswap.schedules.custom_ops import PROBE_OPERATOR, ROUTED_EXPERTS_OPERATOR, ROUTED_EXPERTS_TABLES
 from hostswap.schedules.op_facts import is_view_copy
 
 
@@ -105,9 +105,10 @@ def views_and_readers(node: torch.fx.Node) -> tuple[list[torch.fx.Node], set[tor
 
 
 # Row gathers: ops that read only the rows of a table that their indices name, by the
-# schema name of the table argument. A kernel on the device can read those few rows
+# schema names of their table arguments. A kernel on the device can read those few rows
 # straight out of host memory, so such a table need not be copied to the device at all.
-ROW_GATHER_TABLE_ARGUMENT = {"aten::embedding": "weight"}
+# An MoE block's experts are rows of its stacked tables (passes/routed_experts.py).
+ROW_GATHER_TABLE_ARGUMENTS = {"aten::embedding": ("weight",), ROUTED_EXPERTS_OPERATOR: ROUTED_EXPERTS_TABLES}
 
 
 def reads_rows_of(node: torch.fx.Node, table: torch.fx.Node) -> bool:
@@ -116,11 +117,9 @@ def reads_rows_of(node: torch.fx.Node, table: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     op = underlying_op(node.target)
-    name = ROW_GATHER_TABLE_ARGUMENT.get(op._schema.name) if op is not None else None
-    if name is None:
-        return False
-    bound = dict(zip((a.name for a in op._schema.arguments), node.args)) | dict(node.kwargs)
-    return bound.get(name) is table and sum(v is table for v in bound.values()) == 1
+    names = ROW_GATHER_TABLE_ARGUMENTS.get(op._schema.name, ()) if op is not None else ()
+    bound = dict(zip((a.name for a in op._schema.arguments), node.args)) | dict(node.kwargs) if names else {}
+    return any(bound.get(name) is table for name in names) and sum(v is table for v in bound.values()) == 1
 
 
 def gathered_only(placeholder: torch.fx.Node) -> bool:

@@ -7,12 +7,34 @@ from collections.abc import Mapping, Sequence
 import torch.fx
 
 from hostswap.passes.graph_facts import is_probe, underlying_op, views_and_readers
+from hostswap.schedules.custom_ops import ROUTED_EXPERTS_OPERATOR, ROUTED_EXPERTS_TABLES
+from hostswap.schedules.experts import ExpertBlock
 from hostswap.schedules.weight_schedule import ScheduleError, WeightSchedule
 
 
 def _op_name(target) -> str:
     op = underlying_op(target)
     return str(target) if op is None else f"{op._schema.name}.{op._overloadname}"
+
+
+def expert_blocks(graph: torch.fx.Graph, fqn_of_placeholder: Mapping[str, str], weight_bytes: Mapping[str, int], host_read: Sequence[str]) -> tuple[ExpertBlock, ...]:
+    """The routed-experts kernels of a graph whose tables are read in place, in node order."""
+    blocks = []
+    for node in graph.nodes:
+        op = underlying_op(node.target) if node.op == "call_function" else None
+        if op is None or op._schema.name != ROUTED_EXPERTS_OPERATOR:
+            continue
+        bound = dict(zip((a.name for a in op._schema.arguments), node.args)) | dict(node.kwargs)
+        tables = [fqn_of_placeholder.get(bound[name].name) for name in ROUTED_EXPERTS_TABLES if isinstance(bound.get(name), torch.fx.Node)]
+        if not tables or not all(t in host_read for t in tables):
+            continue  # its tables are streamed whole (gather_from_host=False)
+        num_experts = bound["gate_up"].meta["val"].shape[0]
+        blocks.append(ExpertBlock(
+            block=bound["block"], tables=tuple(tables), top_k=int(bound["top_k_index"].meta["val"].shape[-1]),
+            tokens=int(bound["hidden"].meta["val"].shape[0]), num_experts=int(num_experts),
+            unit_bytes=sum(int(weight_bytes[t]) for t in tables) // int(num_experts),
+        ))
+    return tuple(blocks)
 
 
 def schedule_from_graph(
@@ -71,4 +93,5 @@ def schedule_from_graph(
         weight_dtypes=tuple(weight_dtypes[f] for f in fqns) if weight_dtypes else (),
         host_read=tuple(host_read),
         host_read_bytes=tuple(int(weight_bytes[f]) for f in host_read),
+        expert_blocks=expert_blocks(graph, fqn_of_placeholder, weight_bytes, host_read),
     )

@@ -11,6 +11,7 @@ import weakref
 
 import torch
 
+from hostswap.kernels.routed_experts import ExpertReads, recording_reads
 from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, free_memory, total_memory
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_host_tiers
@@ -21,7 +22,8 @@ from hostswap.runtime.planned_pool import PlannedPool
 from hostswap.runtime.pool import PoolCreationError
 from hostswap.runtime.ptd import PtdFile, open_pair, verify_showing_progress
 from hostswap.schedules.artifacts import ArtifactError
-from hostswap.schedules.policies import check_budget, plan_layout
+from hostswap.schedules.experts import plan_expert_residency
+from hostswap.schedules.policies import check_budget, check_budget_with_experts, plan_layout
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, read_program_bytes, torch_dtype
 from hostswap.schedules.serialization import decode_program
 from hostswap.schedules.weight_schedule import check_prefetch_depth
@@ -182,19 +184,25 @@ class Module:
             raise ValueError(f"cuda_graph names {sorted(unknown)}, which are not methods of {self.pte_path} that read weights ({list(self.schedules)})")
         if graphed and self.device.type != "cuda":
             raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
-        # the floor at load is the largest of the methods' floors
+        # the floor at load is the largest of the methods' floors, plus the device scratch a
+        # routed-experts call gathers its picked experts into (outside the pool)
         floor_schedule = max(self.schedules.values(), key=lambda s: s.floor_bytes)
+        self.expert_scratch_bytes = max(s.expert_scratch_bytes for s in self.schedules.values())
         self.auto_budget = None  # what "auto" chose, and from what
         if weight_offload_budget_mb == AUTO:
             state_sizes, activations = self._arena_sizes()
             self.auto_budget = auto_budget(free_bytes=free_memory(self.device), total_bytes=total_memory(self.device),
-                                           state_bytes=sum(state_sizes.values()), activation_bytes=activations,
-                                           weight_bytes=self.schedule.total_bytes, floor_bytes=floor_schedule.floor_bytes, device=self.device)
-            self.budget_bytes = self.auto_budget.budget_bytes
+                                           state_bytes=sum(state_sizes.values()), activation_bytes=activations + self.expert_scratch_bytes,
+                                           weight_bytes=self.schedule.total_bytes + self._expert_table_bytes(),
+                                           floor_bytes=floor_schedule.floor_bytes, device=self.device)
+            given = self.auto_budget.budget_bytes + self.expert_scratch_bytes
         else:
-            self.budget_bytes = round(weight_offload_budget_mb * 2**20)
+            given = round(weight_offload_budget_mb * 2**20)
+        check_budget_with_experts(floor_schedule, given, self.expert_scratch_bytes)
+        self.budget_bytes = given - self.expert_scratch_bytes  # the pool's, and the resident experts'
         check_budget(floor_schedule, self.budget_bytes)
         self.ptd = open_pair(self.pte_path, pte_bytes, self.program, data_path)
+        self.expert_reads: dict[str, ExpertReads] = {}  # routed experts read, per MoE block
         try:
             self._load(policy, graphed, prefault, lock, warm_pool, verify)
         except BaseException:
@@ -224,8 +232,13 @@ class Module:
             self.ptd.prefault(host_tier if self.tiers.disk else None)
         if lock:
             self.ptd.lock(host_tier if self.tiers.disk else None)
+        # MoE blocks whose whole tables fit in the budget left once every streamed weight is
+        # resident stay on the device; the others' picked experts are read in place
+        self.resident_experts = plan_expert_residency(self.schedule.expert_blocks, self.budget_bytes - self.schedule.total_bytes)
+        on_device = {t for b in self.schedule.expert_blocks if b.block in self.resident_experts for t in b.tables}
         state_sizes, activations = self._arena_sizes()
-        check_device_memory(self.device, min(self.budget_bytes, self.schedule.total_bytes), sum(state_sizes.values()), activations, free_memory(self.device))
+        weights_on_device = min(self.budget_bytes, self.schedule.total_bytes) + sum(b.table_bytes for b in self.schedule.expert_blocks if b.block in self.resident_experts)
+        check_device_memory(self.device, weights_on_device, sum(state_sizes.values()), activations + self.expert_scratch_bytes, free_memory(self.device))
         host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
         if layout is None:
             self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)
@@ -240,7 +253,8 @@ class Module:
         del host
         if self.device.type == "cuda":
             self.ptd.register_with_cuda(host_tier)
-        self._host_read = {fqn: self.ptd.device_view(fqn, self.device) if self.device.type == "cuda" else self.ptd.host_tensor(fqn)
+        self._host_read = {fqn: self.ptd.host_tensor(fqn).to(self.device, copy=True) if fqn in on_device
+                           else self.ptd.device_view(fqn, self.device) if self.device.type == "cuda" else self.ptd.host_tensor(fqn)
                            for fqn in self.schedule.host_read}
         self._executors: dict[str, MethodExecutor] = {}
         self._probed: dict[str, _ProbedMethod] = {}
@@ -334,7 +348,8 @@ class Module:
         self.pool.begin_forward()
         if inputs is not None:
             method.executor.bind_inputs(inputs)
-        method.executor.run(method.on_kernel, hooked=method.hooked)
+        with recording_reads(self.expert_reads):
+            method.executor.run(method.on_kernel, hooked=method.hooked)
         self.pool.end_forward()
 
     def ensure_open(self) -> None:
@@ -393,6 +408,7 @@ class Module:
             torch.cuda.current_stream(self.device).wait_stream(side)
             self.pool.prepare_capture()
             before = dataclasses.replace(self.pool.stats)
+            experts_before = {b: dataclasses.replace(r) for b, r in self.expert_reads.items()}
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph):
@@ -414,6 +430,10 @@ class Module:
             # Capturing copies nothing; every replay does what the captured forward counted.
             after, self.pool.stats = self.pool.stats, before
             method.replay_counts = {f: getattr(after, f) - getattr(before, f) for f in _REPLAY_COUNTED}
+            # likewise the experts each replay reads (a captured call takes the path without host syncs, whose reads its shapes fix)
+            method.replay_expert_reads = {b: ExpertReads(*(getattr(r, f) - getattr(experts_before.get(b, ExpertReads()), f) for f in ("calls", "experts", "bytes")))
+                                          for b, r in self.expert_reads.items()}
+            self.expert_reads = experts_before
             method.replayed = torch.cuda.Event()
             method.replayed.record()
         for static, given in zip(method.static_inputs, inputs):
@@ -430,6 +450,9 @@ class Module:
         method.replayed.record()
         for f, n in method.replay_counts.items():
             setattr(self.pool.stats, f, getattr(self.pool.stats, f) + n)
+        for block, r in method.replay_expert_reads.items():
+            total = self.expert_reads.setdefault(block, ExpertReads())
+            total.calls, total.experts, total.bytes = total.calls + r.calls, total.experts + r.experts, total.bytes + r.bytes
         return method.graph_outputs
 
     def __call__(self, *inputs):
@@ -450,8 +473,24 @@ class Module:
         s["disk_wait_seconds"] = reader.wait_seconds if reader is not None else 0.0
         s["disk_reads"] = reader.mode if reader is not None else None
         s["host_read_bytes"] = sum(self.schedule.host_read_bytes)  # gathered in place, never copied
+        # per MoE block: experts read from device-resident tables are hits, over the bus misses
+        s["expert_reads"] = {block: {**dataclasses.asdict(r), "resident": block in self.resident_experts,
+                                     "hits": r.experts if block in self.resident_experts else 0,
+                                     "misses": 0 if block in self.resident_experts else r.experts}
+                             for block, r in self.expert_reads.items()}
+        s["expert_bytes_read"] = self.expert_bytes_read
+        s["expert_scratch_bytes"] = self.expert_scratch_bytes
         s["policy"] = self.policy
         return s
+
+    @property
+    def expert_bytes_read(self) -> int:
+        """Bytes of routed experts the kernels have read over the bus since load (each picked
+        expert's rows, resident blocks aside)."""
+        return sum(r.bytes for block, r in self.expert_reads.items() if block not in self.resident_experts)
+
+    def _expert_table_bytes(self) -> int:
+        return sum(b.table_bytes for b in self.schedule.expert_blocks)
 
     @property
     def disk_bytes_read(self) -> int:
@@ -500,6 +539,7 @@ class _ProbedMethod:
         self.static_inputs: list = []
         self.graph_outputs: list = []
         self.replay_counts: dict[str, int] = {}
+        self.replay_expert_reads: dict[str, ExpertReads] = {}
         self.replayed = None
 
 

@@ -1,4 +1,5 @@
 """Operators that the passes put into a program and the runtime recognises in it: the probe,
+the routed experts,
 and the out overload that stands in for a functional custom op (what the pass defines so that
 ExecuTorch can lower the op, and what the runtime runs when its process lacks the overload)."""
 
@@ -7,6 +8,9 @@ from __future__ import annotations
 import torch
 
 PROBE_OPERATOR = "hostswap::probe"  # every weight use is read through it
+# an MoE block's experts, reading the rows of its stacked tables that the router picks
+ROUTED_EXPERTS_OPERATOR = "hostswap::routed_experts"
+ROUTED_EXPERTS_TABLES = ("gate_up", "down", "gate_up_bias", "down_bias")
 OUT_OVERLOAD = "out"
 
 

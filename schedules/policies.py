@@ -28,6 +28,18 @@ def check_budget(schedule: ScheduleFacts, budget_bytes: int) -> None:
         )
 
 
+def check_budget_with_experts(schedule: ScheduleFacts, budget_bytes: int, expert_scratch_bytes: int) -> None:
+    """The floor of a program with routed experts: the schedule's, plus the device scratch one
+    routed-experts call gathers its picked experts into."""
+    if expert_scratch_bytes and budget_bytes < schedule.floor_bytes + expert_scratch_bytes:
+        least = schedule.floor_bytes + expert_scratch_bytes
+        raise BudgetError(
+            f"weight_offload_budget_mb={budget_bytes / 2**20:.2f} is below this program's floor: at least {least} bytes "
+            f"({mb_ceil(least)} MB) are required (largest pair of consecutive kernels plus prefetch headroom for "
+            f"prefetch_depth={schedule.prefetch_depth}: {schedule.floor_bytes} bytes; one MoE layer's routed experts: {expert_scratch_bytes} bytes)"
+        )
+
+
 def mb_ceil(nbytes: int) -> int:
     """Whole MB (2**20 bytes) that hold ``nbytes``: the smallest budget_mb that loads."""
     return -(-nbytes // 2**20)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from hostswap.schedules.artifacts import ArtifactError
+from hostswap.schedules.experts import ExpertBlock
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, tensor_nbytes, torch_dtype
 from hostswap.schedules.weight_schedule import SCHEDULE_VERSION, ScheduleError, WeightSchedule
 
@@ -26,6 +27,13 @@ PIN = "pin"
 HOST_READ = "host_read"
 FLOOR_BYTES = "floor_bytes"
 TOTAL_BYTES = "total_bytes"
+# MoE blocks (written only where a method has some; a program without them reads as none):
+# per block its name, top-k and tokens per call, and its tables as one flat list with a count each
+EXPERT_BLOCKS = "expert_blocks"
+EXPERT_TOP_K = "expert_top_k"
+EXPERT_TOKENS = "expert_tokens"
+EXPERT_TABLES = "expert_tables"
+EXPERT_TABLE_COUNTS = "expert_table_counts"
 
 
 def _key(method: str, field: str) -> str:
@@ -48,6 +56,15 @@ def encode(schedules: dict[str, WeightSchedule], weights_digest: str) -> dict[st
             _key(method, FLOOR_BYTES): schedule.floor_bytes,
             _key(method, TOTAL_BYTES): schedule.total_bytes,
         })
+        if schedule.expert_blocks:
+            blocks = schedule.expert_blocks
+            out.update({
+                _key(method, EXPERT_BLOCKS): [b.block for b in blocks],
+                _key(method, EXPERT_TOP_K): [b.top_k for b in blocks],
+                _key(method, EXPERT_TOKENS): [b.tokens for b in blocks],
+                _key(method, EXPERT_TABLES): [t for b in blocks for t in b.tables],
+                _key(method, EXPERT_TABLE_COUNTS): [len(b.tables) for b in blocks],
+            })
     return out
 
 
@@ -122,11 +139,35 @@ def _decode_method(program, source: str, method: str, get) -> WeightSchedule:
         pin=tuple(get(_key(method, PIN))),
         host_read=tuple(host_read),
         host_read_bytes=tuple(tensor_nbytes(weights[f]) for f in host_read),
+        expert_blocks=_decode_expert_blocks(program, source, method, get, weights),
     ).check()
     (stored_floor,) = get(_key(method, FLOOR_BYTES))
     if stored_floor != schedule.floor_bytes:
         raise ArtifactError(source, _key(method, FLOOR_BYTES), f"is {stored_floor} bytes; {schedule.floor_bytes} recomputed from the program's weights: the file is inconsistent")
     return schedule
+
+
+def _decode_expert_blocks(program, source: str, method: str, get, weights) -> tuple[ExpertBlock, ...]:
+    names = _outputs(program, source, _key(method, EXPERT_BLOCKS))
+    if names is None:
+        return ()
+    top_k, tokens = get(_key(method, EXPERT_TOP_K)), get(_key(method, EXPERT_TOKENS))
+    tables, counts = get(_key(method, EXPERT_TABLES)), get(_key(method, EXPERT_TABLE_COUNTS))
+    if not (len(names) == len(top_k) == len(tokens) == len(counts)) or sum(counts) != len(tables) or any(c <= 0 for c in counts):
+        raise ArtifactError(source, _key(method, EXPERT_BLOCKS), f"lists {len(names)} blocks with {len(top_k)} top-k, {len(tokens)} token counts "
+                                                                 f"and {len(counts)} table counts summing to {sum(counts)} for {len(tables)} tables")
+    blocks, start = [], 0
+    for name, k, n, count in zip(names, top_k, tokens, counts):
+        own = tuple(tables[start : start + count])
+        start += count
+        missing = [t for t in own if t not in weights]
+        if missing:
+            raise ArtifactError(source, _key(method, EXPERT_TABLES), f"names '{missing[0]}', which is not an external constant of method '{method}'")
+        num_experts = int(weights[own[0]].sizes[0]) if weights[own[0]].sizes else 0
+        if num_experts <= 0 or any(not weights[t].sizes or int(weights[t].sizes[0]) != num_experts for t in own):
+            raise ArtifactError(source, _key(method, EXPERT_TABLES), f"tables {list(own)} of block '{name}' do not stack the same number of experts")
+        blocks.append(ExpertBlock(name, own, k, n, num_experts, sum(tensor_nbytes(weights[t]) for t in own) // num_experts))
+    return tuple(blocks)
 
 
 def load_weight_schedules(pte: str | os.PathLike | bytes) -> dict[str, WeightSchedule]:

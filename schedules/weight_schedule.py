@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from hostswap.schedules.experts import ExpertBlock, check_expert_blocks, expert_scratch_bytes
 from hostswap.schedules.floor import Floor, compute_floor
 from hostswap.schedules.render import plot_schedule, render_tables, schedule_report
 
@@ -40,6 +41,8 @@ class WeightSchedule:
     # table): outside the budget, the floor and the copies.
     host_read: tuple[str, ...] = ()
     host_read_bytes: tuple[int, ...] = ()  # per host_read entry (from the program, not stored)
+    # MoE blocks whose routed-experts kernel reads picked rows of host_read tables (schedules/experts.py)
+    expert_blocks: tuple[ExpertBlock, ...] = ()
 
     def check(self) -> "WeightSchedule":
         """Raise ScheduleError unless every id and count is in range (a schedule read from a
@@ -69,6 +72,7 @@ class WeightSchedule:
             raise ScheduleError(f"weight '{both[0]}' is both probed and read in place from host memory")
         if len(self.host_read_bytes) != len(self.host_read):
             raise ScheduleError(f"host_read_bytes gives {len(self.host_read_bytes)} sizes for {len(self.host_read)} weights")
+        check_expert_blocks(self.expert_blocks, self.host_read, ScheduleError)
         unknown = [f for f in self.pin if f not in self.fqns]
         if unknown:
             raise ScheduleError(f"pin names {unknown[:3]}, which are not weights of the schedule")
@@ -89,6 +93,17 @@ class WeightSchedule:
     @property
     def floor_bytes(self) -> int:
         return self.floor.floor_bytes
+
+    @property
+    def expert_scratch_bytes(self) -> int:
+        """Device bytes a routed-experts call gathers picked experts into, at most: the
+        load-time floor is ``floor_bytes`` plus this."""
+        return expert_scratch_bytes(self.expert_blocks)
+
+    @property
+    def load_floor_bytes(self) -> int:
+        """The least budget that loads: the floor, plus the scratch of routed experts."""
+        return self.floor_bytes + self.expert_scratch_bytes
 
     @property
     def num_probes(self) -> int:
@@ -126,6 +141,7 @@ class WeightSchedule:
             and self.prefetch_depth == other.prefetch_depth
             and self.pin == other.pin
             and self.host_read == other.host_read
+            and [b.tables for b in self.expert_blocks] == [b.tables for b in other.expert_blocks]
         )
 
     # Rendering lives in schedules/render.py (which reads the schedule as ScheduleFacts); these are conveniences over it.

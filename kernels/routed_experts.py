@@ -1,0 +1,158 @@
+"""The kernel of ``hostswap::routed_experts`` (passes/routed_experts.py): an MoE block's experts,
+reading only the experts its router picked.
+
+A block's experts are stacked tables (``gate_up`` [E, 2I, H], ``down`` [E, H, I], optional
+biases [E, ...]); expert ``e`` is row ``e`` of each. The kernel reads those rows and nothing
+else, so the weight pass treats the tables as row gathers (``graph_facts``): they are never
+copied to the device whole, and a kernel on the GPU reads the picked rows from the tables'
+mapped host pages.
+
+Two ways through, chosen by shape alone:
+
+- **pairs** (a decode step: tokens x top-k <= experts, or any call while a CUDA graph is being
+  captured): each (token, expert) pair's rows are gathered by index and multiplied batched.
+  The expert ids stay on the device: no host sync, so a graphed decode step can hold it.
+  The arithmetic is transformers' ``batched_mm`` experts implementation, op for op.
+- **grouped** (prefill chunks): the host learns the union of the chunk's experts once, and
+  each expert of it is read once and applied to its tokens, as transformers' eager experts
+  loop does.
+
+An expert id outside ``0..E-1`` stops the call with ``ExpertIndexError`` naming the block
+(on the GPU without a host sync: a device-side assertion), never a read of other bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+# activation name -> function (the gate of a gated expert, or the whole activation of a plain one)
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "sigmoid": torch.sigmoid,
+}
+# gpt-oss' gate: clamped, a sigmoid-weighted linear unit with slope ``alpha``, and ``up + 1``
+CLAMPED_SWIGLU = "clamped_swiglu"
+
+
+class ExpertIndexError(IndexError):
+    """A router picked an expert the block does not have."""
+
+
+@dataclasses.dataclass
+class ExpertReads:
+    """Experts one block read, counted by the kernel as it runs (eager calls only: a replayed
+    CUDA graph runs no Python; the runtime adds what its capture read per replay)."""
+
+    calls: int = 0
+    experts: int = 0  # rows read, summed over calls (a pair path reads one per pair)
+    bytes: int = 0
+
+
+_recorder: dict[str, ExpertReads] | None = None
+
+
+@contextlib.contextmanager
+def recording_reads(into: dict[str, ExpertReads]):
+    """Count the experts each block reads while the body runs, into ``into`` (block -> reads)."""
+    global _recorder
+    outer, _recorder = _recorder, into
+    try:
+        yield into
+    finally:
+        _recorder = outer
+
+
+def _record(block: str, experts: int, unit_bytes: int) -> None:
+    if _recorder is not None:
+        reads = _recorder.setdefault(block, ExpertReads())
+        reads.calls += 1
+        reads.experts += experts
+        reads.bytes += experts * unit_bytes
+
+
+def unit_bytes(*tables: torch.Tensor | None) -> int:
+    """Bytes of one expert: one row of each table."""
+    return sum(t[0].numel() * t.element_size() for t in tables if t is not None)
+
+
+def gate(x: torch.Tensor, activation: str, gated: bool, interleaved: bool, alpha: float, limit: float) -> torch.Tensor:
+    """The expert's activation: of gate times up (halves, or alternate columns where
+    ``interleaved``) for a gated expert, of the whole projection for a plain one."""
+    if not gated:
+        return ACTIVATIONS[activation](x)
+    gate, up = (x[..., ::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    if activation == CLAMPED_SWIGLU:
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return ACTIVATIONS[activation](gate) * up
+
+
+def _check_ids(ids: torch.Tensor, num_experts: int, block: str) -> None:
+    message = f"the router of {block} picked an expert outside 0..{num_experts - 1}; refusing to read another expert's weights"
+    if ids.device.type == "cuda":
+        # no host sync: a device-side assertion stops the stream (and the process's CUDA context)
+        torch._assert_async(((ids >= 0) & (ids < num_experts)).all(), message)
+    elif ids.numel() and not bool(((ids >= 0) & (ids < num_experts)).all()):
+        bad = ids[(ids < 0) | (ids >= num_experts)][0].item()
+        raise ExpertIndexError(f"{message} (expert {bad})")
+
+
+def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed):
+    """Each (token, expert) pair through its expert's rows, batched: transformers'
+    ``batched_mm_experts_forward`` arithmetic."""
+    tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    selected = hidden.repeat_interleave(k, dim=0)
+
+    def linear(x, table, bias):
+        w = table[flat]
+        out = torch.bmm(x.unsqueeze(1), w).squeeze(1) if transposed else torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+        if bias is not None:
+            out.add_(bias[flat])
+        return out
+
+    out = linear(activate(linear(selected, gate_up, gate_up_bias)), down, down_bias)
+    out = out * weights.reshape(-1).unsqueeze(-1)
+    return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed):
+    """Each expert of the union once, over its tokens: transformers' eager experts loop."""
+    out = torch.zeros_like(hidden)
+    experts = torch.unique(ids).tolist()  # the host learns the union: one sync per call
+    mask = F.one_hot(ids, num_classes=gate_up.shape[0]).permute(2, 1, 0)
+    for e in experts:
+        slot, token = torch.where(mask[e])
+        x = hidden[token]
+
+        def linear(x, table, bias):
+            if transposed:
+                y = x @ table[e]
+                return y + bias[e] if bias is not None else y
+            return F.linear(x, table[e], bias[e] if bias is not None else None)
+
+        y = linear(activate(linear(x, gate_up, gate_up_bias)), down, down_bias)
+        y = y * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out, len(experts)
+
+
+def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, activation, gated, interleaved, transposed, alpha, limit, block):
+    num_experts = gate_up.shape[0]
+    _check_ids(top_k_index, num_experts, block)
+    gate_of = lambda x: gate(x, activation, gated, interleaved, alpha, limit)  # noqa: E731
+    tables = (gate_up, down, gate_up_bias, down_bias)
+    capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    if top_k_index.numel() <= num_experts or capturing:
+        _record(block, top_k_index.numel(), unit_bytes(*tables))
+        return _pairs(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
+    out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
+    _record(block, read, unit_bytes(*tables))
+    return out

@@ -1,0 +1,89 @@
+"""MoE blocks in a schedule: each expert a unit that the router picks at run time.
+
+A routed-experts kernel (``hostswap::routed_experts``) reads the rows of its block's stacked
+tables that the router names: an expert is one row of each table, ``unit_bytes`` together.
+The tables are outside the static order (they are read in place from host memory, as row
+gathers), so what a call reads is a count of units, not a list of weights:
+
+- a call of ``tokens`` x ``top_k`` pairs no more than the block's experts (a decode step)
+  gathers each pair's rows into device scratch, with no host sync: ``tokens * top_k`` units;
+- a larger call (a prefill chunk) reads each expert of the union once, in place: at most
+  ``num_experts`` units, no scratch.
+
+With budget to spare once every streamed weight is resident, whole blocks' tables are kept
+on the device instead (``plan_expert_residency``): their reads are hits, the others misses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertBlock:
+    """One routed-experts kernel of a method."""
+
+    block: str  # the experts module's name in the model
+    tables: tuple[str, ...]  # FQNs of its stacked tables (gate_up, down, biases)
+    top_k: int  # experts per token
+    tokens: int  # tokens per call of the method
+    num_experts: int  # rows of each table (from the program, not stored)
+    unit_bytes: int  # one expert: a row of every table (from the program, not stored)
+
+    @property
+    def table_bytes(self) -> int:
+        return self.num_experts * self.unit_bytes
+
+    @property
+    def gathers_pairs(self) -> bool:
+        """Its calls take the pair path (no host sync, scratch for every pair)."""
+        return self.tokens * self.top_k <= self.num_experts
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Device bytes one call gathers its experts into."""
+        return self.tokens * self.top_k * self.unit_bytes if self.gathers_pairs else 0
+
+    @property
+    def units_per_call(self) -> tuple[int, int]:
+        """(fewest, most) experts one call reads: the pairs, or the union of a chunk."""
+        if self.gathers_pairs:
+            return self.tokens * self.top_k, self.tokens * self.top_k
+        return self.top_k, min(self.num_experts, self.tokens * self.top_k)
+
+
+def check_expert_blocks(blocks: tuple[ExpertBlock, ...], host_read: tuple[str, ...], error: type[Exception]) -> None:
+    """Raise ``error`` unless each block is named once, has tables, reads them in place and
+    has a positive top-k no larger than its experts."""
+    names = [b.block for b in blocks]
+    if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+        raise error("expert blocks must be distinct non-empty names")
+    for b in blocks:
+        if not b.tables or any(t not in host_read for t in b.tables):
+            raise error(f"expert block '{b.block}' names tables {list(b.tables)}; each must be read in place (host_read)")
+        if not (isinstance(b.top_k, int) and 0 < b.top_k <= b.num_experts) or not (isinstance(b.tokens, int) and b.tokens > 0):
+            raise error(f"expert block '{b.block}' has top_k={b.top_k!r} of {b.num_experts} experts and tokens={b.tokens!r}")
+
+
+def expert_scratch_bytes(blocks: tuple[ExpertBlock, ...]) -> int:
+    """Device bytes the largest call gathers experts into (blocks run one after another)."""
+    return max((b.scratch_bytes for b in blocks), default=0)
+
+
+def plan_expert_residency(blocks: tuple[ExpertBlock, ...], room_bytes: int) -> frozenset[str]:
+    """Blocks whose whole tables stay on the device, in program order while ``room_bytes``
+    (budget beyond every streamed weight) holds them."""
+    resident, left = set(), room_bytes
+    for b in blocks:
+        if b.table_bytes <= left:
+            resident.add(b.block)
+            left -= b.table_bytes
+    return frozenset(resident)
+
+
+def bytes_read_per_call(blocks: tuple[ExpertBlock, ...], resident: frozenset[str] = frozenset()) -> tuple[int, int]:
+    """(fewest, most) expert bytes one call of the method reads over the bus: its blocks'
+    units, less the resident blocks'."""
+    fewest = sum(b.units_per_call[0] * b.unit_bytes for b in blocks if b.block not in resident)
+    most = sum(b.units_per_call[1] * b.unit_bytes for b in blocks if b.block not in resident)
+    return fewest, most
