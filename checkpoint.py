@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from hostswap.checkpoint_names import CheckpointNames, ConversionError
 from hostswap.llm import GenerationError, export_programs
 from hostswap.passes.ptd_writer import PtdTensor
 
@@ -253,6 +254,7 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
     say(f"building {folder}'s model on the meta device (no weights loaded)")
     model, buffer_values, dtype = _meta_model(folder, dtype)
     names = _checkpoint_names(model)
+    stored_as = CheckpointNames(model, checkpoint.tensors)  # transformers' renamings and conversions (experts stacked from per-expert linears)
     quantizer = None
     if quantize is not None:
         say(f"quantizing the linear layers to {quantize} on the meta device (shapes only; each weight is quantized as it is written)")
@@ -264,15 +266,26 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
     def tensor_for(entry) -> torch.Tensor:
         if quantizer is not None and quantizer.weight_of(entry.fqn):
             return quantizer.inner_tensor(entry.fqn, lambda fqn, shape: tensor_for(PtdTensor(fqn, dtype, shape)))
-        stored = next((n for n in names.get(entry.fqn, ()) if n in checkpoint), None)
+        candidates = names.get(entry.fqn, ())
+        converted = next((n for n in candidates if stored_as.is_converted(n)), None)
+        if converted is not None:
+            stored = " + ".join(stored_as.sources(converted)[:2]) + (" + ..." if len(stored_as.sources(converted)) > 2 else "")
+            try:
+                tensor = stored_as.build(converted, checkpoint.tensor)
+            except ConversionError as e:
+                raise CheckpointError(f"{folder}: {e}") from None
+            return _checked(tensor, entry, stored, f"built from {len(stored_as.sources(converted))} tensors of")
+        stored = next((s for n in candidates for s in stored_as.sources(n) if s in checkpoint), None)
         if stored is None:
             raise CheckpointError(f"tensor '{entry.fqn.removeprefix(MODEL_PREFIX)}' of the model is in no shard of {folder}")
-        tensor = checkpoint.tensor(stored)
+        return _checked(checkpoint.tensor(stored), entry, stored, f"in shard {checkpoint.shard_of(stored)} of")
+
+    def _checked(tensor, entry, stored: str, where: str) -> torch.Tensor:
         if tuple(tensor.shape) != entry.shape:
-            raise CheckpointError(f"tensor '{stored}' in shard {checkpoint.shard_of(stored)} of {folder} has shape {list(tensor.shape)}; "
+            raise CheckpointError(f"tensor '{stored}' {where} {folder} has shape {list(tensor.shape)}; "
                                   f"the model built from its config has {list(entry.shape)}")
         if not (tensor.dtype.is_floating_point or tensor.dtype == entry.dtype):
-            raise CheckpointError(f"tensor '{stored}' in shard {checkpoint.shard_of(stored)} of {folder} is {tensor.dtype}; the model holds {entry.dtype}")
+            raise CheckpointError(f"tensor '{stored}' {where} {folder} is {tensor.dtype}; the model holds {entry.dtype}")
         return tensor.to(entry.dtype)
 
     bar = []  # created when the writing starts, so its rate and time left are the writing's

@@ -526,7 +526,7 @@ class Generator:
     def memory_report(self) -> str:
         """Device memory by kind, as loaded, and how an ``"auto"`` budget was chosen."""
         m = self.module.stats
-        memory = (f"{self.device}: weights {m['budget_bytes'] / 2**20:.1f} MiB (budget; floor {self.module.schedule.floor_bytes / 2**20:.1f} MiB), "
+        memory = (f"{self.device}: weights {m['budget_bytes'] / 2**20:.1f} MiB (budget; floor {(self.module.schedule.floor_bytes + self.module.expert_scratch_bytes) / 2**20:.1f} MiB), "
                   f"KV cache {m['state_bytes'] / 2**20:.1f} MiB, activations {m['activation_arena_bytes'] / 2**20:.1f} MiB; "
                   f"host memory pinned for streaming {m['pinned_host_bytes'] / 2**20:.1f} MiB")
         auto = self.module.auto_budget

@@ -9,11 +9,13 @@ import tempfile
 import torch
 import torch.fx
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 
 from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, view_chain_root
 from hostswap.passes.out_variants import CustomOpOutVariantPass
 from hostswap.passes.ptd_writer import PtdTensor, entries_in_order, write_ptd
 from hostswap.passes.weight_offload import (
+    INLINE_CONSTANT_MARK,
     OPTIONS_META_KEY,
     WeightOffloadError,
     WeightOffloadOptions,
@@ -305,6 +307,25 @@ def _zero_meta_state(ep: ExportedProgram) -> None:
                 table[fqn] = torch.zeros(tensor.shape, dtype=tensor.dtype)
 
 
+class UntracedConstantError(ValueError):
+    """A constant the program keeps inline was traced on the meta device: its value is unknown."""
+
+
+def _check_constants_have_values(programs: dict[str, ExportedProgram], values: dict[str, torch.Tensor]) -> None:
+    """Refuse, before lowering, a tensor the forward creates (``torch.tensor(...)``, kept inline
+    in the ``.pte``) that tracing on the meta device left without a value."""
+    for name, ep in programs.items():
+        for spec in ep.graph_signature.input_specs:
+            if spec.kind != InputKind.CONSTANT_TENSOR or INLINE_CONSTANT_MARK not in spec.arg.name or spec.target in values:
+                continue
+            tensor = ep.constants.get(spec.target)
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+                raise UntracedConstantError(
+                    f"method '{name}' creates a tensor in its forward ('{spec.target}', shape {list(tensor.shape)}) whose value tracing "
+                    "without weights cannot know; export the loaded model instead (hostswap.llm.export, or export-llm of a model folder "
+                    "loaded with transformers)")
+
+
 def save_streamed(programs: dict[str, ExportedProgram], path: str | os.PathLike, tensor_for, *, constant_methods: dict | None = None,
                   progress=None, on_start=None, on_written=None, values: dict[str, torch.Tensor] | None = None) -> tuple[str, str]:
     """``save`` for programs traced with their weights on the meta device: each such weight's
@@ -315,6 +336,7 @@ def save_streamed(programs: dict[str, ExportedProgram], path: str | os.PathLike,
     Other weights (constants made by tracing) are written from the programs themselves. The
     same temporary names and final moves as ``save``."""
     directory, pte_path, ptd_path = _target_paths(path)
+    _check_constants_have_values(programs, values or {})
     edge, schedules = lower_to_edge(programs, progress)
     lowered = {name: edge.exported_program(name) for name in schedules}
     for ep in lowered.values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from hostswap.schedules.experts import bytes_read_per_call, expert_scratch_bytes, plan_expert_residency
 from hostswap.schedules.policies import lru_streamed_bytes, mb_ceil, plan_layout
 from hostswap.schedules.schedule_facts import ScheduleFacts
 from hostswap.schedules.tiers import plan_tiers
@@ -28,8 +29,8 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
             "bytes_by_dtype": schedule.bytes_by_dtype() if schedule.weight_dtypes else {},
             "probes": schedule.num_probes,
             "kernels": schedule.num_kernels,
-            "floor_bytes": floor.floor_bytes,
-            "floor_mb": mb_ceil(floor.floor_bytes),
+            "floor_bytes": floor.floor_bytes + expert_scratch_bytes(schedule.expert_blocks),
+            "floor_mb": mb_ceil(floor.floor_bytes + expert_scratch_bytes(schedule.expert_blocks)),
             "lru_window_bytes": floor.lru_bytes,
             "planned_ring_bytes": floor.ring_bytes,
             "pinned_bytes": floor.pinned_bytes,
@@ -38,6 +39,7 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
             "host_read_bytes": sum(schedule.host_read_bytes),
             "host_read": [{"fqn": f, "bytes": b} for f, b in zip(schedule.host_read, schedule.host_read_bytes)],
         },
+        "experts": _experts_report(schedule),
         "access_order": [
             {
                 "probe": p,
@@ -61,9 +63,11 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
         },
     }
     if budget_bytes is not None:
-        loads = budget_bytes >= floor.floor_bytes
+        scratch = expert_scratch_bytes(schedule.expert_blocks)  # the budget's share for gathered experts (the runtime's split)
+        loads = budget_bytes >= floor.floor_bytes + scratch
         budget = {"budget_bytes": budget_bytes, "loads": loads}
         if loads:
+            budget_bytes -= scratch
             layout = plan_layout(schedule, budget_bytes)
             budget.update(
                 lru_streamed_bytes_per_forward=lru_streamed_bytes(schedule, budget_bytes),
@@ -71,6 +75,10 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
                 planned_resident_bytes=layout.resident_bytes,
                 planned_ring_bytes=layout.ring_bytes,
             )
+            if schedule.expert_blocks:
+                resident = plan_expert_residency(schedule.expert_blocks, budget_bytes - schedule.total_bytes)
+                budget["resident_expert_blocks"] = sorted(resident)
+                budget["expert_bytes_per_call"] = list(bytes_read_per_call(schedule.expert_blocks, resident))
             if host_budget_bytes is not None:
                 tiers = plan_tiers(schedule, layout, host_budget_bytes)
                 budget["tiers"] = {
@@ -82,9 +90,35 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
                     "weights": {schedule.fqns[w]: tiers.tier_of(w) for w in range(len(schedule.fqns))},
                 }
         else:
-            budget["required_mb"] = mb_ceil(floor.floor_bytes)
+            budget["required_mb"] = mb_ceil(floor.floor_bytes + scratch)
         report["budget"] = budget
     return report
+
+
+def _experts_report(schedule: ScheduleFacts) -> dict | None:
+    """The MoE blocks as units chosen at run time: per block its experts and the bytes one
+    call reads; per call of the method, the expert bytes read at the floor (fewest, most)."""
+    blocks = schedule.expert_blocks
+    if not blocks:
+        return None
+    return {
+        "blocks": [{"block": b.block, "experts": b.num_experts, "top_k": b.top_k, "tokens": b.tokens, "unit_bytes": b.unit_bytes,
+                    "units_per_call": list(b.units_per_call), "scratch_bytes": b.scratch_bytes, "tables": list(b.tables)} for b in blocks],
+        "scratch_bytes": expert_scratch_bytes(blocks),
+        "bytes_per_call_at_floor": list(bytes_read_per_call(blocks)),
+        "table_bytes": sum(b.table_bytes for b in blocks),
+    }
+
+
+def _experts_tables(experts: dict) -> list[str]:
+    fewest, most = experts["bytes_per_call_at_floor"]
+    per_call = _mb(most) if fewest == most else f"{_mb(fewest)} to {_mb(most)}"
+    rows = [[b["block"], b["experts"], b["top_k"], b["tokens"], _mb(b["unit_bytes"]), "-".join(map(str, sorted(set(b["units_per_call"])))), _mb(b["scratch_bytes"])]
+            for b in experts["blocks"]]
+    return ["\nRouted experts (units chosen by the router at run time; read in place from host memory)",
+            tabulate(rows, headers=["block", "experts", "top-k", "tokens / call", "MB / expert", "experts read / call", "scratch MB"], tablefmt="simple"),
+            f"  expert bytes one call reads at the floor: {per_call} MB (every token's top-k; a chunk reads the union once); "
+            f"tables {_mb(experts['table_bytes'])} MB, outside the budget; floor adds {_mb(experts['scratch_bytes'])} MB of scratch"]
 
 
 def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host_budget_bytes: int | None = None) -> str:
@@ -116,6 +150,8 @@ def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host
             f"  pair {pair['pair_bytes']} bytes + prefetch headroom {pair['headroom_bytes']} bytes "
             f"(the {pair['sets_floor']} sets the floor)"
         )
+    if r["experts"]:
+        out += _experts_tables(r["experts"])
     out.append("\nAccess order")
     out.append(
         tabulate(
@@ -138,6 +174,10 @@ def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host
                     tablefmt="simple",
                 )
             )
+            if "expert_bytes_per_call" in b:
+                fewest, most = b["expert_bytes_per_call"]
+                out.append(f"  routed experts: {len(b['resident_expert_blocks'])} of {len(r['experts']['blocks'])} blocks' tables on the device; "
+                           f"a call reads {_mb(fewest)}" + (f" to {_mb(most)}" if most != fewest else "") + " MB of experts over the bus")
             if tier:
                 t = b["tiers"]
                 out.append(f"\nTiers with {_mb(t['host_budget_bytes'])} MB of pinned host memory for streamed weights")

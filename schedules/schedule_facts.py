@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from hostswap.schedules.experts import ExpertBlock
 from hostswap.schedules.floor import Floor
 
 
@@ -44,6 +45,9 @@ class ScheduleFacts(Protocol):
 
     @property
     def host_read_bytes(self) -> tuple[int, ...]: ...
+
+    @property
+    def expert_blocks(self) -> tuple[ExpertBlock, ...]: ...
 
     @property
     def floor(self) -> Floor: ...

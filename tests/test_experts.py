@@ -1,0 +1,317 @@
+"""MoE models read only the experts their router picks.
+
+Each architecture is a transformers model from a tiny random-init config, exported with
+``hostswap.llm.export``: its experts modules call ``hostswap::routed_experts``, whose stacked
+tables are read in place (row gathers) instead of streamed whole. Greedy tokens must equal
+transformers' with a static cache (fp32, CPU) at the floor and with everything resident;
+logits must be bitwise those of the exported program and of the all-experts schedule (the
+same kernel with its tables streamed whole).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import warnings
+
+import pytest
+import torch
+
+import hostswap
+import hostswap.llm as llm
+from hostswap.experts import UnroutedExpertsWarning, route_experts
+from hostswap.kernels.routed_experts import ExpertIndexError
+from hostswap.passes.routed_experts import routed_experts
+from hostswap.schedules.experts import ExpertBlock, bytes_read_per_call, plan_expert_residency
+from hostswap.schedules.policies import BudgetError
+from hostswap.schedules.serialization import load_weight_schedules
+
+from real_models import VOCAB, _decoder_common
+
+MB = 2**20
+MAX_SEQ_LEN, CHUNK = 30, 4
+
+
+def _mixtral():
+    import transformers as T
+
+    return T.MixtralForCausalLM(T.MixtralConfig(**_decoder_common(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)))
+
+
+def _qwen2_moe():
+    import transformers as T
+
+    return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**_decoder_common(
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)))
+
+
+def _qwen3_moe():
+    import transformers as T
+
+    return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**_decoder_common(
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)))
+
+
+def _olmoe():
+    import transformers as T
+
+    return T.OlmoeForCausalLM(T.OlmoeConfig(**_decoder_common(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, eos_token_id=None)))
+
+
+def _gpt_oss():
+    import transformers as T
+
+    # transposed tables with biases, interleaved gate/up and a clamped gate
+    return T.GptOssForCausalLM(T.GptOssConfig(**_decoder_common(
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"])))
+
+
+# Lowering rounds an op of gpt-oss' decode step differently from the traced program (by about
+# 6e-8, outside the experts: the routed and all-experts programs agree bitwise there too).
+LOWERED_DIFFERENTLY = {"gpt-oss"}
+MOE = {"Mixtral": _mixtral, "Qwen2-MoE": _qwen2_moe, "Qwen3-MoE": _qwen3_moe, "OLMoE": _olmoe, "gpt-oss": _gpt_oss}
+
+
+class ExportedMoE:
+    def __init__(self, name: str, directory, gather_from_host: bool = True):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        MOE[name]().save_pretrained(directory)
+        self.name, self.directory = name, directory
+        model = AutoModelForCausalLM.from_pretrained(directory).eval()
+        self.programs, constants = llm.export_programs(model, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, gather_from_host=gather_from_host)
+        self.reference = {m: ep.module() for m, ep in self.programs.items()}
+        self.pte, self.ptd = hostswap.save(self.programs, os.path.join(directory, "model"), constant_methods=constants)
+        self.schedules = load_weight_schedules(self.pte)
+        decode = self.schedules["decode"]
+        self.floor = max(s.load_floor_bytes for s in self.schedules.values())
+        # every streamed weight and every expert table on the device
+        self.everything = decode.total_bytes + sum(b.table_bytes for b in decode.expert_blocks) + max(s.expert_scratch_bytes for s in self.schedules.values())
+
+    def transformers_tokens(self, prompt: torch.Tensor, new: int) -> torch.Tensor:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        model = AutoModelForCausalLM.from_pretrained(self.directory).eval()
+        model.generation_config = GenerationConfig(
+            cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": MAX_SEQ_LEN},
+            do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0,
+        )
+        with torch.no_grad():
+            return model.generate(prompt)
+
+
+_exported: dict[tuple[str, bool], ExportedMoE] = {}
+
+
+def _get(name: str, tmp_path_factory, gather_from_host: bool = True) -> ExportedMoE:
+    key = (name, gather_from_host)
+    if key not in _exported:
+        _exported[key] = ExportedMoE(name, tmp_path_factory.mktemp(f"{name}-{gather_from_host}"), gather_from_host)
+    return _exported[key]
+
+
+@pytest.fixture(scope="module", params=list(MOE))
+def moe(request, tmp_path_factory):
+    return _get(request.param, tmp_path_factory)
+
+
+def _prompt(n: int, random_state: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(random_state))
+
+
+def test_every_experts_module_is_routed_and_its_tables_read_in_place(moe):
+    for schedule in moe.schedules.values():
+        assert schedule.expert_blocks, "no routed experts in the program"
+        tables = {t for b in schedule.expert_blocks for t in b.tables}
+        assert tables <= set(schedule.host_read) and not tables & set(schedule.fqns)
+        assert all("routed_experts" not in op for op in schedule.kernel_ops)  # it reads no probed weight
+    decode = moe.schedules["decode"]
+    for b in decode.expert_blocks:
+        assert b.tokens == 1 and b.gathers_pairs and b.scratch_bytes == b.top_k * b.unit_bytes
+    prefill = moe.schedules["prefill"]
+    assert all(b.tokens == CHUNK for b in prefill.expert_blocks)
+
+
+@pytest.mark.parametrize("budget", ["floor", "everything"])
+def test_greedy_tokens_equal_transformers(moe, budget):
+    prompt = _prompt(7)
+    expected = moe.transformers_tokens(prompt, 12)
+    mb = (moe.floor if budget == "floor" else moe.everything) / MB
+    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=mb, device="cpu") as g:
+        out = g.generate(prompt, 12, eos_token_id=[])
+        assert torch.equal(out, expected), (out.tolist(), expected.tolist())
+        s = g.stats
+        blocks = moe.schedules["decode"].expert_blocks
+        per_token = sum(b.top_k * b.unit_bytes for b in blocks)  # each token's top-k, in every layer
+        if budget == "floor":
+            assert g.module.resident_experts == frozenset()
+            assert s["expert_bytes_per_token"] == per_token
+            assert all(r["misses"] == r["experts"] > 0 and r["hits"] == 0 for r in s["expert_reads"].values())
+        else:
+            assert g.module.resident_experts == {b.block for b in blocks}
+            assert s["expert_bytes_per_token"] == 0
+            assert all(r["hits"] == r["experts"] > 0 and r["misses"] == 0 for r in s["expert_reads"].values())
+
+
+def test_logits_bitwise_equal_to_the_exported_program_and_the_all_experts_schedule(moe, tmp_path_factory):
+    """Step by step through the shared cache: the program torch.export traced, and the same
+    model exported with its expert tables streamed whole (the static schedule)."""
+    ids = _prompt(CHUNK, random_state=3)
+    steps = [("prefill", ids, torch.arange(CHUNK)), ("decode", ids[:, :1], torch.tensor([CHUNK])), ("decode", ids[:, 1:2], torch.tensor([CHUNK + 1]))]
+    for ep in moe.programs.values():
+        llm.reset_state(ep)
+    with torch.no_grad():
+        expected = [moe.reference[m](input_ids=x, cache_position=p) for m, x, p in steps]
+    whole = _get(moe.name, tmp_path_factory, gather_from_host=False)
+    assert not any(s.expert_blocks for s in whole.schedules.values())
+    assert {t for b in moe.schedules["decode"].expert_blocks for t in b.tables} <= set(whole.schedules["decode"].fqns)
+    outputs = {}
+    for exported in (moe, whole):
+        with llm.Generator(exported.pte, exported.ptd, weight_offload_budget_mb=exported.floor / MB, device="cpu") as g:
+            outputs[exported] = [g.module.run_method(method, [x, p])[0] for method, x, p in steps]
+    for (method, _, _), routed, streamed, want in zip(steps, outputs[moe], outputs[whole], expected):
+        assert torch.equal(routed, streamed), (method, (routed - streamed).abs().max().item())
+        if moe.name in LOWERED_DIFFERENTLY:
+            torch.testing.assert_close(routed, want, atol=1e-6, rtol=1e-6)
+        else:
+            assert torch.equal(routed, want), (method, (routed - want).abs().max().item())
+
+
+def test_prefill_reads_the_union_of_its_chunk_and_decode_each_pick(tmp_path_factory):
+    """Counted by the kernel: a chunk (4 tokens x top-2 of 4 experts: the grouped path) reads
+    each expert it routes to once; a decode step its top-k, in every layer."""
+    moe = _get("Mixtral", tmp_path_factory)
+    blocks = moe.schedules["prefill"].expert_blocks
+    assert not any(b.gathers_pairs for b in blocks) and all(b.gathers_pairs for b in moe.schedules["decode"].expert_blocks)
+
+    def reads_of(g, method, inputs) -> dict[str, tuple[int, int, int]]:
+        before = {k: dataclasses.replace(r) for k, r in g.module.expert_reads.items()}
+        g.module.run_method(method, inputs)
+        return {k: (r.calls - before[k].calls, r.experts - before[k].experts, r.bytes - before[k].bytes) for k, r in g.module.expert_reads.items()}
+
+    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.floor / MB, device="cpu") as g:
+        chunk = reads_of(g, "prefill", [_prompt(CHUNK), torch.arange(CHUNK)])
+        assert set(chunk) == {b.block for b in blocks}
+        for b in blocks:
+            calls, experts, nbytes = chunk[b.block]
+            assert calls == 1 and b.top_k <= experts <= b.num_experts < CHUNK * b.top_k and nbytes == experts * b.unit_bytes
+        step = reads_of(g, "decode", [_prompt(1), torch.tensor([CHUNK])])
+        assert step == {b.block: (1, b.top_k, b.top_k * b.unit_bytes) for b in blocks}
+
+
+def test_floor_is_the_non_expert_floor_plus_one_layers_picks_and_named_when_short(tmp_path_factory):
+    moe = _get("Mixtral", tmp_path_factory)
+    decode = moe.schedules["decode"]
+    (first, *_) = decode.expert_blocks
+    unit = first.unit_bytes
+    # Mixtral: gate_up [4, 256, 64] and down [4, 64, 128], fp32: one expert is 96 KiB
+    assert unit == (2 * 128 * 64 + 64 * 128) * 4 and first.num_experts == 4 and first.top_k == 2
+    assert decode.expert_scratch_bytes == 2 * unit
+    assert decode.load_floor_bytes == decode.floor_bytes + 2 * unit
+    assert bytes_read_per_call(decode.expert_blocks) == (2 * 2 * unit, 2 * 2 * unit)  # two layers, top-2
+    short = (moe.floor - 1) / MB
+    with pytest.raises(BudgetError, match=rf"at least {moe.floor} bytes .*one MoE layer's routed experts: {2 * unit} bytes"):
+        llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=short, device="cpu")
+    report = decode.to_dict(budget_bytes=moe.floor)
+    assert report["experts"]["bytes_per_call_at_floor"] == [4 * unit, 4 * unit]
+    assert report["budget"]["loads"] and report["budget"]["resident_expert_blocks"] == []
+    table = decode.table(budget_bytes=moe.everything)
+    assert "Routed experts" in table and "model.layers.1.mlp.experts" in table
+    assert "2 of 2 blocks' tables on the device; a call reads 0.00 MB" in table
+
+
+def test_residency_takes_whole_blocks_in_order_while_they_fit():
+    blocks = tuple(ExpertBlock(f"b{i}", (f"t{i}",), 2, 1, 8, 100) for i in range(3))
+    assert plan_expert_residency(blocks, 799) == frozenset()
+    assert plan_expert_residency(blocks, 1700) == {"b0", "b1"}
+    assert bytes_read_per_call(blocks, frozenset({"b0", "b1"})) == (200, 200)
+    chunk = ExpertBlock("c", ("t",), 2, 16, 8, 100)  # 32 pairs of 8 experts: the union, no scratch
+    assert not chunk.gathers_pairs and chunk.scratch_bytes == 0 and chunk.units_per_call == (2, 8)
+
+
+def test_an_expert_index_out_of_range_is_refused_naming_the_block():
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 8)
+    gate_up, down = torch.randn(4, 32, 8), torch.randn(4, 8, 16)
+    weights = torch.full((3, 2), 0.5)
+    args = ("silu", True, False, False, 0.0, 0.0, "model.layers.5.mlp.experts")
+    for bad in (4, -1):  # -1 would wrap to the last expert under Python indexing
+        for tokens in (1, 3):  # the pair path and the grouped path
+            ids = torch.tensor([[0, bad], [2, 1], [1, 3]])[:tokens]
+            with pytest.raises(ExpertIndexError, match=rf"router of model.layers.5.mlp.experts picked an expert outside 0..3.*\(expert {bad}\)"):
+                routed_experts(hidden[:tokens], ids, weights[:tokens], gate_up, down, None, None, *args)
+
+
+def test_a_corrupted_router_stops_generation_with_the_block_named(tmp_path):
+    """A router whose picks run past the experts: the program refuses, never reading another
+    expert's rows."""
+    model = _mixtral().eval()
+    router = model.model.layers[1].mlp.gate
+    original = router.forward
+
+    def corrupted(hidden_states):
+        logits, scores, indices = original(hidden_states)
+        return logits, scores, indices + router.num_experts - 1  # every pick but expert 0 runs past the last
+
+    router.forward = corrupted
+    pte, ptd = llm.export(model, tmp_path / "m", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    floor = max(s.load_floor_bytes for s in load_weight_schedules(pte).values())
+    with llm.Generator(pte, ptd, weight_offload_budget_mb=floor / MB, device="cpu", warm_up=False) as g:
+        with pytest.raises(ExpertIndexError, match=re.escape("router of model.layers.1.mlp.experts picked an expert outside 0..3")):
+            g.generate(_prompt(7), 4, eos_token_id=[])
+
+
+def test_experts_the_kernel_cannot_run_keep_the_all_experts_schedule_with_a_warning(tmp_path):
+    model = _mixtral().eval()
+    odd = model.model.layers[0].mlp.experts
+    odd.act_fn = torch.nn.Tanh()  # an activation the kernel does not have
+    with pytest.warns(UnroutedExpertsWarning, match=r"MoE experts 'model.layers.0.mlp.experts' \(MixtralExperts\) keep the all-experts schedule: its gate matches none"):
+        routed = route_experts(model)
+    assert set(routed.routed) == {"model.layers.1.mlp.experts"} and set(routed.kept) == {"model.layers.0.mlp.experts"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnroutedExpertsWarning)
+        pte, ptd = llm.export(model, tmp_path / "m", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    decode = load_weight_schedules(pte)["decode"]
+    assert [b.block for b in decode.expert_blocks] == ["model.layers.1.mlp.experts"]
+    assert "model.model.layers.0.mlp.experts.gate_up_proj" in decode.fqns  # streamed whole, as every weight
+    prompt = _prompt(7)
+    with torch.no_grad():
+        expected = model(prompt).logits
+    with llm.Generator(pte, ptd, weight_offload_budget_mb=max(s.load_floor_bytes for s in load_weight_schedules(pte).values()) / MB, device="cpu") as g:
+        (logits,) = g.module.run_method("prefill", [prompt[:, :CHUNK], torch.arange(CHUNK)])
+    torch.testing.assert_close(logits[0], expected[0, :CHUNK], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["Mixtral", "Qwen2-MoE"])
+def test_streamed_export_of_a_checkpoint_routes_the_same_experts(name, tmp_path, tmp_path_factory):
+    """From the safetensors checkpoint without loading the model: the same expert blocks,
+    weights and tokens as the in-memory export. The checkpoints store one linear per expert
+    (Mixtral's ``block_sparse_moe.experts.<e>.w1``, ...), as the published ones do: the stacked
+    tables are built by transformers' own conversion mapping, one table at a time."""
+    from hostswap.checkpoint import export_checkpoint
+    from hostswap.runtime.ptd import PtdFile
+
+    moe = _get(name, tmp_path_factory)
+    pte, ptd = export_checkpoint(moe.directory, tmp_path / "streamed", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    streamed = load_weight_schedules(pte)
+    assert {m: s.expert_blocks for m, s in streamed.items()} == {m: s.expert_blocks for m, s in moe.schedules.items()}
+    with PtdFile(moe.ptd) as a, PtdFile(ptd) as b:
+        assert a.index.checksums == b.index.checksums
+    prompt = _prompt(7)
+    with llm.Generator(pte, ptd, weight_offload_budget_mb=moe.floor / MB, device="cpu") as g:
+        assert torch.equal(g.generate(prompt, 8, eos_token_id=[]), moe.transformers_tokens(prompt, 8))
+
+
+def test_streamed_export_refuses_a_constant_tracing_cannot_know(tmp_path, tmp_path_factory):
+    """gpt-oss' forward creates scalar tensors: traced without weights they have no value, and
+    the export says so (naming one) instead of failing inside ExecuTorch."""
+    from hostswap.checkpoint import export_checkpoint
+    from hostswap.passes.lowering import UntracedConstantError
+
+    moe = _get("gpt-oss", tmp_path_factory)
+    with pytest.raises(UntracedConstantError, match=r"method 'prefill' creates a tensor in its forward \('model.model.lifted_tensor_\d'.*export the loaded model"):
+        export_checkpoint(moe.directory, tmp_path / "streamed", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    assert not list(tmp_path.iterdir())  # nothing written
