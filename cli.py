@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -202,6 +203,30 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import torch
+
+    try:
+        from hostswap.server import serve
+    except ImportError as e:
+        print(f"hostswap serve needs FastAPI and uvicorn ({e}): pip install 'hostswap[serve]'", file=sys.stderr)
+        return 2
+    base = args.program[:-4] if args.program.endswith(".pte") else args.program
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def ready(generator) -> None:
+        print(f"hostswap serve: {base} on {device} at http://{args.host}:{args.port}/v1 (model '{args.model_id or os.path.basename(base)}'); "
+              + generator.memory_report().replace("\n", "; "), file=sys.stderr, flush=True)
+
+    try:
+        serve(base, budget_mb=args.budget_mb, device=device, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("HOSTSWAP_API_KEY"),
+              max_queue=args.max_queue, model_id=args.model_id, on_ready=ready)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"hostswap serve: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hostswap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -249,6 +274,16 @@ def main(argv=None) -> int:
     g.add_argument("--policy", choices=["planned", "lru"], default="planned")
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.set_defaults(func=_generate)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a program written by export-llm")
+    sv.add_argument("program", help="the path prefix given to export-llm (or its .pte); its tokenizer is read from <program>.tokenizer")
+    sv.add_argument("--budget-mb", type=_budget_mb, default="auto", help="GPU memory for weights (MB), or auto (the default), as generate takes it")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes (default: $HOSTSWAP_API_KEY, else none)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait for their turn; more are answered 429 (default 64)")
+    sv.add_argument("--model-id", help="the model name clients send (default: the program's file name)")
+    sv.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    sv.set_defaults(func=_serve)
     d = sub.add_parser("demo", help="streamed generation with a built-in random-weight transformers Llama (no downloads)")
     d.add_argument("--out", default="out", help="folder for demo.pte / demo.ptd (default: out)")
     d.add_argument("--budget-factor", type=float, default=1.5, help="budget as a multiple of the floor (default 1.5)")
