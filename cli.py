@@ -94,7 +94,8 @@ def _export_llm(args) -> int:
         if has_safetensors(args.checkpoint) and not args.in_memory:
             # streamed from the shards, one tensor at a time (quantized as it is written): no model in memory
             pte, ptd = export_checkpoint(args.checkpoint, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
-                                         dtype=args.dtype, progress=say, show_bar=sys.stderr.isatty(), quantize=args.quantize)
+                                         dtype=args.dtype, progress=say, show_bar=sys.stderr.isatty(), quantize=args.quantize,
+                                         max_batch_size=args.max_batch_size)
         else:
             why = "--in-memory" if args.in_memory else "the checkpoint has no safetensors shards to stream"
             say(f"loading {args.checkpoint} into memory ({why})")
@@ -106,7 +107,8 @@ def _export_llm(args) -> int:
             if args.quantize:
                 say(f"quantizing the weights to {args.quantize} (torchao, weight-only)")
                 llm.quantize(model, args.quantize)
-            pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say)
+            pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say,
+                                  max_batch_size=args.max_batch_size)
     except (llm.GenerationError, OSError) as e:  # OSError: a full disk (DiskFullError names the file), an unwritable folder
         print(f"hostswap export-llm: {e}", file=sys.stderr)
         return 2
@@ -254,6 +256,8 @@ def main(argv=None) -> int:
                    "one tensor at a time)")
     e.add_argument("--quantize", choices=["int8", "int4"], help="torchao weight-only quantization of the linear layers before export (int4: torchao's tinygemm layout; "
                    "needs a CUDA GPU and bf16 weights, --dtype bfloat16)")
+    e.add_argument("--max-batch-size", type=int, default=None, help="a KV cache of this many slots: serve decodes that many sequences per weight pass, "
+                   "each at its own position (default: one sequence)")
     e.set_defaults(func=_export_llm)
     g = sub.add_parser("generate", help="stream greedy tokens from a program written by export-llm")
     g.add_argument("program", help="the path prefix given to export-llm (or its .pte)")

@@ -38,11 +38,9 @@ class GenerationError(ValueError):
     """A model, program or request that generation cannot serve; the message names it."""
 
 
-def _static_cache_wrapper(model, max_seq_len: int):
-    """transformers' exportable decoder with a static cache of ``max_seq_len`` positions."""
-    from transformers import GenerationConfig
-    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
-
+def prepare_for_export(model) -> None:
+    """Ready a transformers causal LM for tracing, in place: on the CPU (or meta), eval, its
+    torchao linears and MoE experts swapped for hostswap's kernels, the cache on, sdpa."""
     if not hasattr(model, "generation_config") or not hasattr(model, "config"):
         raise GenerationError(f"hostswap.llm.export takes a transformers causal LM (a *ForCausalLM), got {type(model).__name__}")
     model.eval()
@@ -60,6 +58,14 @@ def _static_cache_wrapper(model, max_seq_len: int):
         model.config.head_dim = model.config.hidden_size // model.config.num_attention_heads
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         model.set_attn_implementation("sdpa")
+
+
+def _static_cache_wrapper(model, max_seq_len: int):
+    """transformers' exportable decoder with a static cache of ``max_seq_len`` positions."""
+    from transformers import GenerationConfig
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    prepare_for_export(model)
     config = model.generation_config
     model.generation_config = GenerationConfig(
         use_cache=True, cache_implementation="static", max_length=max_seq_len,
@@ -181,7 +187,7 @@ def default_prefill_chunk(max_seq_len: int) -> int:
 
 
 def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1,
-           gather_from_host: bool = True, progress: Callable[[str], None] | None = None) -> tuple[str, str]:
+           gather_from_host: bool = True, progress: Callable[[str], None] | None = None, max_batch_size: int | None = None) -> tuple[str, str]:
     """Write ``<path>.pte`` (methods ``prefill`` and ``decode``, their schedules, the KV cache
     as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths.
 
@@ -189,11 +195,12 @@ def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: i
     the GPU, say), and its torchao quantized linears swapped by ``prepare_quantized``.
     ``prefill_chunk``: tokens per prefill call (default ``min(128, max_seq_len)``).
     ``gather_from_host``: as in ``apply_weight_offload`` (an untied token table stays in host
-    memory, read a row per token)."""
+    memory, read a row per token). ``max_batch_size``: write a program for that many sequences
+    at once, each at its own position (run it with ``hostswap.batching.BatchGenerator``)."""
     from hostswap.passes import save
 
     programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
-                                          gather_from_host=gather_from_host, progress=progress)
+                                          gather_from_host=gather_from_host, progress=progress, max_batch_size=max_batch_size)
     return save(programs, path, constant_methods=constants, progress=progress)
 
 
@@ -206,11 +213,18 @@ def export_checkpoint(folder: str | os.PathLike, path: str | os.PathLike, **opti
 
 
 def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
-                    progress: Callable[[str], None] | None = None, device: str = "cpu") -> tuple[dict, dict]:
+                    progress: Callable[[str], None] | None = None, device: str = "cpu", max_batch_size: int | None = None) -> tuple[dict, dict]:
     """The probed ``prefill`` and ``decode`` programs of ``export``, and the constant methods
     that describe them, before lowering. ``device``: of the example inputs, the model's own
-    (``"meta"`` for a model traced without values)."""
+    (``"meta"`` for a model traced without values). ``max_batch_size``: a KV cache of that many
+    slots, for ``hostswap.batching.BatchGenerator`` (hostswap/batching.py)."""
     from hostswap.passes import apply_weight_offload
+
+    if max_batch_size is not None:
+        from hostswap import batching
+
+        return batching.export_programs(model, max_seq_len=max_seq_len, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
+                                        prefetch_depth=prefetch_depth, gather_from_host=gather_from_host, progress=progress, device=device)
 
     _check_positive_int("max_seq_len", max_seq_len)
     if prefill_chunk is None:

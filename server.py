@@ -4,9 +4,12 @@ FastAPI on uvicorn. Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (th
 chat template), ``/v1/models``, each completion streamed as server-sent events or returned
 whole; ``/health``; ``/metrics`` in Prometheus' text format.
 
-One ``Engine`` owns the loaded ``Generator`` and runs it on a worker thread, one sequence at a
-time: requests wait in a bounded queue (a full queue answers 429) and each request's tokens go
-back to its connection as they come. A client that disconnects frees its sequence at the next
+One ``Engine`` owns the loaded program and runs it on a worker thread. A program exported with
+``max_batch_size`` is batched continuously: requests take free slots between decode steps, a
+newcomer's prompt is prefilled a chunk per step while the others keep decoding, and each step
+advances every sequence in one weight pass. Otherwise one sequence runs at a time. Requests
+wait in a bounded queue (a full queue answers 429) and each request's tokens go back to its
+connection as they come. A client that disconnects frees its sequence at the next
 token; on shutdown (SIGTERM) the server stops taking requests, lets uvicorn finish the running
 responses, then cancels what still waits. Bad requests get OpenAI's error JSON with a 4xx
 status, and the server goes on serving.
@@ -144,6 +147,8 @@ class Engine:
         self.metrics.requests += 1
 
     def _work(self) -> None:
+        if hasattr(self.generator, "step"):
+            return self._work_batched()
         while True:
             job = self.queue.get()
             if job is None:
@@ -195,6 +200,74 @@ class Engine:
         if stats.tokens_per_second is not None:
             self.metrics.decode_tokens_per_second = stats.tokens_per_second
             self.metrics.bytes_streamed_per_step = stats.bytes_streamed_per_token or 0.0
+        job.emit("done", {"finish_reason": finish, "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": count,
+                                                             "total_tokens": len(job.prompt_ids) + count}})
+
+    def _work_batched(self) -> None:
+        """Continuous batching: between decode steps, waiting jobs take free slots and every
+        sequence still prefilling runs one more prompt chunk; each step advances all the
+        others by one token, in one weight pass."""
+        runner = self.generator
+        running: dict[int, tuple[Job, TextStream, object]] = {}  # slot -> (job, its text, its sequence)
+        stopping = False
+        window: list[tuple[float, int, int]] = []  # (seconds, tokens, bytes) of the last steps
+        while True:
+            while not stopping and runner.free_slots():
+                try:
+                    job = self.queue.get(block=not running)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                if job.cancelled.is_set():
+                    self.metrics.cancelled += 1
+                    continue
+                sequence = runner.begin(job.prompt_ids, job.max_tokens, sampling=job.sampling)
+                running[sequence.slot] = (job, TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), job.stop), sequence)
+            if stopping:
+                for job, _, sequence in running.values():
+                    job.cancelled.set()
+            for slot, (job, text, sequence) in list(running.items()):
+                if job.cancelled.is_set():
+                    runner.release(sequence)
+                    del running[slot]
+                    self.metrics.cancelled += 1
+                elif sequence.prefilled < len(sequence.prompt) and runner.prefill_next(sequence):
+                    self._took(running, slot, sequence.tokens[-1])
+            self.active = len(running)
+            if stopping and not running:
+                return
+            if any(s.decoding for _, _, s in running.values()):
+                start, copied = time.perf_counter(), runner.module.pool.stats.bytes_h2d
+                stepped = runner.step()
+                for sequence in stepped:
+                    self._took(running, sequence.slot, sequence.tokens[-1])
+                window = (window + [(time.perf_counter() - start, len(stepped), runner.module.pool.stats.bytes_h2d - copied)])[-32:]
+                seconds = sum(w[0] for w in window)
+                self.metrics.decode_tokens_per_second = sum(w[1] for w in window) / seconds if seconds > 0 else 0.0
+                self.metrics.bytes_streamed_per_step = sum(w[2] for w in window) / len(window)
+            self.active = len(running)
+
+    def _took(self, running: dict, slot: int, token: int) -> None:
+        """``token`` came for the sequence in ``slot``: release its text, end it where it ends."""
+        job, text, sequence = running[slot]
+        delta, stopped = text.push(token)
+        if delta:
+            job.emit("text", delta)
+        if not (stopped or sequence.finished):
+            return
+        self.generator.release(sequence)
+        del running[slot]
+        if not stopped:
+            rest = text.rest()
+            if rest:
+                job.emit("text", rest)
+        finish = "stop" if stopped or token in sequence.eos else "length"
+        count = len(sequence.tokens)
+        self.metrics.completed += 1
+        self.metrics.prompt_tokens += len(job.prompt_ids)
+        self.metrics.generated_tokens += count
         job.emit("done", {"finish_reason": finish, "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": count,
                                                              "total_tokens": len(job.prompt_ids) + count}})
 
@@ -467,7 +540,7 @@ def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", h
     import uvicorn
     from transformers import AutoTokenizer
 
-    from hostswap import llm
+    from hostswap import batching, llm
 
     if not math.isfinite(float(port)) or not 0 <= int(port) < 65536:
         raise ValueError(f"port must be 0..65535, got {port}")
@@ -477,7 +550,10 @@ def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", h
     if not os.path.isdir(tokenizer_dir):
         raise FileNotFoundError(f"no tokenizer at {tokenizer_dir}: export-llm saves the checkpoint's tokenizer there; the server needs it to read prompts")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    generator = llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=budget_mb, device=device)
+    if batching.is_batched(base + ".pte"):  # continuous batching over the program's slots
+        generator = batching.BatchGenerator(base + ".pte", base + ".ptd", weight_offload_budget_mb=budget_mb, device=device)
+    else:
+        generator = llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=budget_mb, device=device)
     engine = Engine(generator, tokenizer, max_queue=max_queue)
     model_id = model_id or os.path.basename(base)
     app = create_app(engine, model_id, api_key=api_key)
