@@ -216,6 +216,15 @@ class BatchGenerator:
         self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=self.device, policy=policy,
                              cuda_graph=[DECODE] if graphed else False, **module_options)
         self.slots: list[Sequence | None] = [None] * self.max_batch_size
+        try:
+            # one-time costs (lazy initialisation, the decode graph's capture) before the first request
+            self.module.run_method(PREFILL, [torch.zeros(1, self.prefill_chunk, dtype=torch.long), torch.arange(self.prefill_chunk)[None], torch.zeros(1, dtype=torch.long)])
+            every = torch.arange(self.max_batch_size)
+            self.module.run_method(DECODE, [torch.zeros(self.max_batch_size, 1, dtype=torch.long), torch.zeros(self.max_batch_size, 1, dtype=torch.long), every])
+            self.module.reset_state()
+        except BaseException:
+            self.module.close()
+            raise
 
     # --- one sequence in, one step for all ---------------------------------------------------
     def free_slots(self) -> int:

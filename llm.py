@@ -419,6 +419,8 @@ class Generator:
             missing = [m for m in (PREFILL, DECODE) if m not in self.module.schedules]
             if missing:
                 raise GenerationError(f"{pte_path} has no method {missing[0]!r} that reads weights: write it with hostswap.llm.export")
+            if PREFIX + "max_batch_size" in self.module.method_names():
+                raise GenerationError(f"{pte_path} is a batched program (export with max_batch_size): run it with hostswap.batching.BatchGenerator")
             self.max_seq_len = self._constant(MAX_SEQ_LEN)
             self.prefill_chunk = self._constant(PREFILL_CHUNK)
             self.vocab_size = self._constant(VOCAB_SIZE)

@@ -118,6 +118,7 @@ class Metrics:
     generated_tokens: int = 0
     decode_tokens_per_second: float = 0.0  # of the last completion with two tokens or more
     bytes_streamed_per_step: float = 0.0  # of the last completion's decode steps
+    peak_active: int = 0  # the most sequences decoded together so far
 
 
 class Engine:
@@ -236,6 +237,7 @@ class Engine:
                 elif sequence.prefilled < len(sequence.prompt) and runner.prefill_next(sequence):
                     self._took(running, slot, sequence.tokens[-1])
             self.active = len(running)
+            self.metrics.peak_active = max(self.metrics.peak_active, self.active)
             if stopping and not running:
                 return
             if any(s.decoding for _, _, s in running.values()):
@@ -298,6 +300,7 @@ class Engine:
             ("bytes_streamed_per_step", "gauge", "weight bytes copied to the device per decode step, last completion", m.bytes_streamed_per_step),
             ("queue_depth", "gauge", "requests waiting", self.queue.qsize()),
             ("active_sequences", "gauge", "sequences being generated", self.active),
+            ("peak_active_sequences", "gauge", "the most sequences generated together so far", max(m.peak_active, self.active)),
         ]
         out = []
         for name, kind, help_text, value in rows:

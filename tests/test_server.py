@@ -37,13 +37,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def program(tmp_path_factory):
+def _tiny_llama(vocab_size: int, bos: int | None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hostswap.demo import GGUF_FILE, smollm2_folder
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=MAX_SEQ_LEN, tie_word_embeddings=False, bos_token_id=bos, eos_token_id=None)
+    return LlamaForCausalLM(config).eval()
 
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
     from transformers import AutoTokenizer
+
+    from hostswap.demo import GGUF_FILE, smollm2_folder
 
     try:
         folder = smollm2_folder()
@@ -51,11 +58,7 @@ def program(tmp_path_factory):
         pytest.skip(f"the tokenizer's package is missing: {e}")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
     base = str(tmp_path_factory.mktemp("served") / MODEL)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=MAX_SEQ_LEN, tie_word_embeddings=False,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=None)
-    llm.export(LlamaForCausalLM(config).eval(), base, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    llm.export(_tiny_llama(len(tokenizer), tokenizer.bos_token_id), base, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
     tokenizer.save_pretrained(base + ".tokenizer")
     return base, tokenizer
 
@@ -265,5 +268,33 @@ def test_a_full_queue_answers_429_and_sigterm_finishes_the_running_stream(progra
         rest = list(stream)  # the running response is finished, not cut
         assert rest[-1].choices[0].finish_reason == "length" and first.choices[0].text is not None
         assert s.process.wait(60) == 0
+    finally:
+        s.stop()
+
+
+def test_a_batched_program_serves_concurrent_streams_continuously(program, tmp_path):
+    """The same weights exported with four slots: eight concurrent streams share decode steps
+    (sequences join and leave between them), and each gets the text its prompt gets alone."""
+    from hostswap import batching
+
+    base, tokenizer = program
+    batched = str(tmp_path / MODEL)
+    batching.export(_tiny_llama(len(tokenizer), tokenizer.bos_token_id), batched, max_seq_len=MAX_SEQ_LEN, max_batch_size=4, prefill_chunk=CHUNK)
+    tokenizer.save_pretrained(batched + ".tokenizer")
+    lengths = [12, 20, 9, 15, 11, 18, 7, 14]
+    with batching.BatchGenerator(batched + ".pte", batched + ".ptd", weight_offload_budget_mb=64, device="cpu") as alone:
+        expected = [tokenizer.decode(alone.generate([tokenizer(p).input_ids], n)[0], skip_special_tokens=True) for p, n in zip(PROMPTS, lengths)]
+    s = Server(batched, "--max-queue", "16")
+    try:
+        def stream(i: int) -> str:
+            chunks = s.client().completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=lengths[i], stream=True)
+            return "".join(c.choices[0].text for c in chunks)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(stream, range(8)))
+        assert texts == expected
+        metrics = s.metrics()
+        assert metrics["hostswap_peak_active_sequences"] > 1 and metrics["hostswap_completed_total"] == 8
+        assert metrics["hostswap_active_sequences"] == 0
     finally:
         s.stop()
