@@ -120,5 +120,5 @@ def check_device_memory(device, weight_bytes: int, state_bytes: int, activation_
             f"{device} has {free_bytes / 2**20:.1f} MiB {'of RAM available' if torch.device(device).type == 'cpu' else 'free'}; this program needs {need / 2**20:.1f} MiB: weights "
             f"{weight_bytes / 2**20:.1f} MiB (the budget), state such as a KV cache {state_bytes / 2**20:.1f} MiB, "
             f"activations {activation_bytes / 2**20:.1f} MiB. Lower weight_offload_budget_mb (the floor is the least) "
-            "or export with a shorter max_seq_len"
+            "or export with a shorter max_seq_len (or fewer sequences, max_batch_size)"
         )
