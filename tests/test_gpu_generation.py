@@ -182,3 +182,36 @@ def test_routed_experts_decode_graphed_on_the_device(name, tmp_path):
         assert torch.equal(tokens, runs["floor eager"]), label
     # transformers' greedy tokens, fp32 on the CPU: a tiny model's margins exceed the kernels' rounding
     assert torch.equal(runs["floor eager"], expected), (runs["floor eager"].tolist(), expected.tolist())
+
+
+def test_batched_decode_graphed_gives_each_sequence_its_own_tokens(tmp_path):
+    """Eight slots, decode graphed, twelve prompts of different lengths joining and leaving:
+    in bf16 each sequence gets bitwise the tokens it gets alone in the same program (a row's
+    arithmetic does not depend on its companions); in fp32 those of the batch-1 program."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import hostswap.llm as llm
+    from hostswap import batching
+
+    def model(dtype):
+        torch.manual_seed(0)
+        config = Qwen2Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+        return Qwen2ForCausalLM(config).to(dtype).eval()
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 40, 17, 3, 64, 9, 33, 21, 2, 50, 12, 28)]
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        pte, ptd = batching.export(model(dtype), tmp_path / f"eight-{name}", max_seq_len=128, max_batch_size=8, prefill_chunk=32)
+        floor = max(s.load_floor_bytes for s in hostswap.schedules.load_weight_schedules(pte).values())
+        with batching.BatchGenerator(pte, ptd, weight_offload_budget_mb=floor / MB * 1.5, device="cuda") as b:
+            assert b.module.cuda_graph
+            together = b.generate(prompts, 24, eos_token_id=[])
+            alone = [b.generate([p], 24, eos_token_id=[])[0] for p in prompts]
+        assert together == alone, name
+        if dtype == torch.float32:
+            one_pte, one_ptd = llm.export(model(dtype), tmp_path / "one", max_seq_len=128, prefill_chunk=32)
+            with llm.Generator(one_pte, one_ptd, weight_offload_budget_mb=floor / MB * 1.5, device="cuda") as one:
+                single = [one.generate(torch.tensor([p]), 24, eos_token_id=[])[0, len(p):].tolist() for p in prompts]
+            assert together == single
