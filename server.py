@@ -341,6 +341,29 @@ def _stop(body: dict) -> tuple[str, ...]:
     return stop
 
 
+# Fields each endpoint reads; besides them, OpenAI fields accepted only at their neutral value
+# (anything else would change the answer in a way this server does not: refused, not ignored).
+# A field of neither kind is refused by name: a misspelt "temprature" must not sample greedily.
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "stream", "n",
+                 "stream_options", "user"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+NEUTRAL_VALUES = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False, None),
+                  "top_logprobs": (0, None), "echo": (False,), "suffix": (None, ""), "best_of": (1, None), "tools": ([], None),
+                  "tool_choice": ("none", None), "response_format": ({"type": "text"},), "parallel_tool_calls": (True, False, None)}
+
+
+def _check_fields(body: dict, fields: set[str]) -> None:
+    for name, value in body.items():
+        if name in fields:
+            continue
+        if name in NEUTRAL_VALUES:
+            if not any(type(value) is type(v) and value == v for v in NEUTRAL_VALUES[name]):  # strict: 0 is not False
+                raise ApiError(400, f"'{name}' is not supported by this server (only {NEUTRAL_VALUES[name][0]!r} is accepted)", param=name)
+            continue
+        raise ApiError(400, f"unrecognized request field '{name}'", param=name)
+
+
 class Parser:
     """Turns request bodies into jobs, or ``ApiError`` naming the field at fault."""
 
@@ -371,6 +394,7 @@ class Parser:
         return Job(prompt_ids, max_tokens, _sampling(body), _stop(body), loop, asyncio.Queue())
 
     def completion(self, body: dict, loop) -> Job:
+        _check_fields(body, COMPLETION_FIELDS)
         self._model(body)
         prompt = _field(body, "prompt", (str, list), required=True)
         if isinstance(prompt, list):
@@ -390,6 +414,7 @@ class Parser:
         return self._job(body, ids, loop)
 
     def chat(self, body: dict, loop) -> Job:
+        _check_fields(body, CHAT_FIELDS)
         self._model(body)
         messages = _field(body, "messages", (list,), required=True)
         if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):

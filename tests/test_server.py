@@ -204,6 +204,9 @@ def test_seeded_sampling_is_reproducible_and_differs_between_seeds(server, progr
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "'stream' must be bool"),
     ({"model": MODEL, "prompt": "x", "n": 2}, 400, "'n' must be 1"),
     ([1, 2], 400, "must be a JSON object"),
+    ({"model": MODEL, "prompt": "x", "temprature": 0.5}, 400, "unrecognized request field 'temprature'"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.7}, 400, "'presence_penalty' is not supported"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 5}, 400, "'logprobs' is not supported"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, body, status, match):
     import re
