@@ -7,15 +7,18 @@ else, so the weight pass treats the tables as row gathers (``graph_facts``): the
 copied to the device whole, and a kernel on the GPU reads the picked rows from the tables'
 mapped host pages.
 
-Two ways through, chosen by shape alone:
+Three ways through, chosen by the call's shape (and whether a CUDA graph is being captured):
 
-- **pairs** (a decode step: tokens x top-k <= experts, or any call while a CUDA graph is being
-  captured): each (token, expert) pair's rows are gathered by index and multiplied batched.
-  The expert ids stay on the device: no host sync, so a graphed decode step can hold it.
+- **pairs** (a decode step: tokens x top-k <= experts): each (token, expert) pair's rows are
+  gathered by index and multiplied batched. The expert ids stay on the device: no host sync,
+  so a graphed decode step can hold it.
   The arithmetic is transformers' ``batched_mm`` experts implementation, op for op.
-- **grouped** (prefill chunks): the host learns the union of the chunk's experts once, and
-  each expert of it is read once and applied to its tokens, as transformers' eager experts
-  loop does.
+- **grouped** (prefill chunks, batched decode steps run eagerly): the host learns the union
+  of the call's experts once, and each expert of it is read once and applied to its tokens,
+  as transformers' eager experts loop does;
+- **dense** (a call with more pairs than experts while a CUDA graph is captured: a batched
+  decode step): every expert applied to every token, weighted by its routing weight (zero
+  where not picked); each expert read once, with no host sync and no gathered copies.
 
 An expert id outside ``0..E-1`` stops the call with ``ExpertIndexError`` naming the block
 (on the GPU without a host sync: a device-side assertion), never a read of other bytes.
@@ -28,6 +31,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+
 # activation name -> function (the gate of a gated expert, or the whole activation of a plain one)
 ACTIVATIONS = {
     "silu": F.silu,
@@ -144,15 +148,37 @@ def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activ
     return out, len(experts)
 
 
+def _dense(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed):
+    """Every expert over every token, each token's output weighted by its routing weight (zero
+    where the expert is not among its picks): each expert's rows read once, no host sync and
+    no gathered copies. For a captured call with more pairs than experts (a batched decode)."""
+    num_experts = gate_up.shape[0]
+    # [tokens, experts]: a token's weight for each expert, summed over its picks
+    routing = torch.zeros(ids.shape[0], num_experts, dtype=weights.dtype, device=weights.device).scatter_add_(1, ids, weights)
+    out = torch.zeros(hidden.shape, dtype=torch.float32 if hidden.dtype != torch.float64 else hidden.dtype, device=hidden.device)
+    for e in range(num_experts):
+        def linear(x, table, bias):
+            if transposed:
+                y = x @ table[e]
+                return y + bias[e] if bias is not None else y
+            return F.linear(x, table[e], bias[e] if bias is not None else None)
+
+        y = linear(activate(linear(hidden, gate_up, gate_up_bias)), down, down_bias)
+        out += y * routing[:, e : e + 1]
+    return out.to(hidden.dtype)
+
+
 def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, activation, gated, interleaved, transposed, alpha, limit, block):
     num_experts = gate_up.shape[0]
     _check_ids(top_k_index, num_experts, block)
     gate_of = lambda x: gate(x, activation, gated, interleaved, alpha, limit)  # noqa: E731
     tables = (gate_up, down, gate_up_bias, down_bias)
-    capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-    if top_k_index.numel() <= num_experts or capturing:
+    if top_k_index.numel() <= num_experts:
         _record(block, top_k_index.numel(), unit_bytes(*tables))
         return _pairs(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot learn the union
+        _record(block, num_experts, unit_bytes(*tables))
+        return _dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
     out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
     _record(block, read, unit_bytes(*tables))
     return out

@@ -7,8 +7,9 @@ gathers), so what a call reads is a count of units, not a list of weights:
 
 - a call of ``tokens`` x ``top_k`` pairs no more than the block's experts (a decode step)
   gathers each pair's rows into device scratch, with no host sync: ``tokens * top_k`` units;
-- a larger call (a prefill chunk) reads each expert of the union once, in place: at most
-  ``num_experts`` units, no scratch.
+- a larger call (a prefill chunk, a batched decode step) reads each expert of the union once,
+  in place (every expert once where the step is a CUDA graph, which cannot learn the union):
+  at most ``num_experts`` units, no scratch.
 
 With budget to spare once every streamed weight is resident, whole blocks' tables are kept
 on the device instead (``plan_expert_residency``): their reads are hits, the others misses.

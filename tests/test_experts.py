@@ -315,3 +315,30 @@ def test_streamed_export_refuses_a_constant_tracing_cannot_know(tmp_path, tmp_pa
     with pytest.raises(UntracedConstantError, match=r"method 'prefill' creates a tensor in its forward \('model.model.lifted_tensor_\d'.*export the loaded model"):
         export_checkpoint(moe.directory, tmp_path / "streamed", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_the_three_ways_through_agree():
+    """Pairs (gathered rows, batched matmuls), grouped (the union, eager loop) and dense (every
+    expert over every token, weighted; a captured batched decode) compute the same function:
+    within fp32 rounding of one another on the same routing, gated and plain, with biases and
+    transposed tables."""
+    from hostswap.kernels.routed_experts import _dense, _grouped, _pairs, gate
+
+    torch.manual_seed(0)
+    tokens, hidden_size, inner, experts, k = 3, 16, 24, 4, 2
+    hidden = torch.randn(tokens, hidden_size)
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, k), dim=-1)
+    for gated, transposed, biased in ((True, False, False), (True, True, True), (False, False, True)):
+        width = 2 * inner if gated else inner
+        gate_up = torch.randn(experts, hidden_size, width) if transposed else torch.randn(experts, width, hidden_size)
+        down = torch.randn(experts, inner, hidden_size) if transposed else torch.randn(experts, hidden_size, inner)
+        biases = (torch.randn(experts, width), torch.randn(experts, hidden_size)) if biased else (None, None)
+        activate = lambda x, g=gated: gate(x, "silu", g, False, 0.0, 0.0)  # noqa: E731
+        tables = (gate_up, down, *biases)
+        pairs = _pairs(hidden, ids, weights, *tables, activate, transposed)
+        grouped, read = _grouped(hidden, ids, weights, *tables, activate, transposed)
+        dense = _dense(hidden, ids, weights, *tables, activate, transposed)
+        assert read == len(torch.unique(ids))
+        torch.testing.assert_close(grouped, pairs, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(dense, pairs, atol=1e-4, rtol=1e-5)
