@@ -30,7 +30,8 @@ MAX_SEQ_LEN = PREFIX + "max_seq_len"
 PREFILL_CHUNK = PREFIX + "prefill_chunk"
 EOS_TOKEN_IDS = PREFIX + "eos_token_ids"
 VOCAB_SIZE = PREFIX + "vocab_size"
-PREFILL, DECODE = "prefill", "decode"
+SPECULATE_K = PREFIX + "speculate_k"
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
 DEFAULT_PREFILL_CHUNK = 128  # the most tokens a prefill call takes unless asked (less where max_seq_len is shorter)
 
 
@@ -187,7 +188,8 @@ def default_prefill_chunk(max_seq_len: int) -> int:
 
 
 def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1,
-           gather_from_host: bool = True, progress: Callable[[str], None] | None = None, max_batch_size: int | None = None) -> tuple[str, str]:
+           gather_from_host: bool = True, progress: Callable[[str], None] | None = None, max_batch_size: int | None = None,
+           speculate_k: int | None = None) -> tuple[str, str]:
     """Write ``<path>.pte`` (methods ``prefill`` and ``decode``, their schedules, the KV cache
     as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths.
 
@@ -196,11 +198,14 @@ def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: i
     ``prefill_chunk``: tokens per prefill call (default ``min(128, max_seq_len)``).
     ``gather_from_host``: as in ``apply_weight_offload`` (an untied token table stays in host
     memory, read a row per token). ``max_batch_size``: write a program for that many sequences
-    at once, each at its own position (run it with ``hostswap.batching.BatchGenerator``)."""
+    at once, each at its own position (run it with ``hostswap.batching.BatchGenerator``).
+    ``speculate_k``: add a ``verify`` method that checks that many drafted tokens in one pass
+    (``Generator(..., draft=...)``)."""
     from hostswap.passes import save
 
     programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
-                                          gather_from_host=gather_from_host, progress=progress, max_batch_size=max_batch_size)
+                                          gather_from_host=gather_from_host, progress=progress, max_batch_size=max_batch_size,
+                                          speculate_k=speculate_k)
     return save(programs, path, constant_methods=constants, progress=progress)
 
 
@@ -213,15 +218,21 @@ def export_checkpoint(folder: str | os.PathLike, path: str | os.PathLike, **opti
 
 
 def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
-                    progress: Callable[[str], None] | None = None, device: str = "cpu", max_batch_size: int | None = None) -> tuple[dict, dict]:
+                    progress: Callable[[str], None] | None = None, device: str = "cpu", max_batch_size: int | None = None,
+                    speculate_k: int | None = None) -> tuple[dict, dict]:
     """The probed ``prefill`` and ``decode`` programs of ``export``, and the constant methods
     that describe them, before lowering. ``device``: of the example inputs, the model's own
     (``"meta"`` for a model traced without values). ``max_batch_size``: a KV cache of that many
-    slots, for ``hostswap.batching.BatchGenerator`` (hostswap/batching.py)."""
+    slots, for ``hostswap.batching.BatchGenerator`` (hostswap/batching.py). ``speculate_k``: a
+    ``verify`` method of ``speculate_k + 1`` tokens, for speculative decoding with a draft
+    (hostswap/speculative.py)."""
     from hostswap.passes import apply_weight_offload
 
     if max_batch_size is not None:
         from hostswap import batching
+
+        if speculate_k is not None:
+            raise GenerationError("speculate_k and max_batch_size cannot be combined yet: export a batched program or a speculative one")
 
         return batching.export_programs(model, max_seq_len=max_seq_len, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
                                         prefetch_depth=prefetch_depth, gather_from_host=gather_from_host, progress=progress, device=device)
@@ -232,10 +243,16 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
     _check_positive_int("prefill_chunk", prefill_chunk)
     if prefill_chunk > max_seq_len:
         raise GenerationError(f"prefill_chunk={prefill_chunk} is longer than max_seq_len={max_seq_len}")
+    if speculate_k is not None:
+        _check_positive_int("speculate_k", speculate_k)
+        if speculate_k + 1 > max_seq_len:
+            raise GenerationError(f"speculate_k={speculate_k} needs {speculate_k + 1} positions; max_seq_len={max_seq_len}")
     say = progress or (lambda _msg: None)
     wrapper = _static_cache_wrapper(model, max_seq_len)
     programs = {}
-    for name, length in ((PREFILL, prefill_chunk), (DECODE, 1)):
+    # verify: the last accepted token and k drafted ones, checked in one pass (hostswap/speculative.py)
+    methods = ((PREFILL, prefill_chunk), (DECODE, 1)) + (((VERIFY, speculate_k + 1),) if speculate_k is not None else ())
+    for name, length in methods:
         say(f"exporting {name} ({length} token{'s' if length > 1 else ''})")
         ids = torch.zeros(1, length, dtype=torch.long, device=device)
         with torch.no_grad():
@@ -244,7 +261,8 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
         programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host)
     eos = _eos_ids(model)
     vocab = model.get_input_embeddings().num_embeddings
-    return programs, {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, VOCAB_SIZE: vocab, **({EOS_TOKEN_IDS: eos} if eos else {})}
+    return programs, {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, VOCAB_SIZE: vocab, **({EOS_TOKEN_IDS: eos} if eos else {}),
+                      **({SPECULATE_K: speculate_k} if speculate_k is not None else {})}
 
 
 # A method call: (method, token ids [1, n], position of the first) -> logits [1, n, vocab].
@@ -403,7 +421,7 @@ class Generator:
     """
 
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str = "auto", device="cuda", policy: str = "planned",
-                 cuda_graph: bool | None = None, warm_up: bool = True, **module_options):
+                 cuda_graph: bool | None = None, warm_up: bool = True, draft=None, **module_options):
         from hostswap.runtime import Module
         from hostswap.runtime.module import check_device_argument
 
@@ -426,12 +444,34 @@ class Generator:
             self.vocab_size = self._constant(VOCAB_SIZE)
             self.eos_token_ids = frozenset(self.module.run_method(EOS_TOKEN_IDS, []) if EOS_TOKEN_IDS in self.module.method_names() else [])
             self.device = device
+            self.speculate_k = self._constant(SPECULATE_K) if SPECULATE_K in self.module.method_names() else None
+            self._owns_draft = draft is not None and not isinstance(draft, Generator)
+            self.draft = self._load_draft(draft) if draft is not None else None
+            self.last_speculation = None  # SpeculationStats of the last generate with a draft
             self.last = GenerationStats()
             self.last_logprobs: list[float] | None = None  # of the last generate's new tokens, when asked for
             self.warm_up_seconds = self._warm_up() if warm_up else None
         except BaseException:
             self.module.close()
             raise
+
+    def _load_draft(self, draft) -> "Generator":
+        """The draft as a ``Generator``: one given, or the program at a path prefix (its weights
+        all on the device)."""
+        from hostswap.speculative import check_draft
+
+        if self.speculate_k is None:
+            raise GenerationError(f"{self.module.pte_path} has no verify method: export the target with speculate_k=k to decode with a draft")
+        if not isinstance(draft, Generator):
+            base = os.fspath(draft)
+            base = base[:-4] if base.endswith(".pte") else base
+            from hostswap.schedules.serialization import load_weight_schedules
+
+            schedules = load_weight_schedules(base + ".pte")
+            resident = max(max(s.total_bytes, s.load_floor_bytes) for s in schedules.values())
+            draft = Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=resident / 2**20, device=self.device)
+        check_draft(self, draft)
+        return draft
 
     def _warm_up(self) -> float:
         """One prefill chunk and one decode step on token 0, then the KV cache zeroed as at
@@ -510,9 +550,20 @@ class Generator:
         stats.prefill_seconds, stats.bytes_streamed_prefill = t1 - t0, bytes1 - bytes0
         chosen: list = []
         sampling = sampling or SamplingParams()
-        choose = None if sampling.argmax and not logprobs else TokenChooser(sampling, self.device, self.vocab_size, ids)
-        new = decode_tokens(self._step, last, prompt, max_new_tokens, eos, on_token, choose, chosen if logprobs else None)
-        self.last_logprobs = torch.cat(chosen)[: len(new)].tolist() if logprobs else None
+        if self.draft is not None:
+            if not sampling.argmax or logprobs:
+                raise GenerationError("decoding with a draft is greedy: load without draft= to sample or to keep log-probabilities")
+            from hostswap.speculative import SpeculationStats, speculate
+
+            self.draft.module.ensure_open()
+            prefill(self.draft._step, ids, self.draft.prefill_chunk, self.draft.max_seq_len)
+            self.last_speculation = SpeculationStats()
+            new = speculate(self, self.draft, int(last.argmax()), prompt, self.speculate_k, max_new_tokens, eos, on_token, self.last_speculation)
+            self.last_logprobs = None
+        else:
+            choose = None if sampling.argmax and not logprobs else TokenChooser(sampling, self.device, self.vocab_size, ids)
+            new = decode_tokens(self._step, last, prompt, max_new_tokens, eos, on_token, choose, chosen if logprobs else None)
+            self.last_logprobs = torch.cat(chosen)[: len(new)].tolist() if logprobs else None
         self._sync()
         stats.decode_seconds = time.perf_counter() - t1
         stats.bytes_streamed_decode = self.module.pool.stats.bytes_h2d - bytes1
@@ -567,6 +618,8 @@ class Generator:
 
     def close(self) -> None:
         self.module.close()
+        if self.draft is not None and self._owns_draft:
+            self.draft.close()
 
     def __enter__(self) -> "Generator":
         return self

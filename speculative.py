@@ -1,0 +1,114 @@
+"""Speculative decoding: a draft on the GPU proposes k tokens, one streamed pass of the target
+checks them all.
+
+Streamed decode moves every streamed weight over the bus once per token, and a pass over a few
+positions moves the same bytes as a pass over one. A target exported with ``speculate_k=k``
+has a ``verify`` method of k + 1 tokens. Each round the draft (a smaller program, held
+resident) decodes k tokens greedily; the target runs ``verify`` over the last accepted token and
+the k drafted ones, at their positions; the longest prefix of drafted tokens that equal the
+target's own choices is accepted, plus the target's token after it: 1 to k + 1 tokens per
+weight pass, each the token the target's greedy decode would choose there.
+
+Rolling back costs nothing: both caches are static, each position written before it is
+attended to and masked until then, so the entries of rejected tokens are overwritten by the
+next round's writes. Near the end of the cache, where k + 1 positions do not fit, rounds fall
+back to plain decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from hostswap.llm import DECODE, VERIFY, GenerationError
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    """What the last speculative ``generate`` measured."""
+
+    passes: int = 0  # verify passes of the target
+    plain_steps: int = 0  # target decode steps where k + 1 positions did not fit
+    drafted: int = 0
+    accepted: int = 0  # drafted tokens the target agreed with
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_pass(self) -> float | None:
+        """New tokens per weight pass of the target (verify passes and plain steps)."""
+        passes = self.passes + self.plain_steps
+        return (self.accepted + passes) / passes if passes else None
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "acceptance": self.acceptance, "tokens_per_pass": self.tokens_per_pass}
+
+
+def check_draft(target, draft) -> None:
+    """Refuse a draft that cannot propose the target's tokens: another vocabulary, other
+    end-of-sequence tokens, or a shorter cache."""
+    if draft.vocab_size != target.vocab_size:
+        raise GenerationError(f"the draft's vocabulary has {draft.vocab_size} ids, the target's {target.vocab_size}: a draft must share the target's tokenizer")
+    if draft.eos_token_ids != target.eos_token_ids:
+        raise GenerationError(f"the draft ends sequences at tokens {sorted(draft.eos_token_ids)}, the target at {sorted(target.eos_token_ids)}: "
+                              "a draft must share the target's tokenizer")
+    if draft.max_seq_len < target.max_seq_len:
+        raise GenerationError(f"the draft's max_seq_len={draft.max_seq_len} is shorter than the target's {target.max_seq_len}; export the draft with at least as many positions")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def speculate(target, draft, first_token: int, position: int, k: int, max_new_tokens: int, eos, on_token, stats: SpeculationStats) -> list[int]:
+    """Greedy tokens after a prompt that both caches hold: ``first_token`` (the target's choice
+    after the prompt, to go at ``position``) and the rest, k drafted and checked per round."""
+    new = [first_token]
+    if on_token:
+        on_token(first_token)
+    pending = [(first_token, position)]  # tokens the draft has not yet seen, with their positions
+    while len(new) < max_new_tokens and new[-1] not in eos:
+        at = position + len(new) - 1  # where the last new token goes
+        if at + k >= target.max_seq_len:  # k + 1 positions do not fit: plain decode
+            (logits,) = target.module.run_method(DECODE, [torch.tensor([[new[-1]]]), torch.tensor([at])])
+            token = int(logits[0, -1].argmax())
+            stats.plain_steps += 1
+            accepted = [token]
+        else:
+            start = time.perf_counter()
+            for token, where in pending:  # the last of these gives the first draft
+                (logits,) = draft.module.run_method(DECODE, [torch.tensor([[token]]), torch.tensor([where])])
+            drafts = [int(logits[0, -1].argmax())]
+            for i in range(1, k):
+                (logits,) = draft.module.run_method(DECODE, [torch.tensor([[drafts[-1]]]), torch.tensor([at + i])])
+                drafts.append(int(logits[0, -1].argmax()))
+            _sync(draft.device)
+            middle = time.perf_counter()
+            (logits,) = target.module.run_method(VERIFY, [torch.tensor([[new[-1], *drafts]]), torch.arange(at, at + k + 1)])
+            chosen = logits[0].argmax(-1).tolist()
+            stats.draft_seconds += middle - start
+            stats.verify_seconds += time.perf_counter() - middle
+            n = 0
+            while n < k and drafts[n] == chosen[n]:
+                n += 1
+            stats.passes += 1
+            stats.drafted += k
+            stats.accepted += n
+            accepted = drafts[:n] + [chosen[n]]
+            # the draft saw the last token and drafts[:k - 1]; it has yet to see an accepted
+            # drafts[k - 1] and the target's own token
+            pending = ([(drafts[k - 1], at + k)] if n == k else []) + [(chosen[n], at + n + 1)]
+        for token in accepted:  # (once rounds fall back to plain decode they stay there: the draft is not needed again)
+            new.append(token)
+            if on_token:
+                on_token(token)
+            if len(new) == max_new_tokens or token in eos:
+                return new
+    return new
