@@ -421,7 +421,7 @@ class Generator:
     """
 
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str = "auto", device="cuda", policy: str = "planned",
-                 cuda_graph: bool | None = None, warm_up: bool = True, draft=None, **module_options):
+                 cuda_graph: bool | None = None, warm_up: bool = True, draft=None, speculate_k: int | None = None, **module_options):
         from hostswap.runtime import Module
         from hostswap.runtime.module import check_device_argument
 
@@ -444,7 +444,8 @@ class Generator:
             self.vocab_size = self._constant(VOCAB_SIZE)
             self.eos_token_ids = frozenset(self.module.run_method(EOS_TOKEN_IDS, []) if EOS_TOKEN_IDS in self.module.method_names() else [])
             self.device = device
-            self.speculate_k = self._constant(SPECULATE_K) if SPECULATE_K in self.module.method_names() else None
+            self.speculate_k = self._constant(SPECULATE_K) if SPECULATE_K in self.module.method_names() else None  # the verify width less one
+            self.draft_k = self._draft_k(speculate_k) if draft is not None else None  # tokens drafted per round
             self._owns_draft = draft is not None and not isinstance(draft, Generator)
             self.draft = self._load_draft(draft) if draft is not None else None
             self.last_speculation = None  # SpeculationStats of the last generate with a draft
@@ -454,6 +455,15 @@ class Generator:
         except BaseException:
             self.module.close()
             raise
+
+    def _draft_k(self, asked) -> int:
+        if self.speculate_k is None:
+            raise GenerationError(f"{self.module.pte_path} has no verify method: export the target with speculate_k=k to decode with a draft")
+        if asked is None:
+            return self.speculate_k
+        if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= self.speculate_k:
+            raise GenerationError(f"speculate_k must be an int from 1 to {self.speculate_k} (the program's verify method checks {self.speculate_k}), got {asked!r}")
+        return asked
 
     def _load_draft(self, draft) -> "Generator":
         """The draft as a ``Generator``: one given, or the program at a path prefix (its weights
@@ -558,7 +568,7 @@ class Generator:
             self.draft.module.ensure_open()
             prefill(self.draft._step, ids, self.draft.prefill_chunk, self.draft.max_seq_len)
             self.last_speculation = SpeculationStats()
-            new = speculate(self, self.draft, int(last.argmax()), prompt, self.speculate_k, max_new_tokens, eos, on_token, self.last_speculation)
+            new = speculate(self, self.draft, int(last.argmax()), prompt, self.draft_k, max_new_tokens, eos, on_token, self.last_speculation)
             self.last_logprobs = None
         else:
             choose = None if sampling.argmax and not logprobs else TokenChooser(sampling, self.device, self.vocab_size, ids)

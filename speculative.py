@@ -69,14 +69,17 @@ def _sync(device: torch.device) -> None:
 
 def speculate(target, draft, first_token: int, position: int, k: int, max_new_tokens: int, eos, on_token, stats: SpeculationStats) -> list[int]:
     """Greedy tokens after a prompt that both caches hold: ``first_token`` (the target's choice
-    after the prompt, to go at ``position``) and the rest, k drafted and checked per round."""
+    after the prompt, to go at ``position``) and the rest, k drafted and checked per round
+    (k up to the target's verify width less one: a shorter round pads the verify call, whose
+    padding's cache entries come after the round's and are overwritten like a rejection's)."""
+    width = target.speculate_k + 1  # tokens the verify method takes
     new = [first_token]
     if on_token:
         on_token(first_token)
     pending = [(first_token, position)]  # tokens the draft has not yet seen, with their positions
     while len(new) < max_new_tokens and new[-1] not in eos:
         at = position + len(new) - 1  # where the last new token goes
-        if at + k >= target.max_seq_len:  # k + 1 positions do not fit: plain decode
+        if at + width > target.max_seq_len:  # the verify call's positions do not fit: plain decode
             (logits,) = target.module.run_method(DECODE, [torch.tensor([[new[-1]]]), torch.tensor([at])])
             token = int(logits[0, -1].argmax())
             stats.plain_steps += 1
@@ -91,7 +94,8 @@ def speculate(target, draft, first_token: int, position: int, k: int, max_new_to
                 drafts.append(int(logits[0, -1].argmax()))
             _sync(draft.device)
             middle = time.perf_counter()
-            (logits,) = target.module.run_method(VERIFY, [torch.tensor([[new[-1], *drafts]]), torch.arange(at, at + k + 1)])
+            ids = [new[-1], *drafts] + [drafts[-1]] * (width - k - 1)
+            (logits,) = target.module.run_method(VERIFY, [torch.tensor([ids]), torch.arange(at, at + width)])
             chosen = logits[0].argmax(-1).tolist()
             stats.draft_seconds += middle - start
             stats.verify_seconds += time.perf_counter() - middle

@@ -1,0 +1,132 @@
+"""Speculative decoding: a draft proposes k tokens, one pass of the target's verify method checks
+them. Greedy output must equal the target's plain greedy output token for token, whatever the
+draft proposes: all right, all wrong, or wrong at any one position of a round (after which
+both caches hold entries of rejected tokens that the next round must overwrite)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hostswap import llm
+from hostswap.schedules.serialization import load_weight_schedules
+from hostswap.speculative import SpeculationStats, speculate
+
+from real_models import BY_NAME, VOCAB, build
+
+MB = 2**20
+MAX_SEQ_LEN, CHUNK, NEW = 40, 4, 30
+from test_generation import GENERATION_ARCHITECTURES as ARCHITECTURES  # noqa: E402
+
+
+def _prompt(n: int = 7, random_state: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(random_state))
+
+
+class Pair:
+    """One architecture: the target, with a verify method for up to 8 drafted tokens (its plain
+    greedy output: the reference), and two drafts: the same weights, and other random ones."""
+
+    def __init__(self, name: str, directory):
+        self.target = llm.export(build(BY_NAME[name])[0], os.path.join(directory, "target"), max_seq_len=MAX_SEQ_LEN,
+                                 prefill_chunk=CHUNK, speculate_k=8)
+        self.same = os.path.join(directory, "target")
+        llm.export(build(BY_NAME[name], random_state=5)[0], os.path.join(directory, "other"), max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+        self.other = os.path.join(directory, "other")
+        self.budget = max(s.load_floor_bytes for s in load_weight_schedules(self.target[0]).values()) / MB + 0.01
+        with llm.Generator(*self.target, weight_offload_budget_mb=self.budget, device="cpu") as g:
+            self.expected = g.generate(_prompt(), NEW, eos_token_id=[])
+
+
+_pairs: dict[str, Pair] = {}
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def pair(request, tmp_path_factory):
+    if request.param not in _pairs:
+        _pairs[request.param] = Pair(request.param, tmp_path_factory.mktemp(request.param))
+    return _pairs[request.param]
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_greedy_output_is_the_targets_own(pair, k, draft):
+    with llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=getattr(pair, draft), speculate_k=k) as g:
+        out = g.generate(_prompt(), NEW, eos_token_id=[])
+        assert torch.equal(out, pair.expected), (out.tolist(), pair.expected.tolist())
+        stats = g.last_speculation
+        assert stats.passes > 0 and stats.drafted == stats.passes * k
+        if draft == "same":  # the target's own weights: every drafted token agrees
+            assert stats.acceptance == 1.0 and stats.passes <= -(-NEW // (k + 1)) + 1
+        assert g.stats["new_tokens"] == NEW
+
+
+class ScriptedDraft:
+    """A draft that proposes the target's own greedy tokens, except at the positions in
+    ``wrong``, where it proposes another token: rejections land where the test wants them."""
+
+    def __init__(self, truth: list[int], wrong: set[int], target):
+        self.truth, self.wrong = truth, wrong
+        self.vocab_size, self.eos_token_ids, self.max_seq_len, self.device = target.vocab_size, target.eos_token_ids, target.max_seq_len, target.device
+        self.module = self
+
+    def run_method(self, method: str, inputs):
+        position = int(inputs[1][-1]) + 1  # the logits after a token at p predict position p + 1
+        token = self.truth[position] if position < len(self.truth) else 0
+        if position in self.wrong:
+            token = (token + 1) % self.vocab_size
+        return [torch.nn.functional.one_hot(torch.tensor([[token]]), self.vocab_size).float()]
+
+
+@pytest.mark.parametrize("reject_at", range(5))
+def test_a_rejection_at_every_position_of_a_round_rolls_both_caches_back(tmp_path_factory, reject_at):
+    """k = 4 (the verify call padded to its 9 tokens): in every round the draft is wrong at offset ``reject_at`` (0: its first proposal,
+    4: none of the four, the target's bonus token follows); the output stays the target's."""
+    pair = _pairs.get("Llama") or _pairs.setdefault("Llama", Pair("Llama", tmp_path_factory.mktemp("Llama")))
+    truth = pair.expected[0].tolist()
+    prompt = _prompt()
+    with llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu") as g:
+        # prefill as generate does, then speculate with the scripted draft
+        last = llm.prefill(g._step, prompt, g.prefill_chunk, g.max_seq_len)
+        start = prompt.shape[1]
+        # rounds start at start + 5m (each accepts reject_at drafted tokens and the target's own)
+        step = reject_at + 1 if reject_at < 4 else 5
+        wrong = {start + 1 + reject_at + step * m for m in range(NEW)} if reject_at < 4 else set()
+        stats = SpeculationStats()
+        new = speculate(g, ScriptedDraft(truth, wrong, g), int(last.argmax()), start, 4, NEW, frozenset(), None, stats)
+        assert new == truth[start:], (new, truth[start:])
+        assert stats.passes > 0
+        # every round but the last accepts exactly reject_at drafts (the last may draft past the
+        # known continuation, where the script has no truth to propose)
+        assert (stats.passes - 1) * reject_at <= stats.accepted <= stats.passes * reject_at
+
+
+def test_bad_drafts_and_requests_are_named(tmp_path_factory, tmp_path):
+    pair = _pairs.get("Llama") or _pairs.setdefault("Llama", Pair("Llama", tmp_path_factory.mktemp("Llama")))
+    # another vocabulary
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    wider = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB + 8, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, bos_token_id=None)).eval()
+    llm.export(wider, tmp_path / "wider", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    with pytest.raises(llm.GenerationError, match=rf"the draft's vocabulary has {VOCAB + 8} ids, the target's {VOCAB}: a draft must share the target's tokenizer"):
+        llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=str(tmp_path / "wider"))
+    short = llm.export(build(BY_NAME["Llama"])[0], tmp_path / "short", max_seq_len=20, prefill_chunk=CHUNK)
+    with pytest.raises(llm.GenerationError, match="the draft's max_seq_len=20 is shorter than the target's 40"):
+        llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=short[0])
+    with pytest.raises(llm.GenerationError, match="has no verify method: export the target with speculate_k"):
+        llm.Generator(*short, weight_offload_budget_mb=pair.budget, device="cpu", draft=pair.same)
+    with pytest.raises(llm.GenerationError, match=r"speculate_k must be an int from 1 to 8 \(the program's verify method checks 8\), got 9"):
+        llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=pair.same, speculate_k=9)
+    with llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=pair.same) as g:
+        from hostswap.sampling import SamplingParams
+
+        with pytest.raises(llm.GenerationError, match="decoding with a draft is greedy"):
+            g.generate(_prompt(), 4, sampling=SamplingParams(temperature=0.7, seed=1))
+    with pytest.raises(llm.GenerationError, match="speculate_k must be a positive int, got 0"):
+        llm.export(build(BY_NAME["Llama"])[0], tmp_path / "zero", max_seq_len=MAX_SEQ_LEN, speculate_k=0)
+    with pytest.raises(llm.GenerationError, match="speculate_k and max_batch_size cannot be combined"):
+        llm.export(build(BY_NAME["Llama"])[0], tmp_path / "both", max_seq_len=MAX_SEQ_LEN, speculate_k=2, max_batch_size=2)
