@@ -239,7 +239,7 @@ class _LinearQuantizer:
 def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None,
                       dtype: torch.dtype | str | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
                       progress: Callable[[str], None] | None = None, show_bar: bool = False, quantize: str | None = None,
-                      max_batch_size: int | None = None) -> tuple[str, str]:
+                      max_batch_size: int | None = None, speculate_k: int | None = None) -> tuple[str, str]:
     """Write ``<out>.pte`` and ``<out>.ptd`` for the transformers causal LM in ``folder`` (its
     config and safetensors shards) without loading the model: the same program, weight bytes
     and weights digest as ``hostswap.llm.export`` of the loaded model. ``dtype``: the weights'
@@ -247,7 +247,8 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
     ``show_bar``: a progress bar of bytes written, GB/s and time left. ``quantize``: ``"int8"`` or
     ``"int4"``, as ``hostswap.llm.quantize`` applies them, each linear's weight quantized when its
     turn to be written comes (on the GPU when there is one; int4 needs one). ``max_batch_size``:
-    a program for that many sequences at once (``hostswap.batching``)."""
+    a program for that many sequences at once (``hostswap.batching``). ``speculate_k``: a verify
+    method for speculative decoding (``hostswap.speculative``)."""
     from hostswap.passes.lowering import save_streamed
 
     folder = os.fspath(folder)
@@ -262,7 +263,8 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
         say(f"quantizing the linear layers to {quantize} on the meta device (shapes only; each weight is quantized as it is written)")
         quantizer = _LinearQuantizer(model, quantize)
     programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
-                                          gather_from_host=gather_from_host, progress=progress, device="meta", max_batch_size=max_batch_size)
+                                          gather_from_host=gather_from_host, progress=progress, device="meta", max_batch_size=max_batch_size,
+                                          speculate_k=speculate_k)
     del model
 
     def tensor_for(entry) -> torch.Tensor:

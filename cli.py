@@ -90,12 +90,20 @@ def _export_llm(args) -> int:
 
     from hostswap.checkpoint import export_checkpoint, has_safetensors
 
+    speculate_k = args.speculate_k if args.speculate_k is not None else (4 if args.draft else None)
+    if args.draft and args.quantize:
+        print("hostswap export-llm: --draft quantizes a copy of the full-precision weights; export the target without --quantize", file=sys.stderr)
+        return 2
     try:
         if has_safetensors(args.checkpoint) and not args.in_memory:
             # streamed from the shards, one tensor at a time (quantized as it is written): no model in memory
             pte, ptd = export_checkpoint(args.checkpoint, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
                                          dtype=args.dtype, progress=say, show_bar=sys.stderr.isatty(), quantize=args.quantize,
-                                         max_batch_size=args.max_batch_size)
+                                         max_batch_size=args.max_batch_size, speculate_k=speculate_k)
+            if args.draft:
+                say(f"writing the draft: the same checkpoint quantized to {args.draft}, to {args.out}.draft")
+                export_checkpoint(args.checkpoint, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                                  dtype=args.dtype, progress=say, quantize=args.draft)
         else:
             why = "--in-memory" if args.in_memory else "the checkpoint has no safetensors shards to stream"
             say(f"loading {args.checkpoint} into memory ({why})")
@@ -107,8 +115,14 @@ def _export_llm(args) -> int:
             if args.quantize:
                 say(f"quantizing the weights to {args.quantize} (torchao, weight-only)")
                 llm.quantize(model, args.quantize)
+            if args.draft:  # quantized from a copy, before the target is exported (export changes the model in place)
+                import copy
+
+                say(f"writing the draft: the same weights quantized to {args.draft}, to {args.out}.draft")
+                draft = llm.quantize(copy.deepcopy(model), args.draft)
+                llm.export(draft, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say)
             pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say,
-                                  max_batch_size=args.max_batch_size)
+                                  max_batch_size=args.max_batch_size, speculate_k=speculate_k)
     except (llm.GenerationError, OSError) as e:  # OSError: a full disk (DiskFullError names the file), an unwritable folder
         print(f"hostswap export-llm: {e}", file=sys.stderr)
         return 2
@@ -185,8 +199,11 @@ def _generate(args) -> int:
         print(f"hostswap generate: {e}", file=sys.stderr)
         return 2
     try:
+        draft = args.draft
+        if draft is not None and draft == "":  # --draft alone: the one export-llm --draft wrote beside the program
+            draft = base + ".draft"
         with llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=args.budget_mb, host_memory_budget_mb=args.host_budget_mb,
-                           device=device, policy=args.policy) as g:
+                           device=device, policy=args.policy, draft=draft, speculate_k=args.speculate_k if draft else None) as g:
             print(f"loaded: {g.memory_report()}", file=sys.stderr, flush=True)
             if tokenizer is not None:
                 print(args.prompt, end="", flush=True)
@@ -194,6 +211,10 @@ def _generate(args) -> int:
                        sampling=sampling)
             print()
             line = g.summary()
+            if g.last_speculation is not None:
+                spec = g.last_speculation
+                line += (f"; speculative: {spec.tokens_per_pass:.2f} tokens per weight pass, {100 * (spec.acceptance or 0):.0f} % of "
+                         f"{spec.drafted} drafted tokens accepted (draft {spec.draft_seconds:.2f} s, verify {spec.verify_seconds:.2f} s)")
             per_token = g.stats["bytes_streamed_per_token"]
             if device.type == "cuda" and per_token:
                 bound = per_token / _pinned_bandwidth(device) * 1e3
@@ -258,6 +279,9 @@ def main(argv=None) -> int:
                    "needs a CUDA GPU and bf16 weights, --dtype bfloat16)")
     e.add_argument("--max-batch-size", type=int, default=None, help="a KV cache of this many slots: serve decodes that many sequences per weight pass, "
                    "each at its own position (default: one sequence)")
+    e.add_argument("--speculate-k", type=int, default=None, help="add a verify method that checks this many drafted tokens in one pass (generate --draft)")
+    e.add_argument("--draft", choices=["int8", "int4"], help="also write <out>.draft: the same checkpoint quantized, as a draft held on the device "
+                   "(implies --speculate-k 4 unless given)")
     e.set_defaults(func=_export_llm)
     g = sub.add_parser("generate", help="stream greedy tokens from a program written by export-llm")
     g.add_argument("program", help="the path prefix given to export-llm (or its .pte)")
@@ -275,6 +299,9 @@ def main(argv=None) -> int:
     g.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens whose probabilities reach p")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1: tokens already in the text become less likely")
     g.add_argument("--seed", type=int, default=None, help="the same seed samples the same tokens")
+    g.add_argument("--draft", nargs="?", const="", default=None, metavar="PREFIX",
+                   help="decode speculatively with this draft program, held on the device (alone: the draft export-llm --draft wrote beside the program)")
+    g.add_argument("--speculate-k", type=int, default=None, help="tokens the draft proposes per round (default: all the program's verify method checks)")
     g.add_argument("--policy", choices=["planned", "lru"], default="planned")
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.set_defaults(func=_generate)

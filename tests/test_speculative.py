@@ -130,3 +130,22 @@ def test_bad_drafts_and_requests_are_named(tmp_path_factory, tmp_path):
         llm.export(build(BY_NAME["Llama"])[0], tmp_path / "zero", max_seq_len=MAX_SEQ_LEN, speculate_k=0)
     with pytest.raises(llm.GenerationError, match="speculate_k and max_batch_size cannot be combined"):
         llm.export(build(BY_NAME["Llama"])[0], tmp_path / "both", max_seq_len=MAX_SEQ_LEN, speculate_k=2, max_batch_size=2)
+
+
+def test_cli_exports_an_int8_self_draft_and_generates_the_plain_tokens(tmp_path):
+    """export-llm --draft int8 writes the target (with a verify method) and its quantized
+    copy beside it; generate --draft prints the tokens generate prints without it, and the
+    draft's acceptance."""
+    import subprocess
+    import sys
+
+    build(BY_NAME["Llama"])[0].save_pretrained(tmp_path / "ckpt")
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "hostswap.cli", *a], capture_output=True, text=True, timeout=600)  # noqa: E731
+    exported = cli("export-llm", str(tmp_path / "ckpt"), "--out", str(tmp_path / "m"), "--max-seq-len", "40", "--prefill-chunk", "4", "--draft", "int8")
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "m.draft.pte").exists() and load_weight_schedules(str(tmp_path / "m.pte")).keys() == {"prefill", "decode", "verify"}
+    run = ["generate", str(tmp_path / "m"), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "20", "--device", "cpu", "--budget-mb", "1"]
+    plain, drafted = cli(*run), cli(*run, "--draft")
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr[-2000:]
+    assert drafted.stdout == plain.stdout and len(plain.stdout.split()) == 20
+    assert "tokens per weight pass" in drafted.stderr and "drafted tokens accepted" in drafted.stderr
