@@ -215,3 +215,30 @@ def test_batched_decode_graphed_gives_each_sequence_its_own_tokens(tmp_path):
             with llm.Generator(one_pte, one_ptd, weight_offload_budget_mb=floor / MB * 1.5, device="cuda") as one:
                 single = [one.generate(torch.tensor([p]), 24, eos_token_id=[])[0, len(p):].tolist() for p in prompts]
             assert together == single
+
+
+def test_speculative_decode_on_the_device_gives_the_plain_greedy_tokens(tmp_path):
+    """fp32 Qwen2-shaped target at its floor with a verify method of 5 tokens, and two drafts
+    held on the device: the target's own weights (every proposal accepted: 5 tokens per pass)
+    and an int8 copy; both give the plain greedy tokens of the same program."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import hostswap.llm as llm
+
+    def model():
+        torch.manual_seed(0)
+        config = Qwen2Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+        return Qwen2ForCausalLM(config).eval()
+
+    target = llm.export(model(), tmp_path / "target", max_seq_len=128, prefill_chunk=32, speculate_k=4)
+    llm.export(llm.quantize(model(), "int8"), tmp_path / "int8", max_seq_len=128, prefill_chunk=32)
+    floor = max(s.load_floor_bytes for s in hostswap.schedules.load_weight_schedules(target[0]).values())
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    with llm.Generator(*target, weight_offload_budget_mb=floor / MB, device="cuda") as plain:
+        expected = plain.generate(prompt, 48, eos_token_id=[]).cpu()
+    for draft in (str(tmp_path / "target"), str(tmp_path / "int8")):
+        with llm.Generator(*target, weight_offload_budget_mb=floor / MB, device="cuda", draft=draft) as g:
+            assert torch.equal(g.generate(prompt, 48, eos_token_id=[]).cpu(), expected), draft
+            if draft.endswith("target"):
+                assert g.last_speculation.acceptance == 1.0
