@@ -561,14 +561,16 @@ class Generator:
         chosen: list = []
         sampling = sampling or SamplingParams()
         if self.draft is not None:
-            if not sampling.argmax or logprobs:
-                raise GenerationError("decoding with a draft is greedy: load without draft= to sample or to keep log-probabilities")
-            from hostswap.speculative import SpeculationStats, speculate
+            if logprobs or sampling.repetition_penalty != 1.0:
+                raise GenerationError("decoding with a draft keeps no log-probabilities and takes no repetition penalty: load without draft= for them")
+            from hostswap.speculative import Sampler, SpeculationStats, speculate
 
             self.draft.module.ensure_open()
             prefill(self.draft._step, ids, self.draft.prefill_chunk, self.draft.max_seq_len)
             self.last_speculation = SpeculationStats()
-            new = speculate(self, self.draft, int(last.argmax()), prompt, self.draft_k, max_new_tokens, eos, on_token, self.last_speculation)
+            sampler = None if sampling.greedy else Sampler(sampling, self.device)
+            first = int(last.argmax()) if sampler is None else sampler.draw(sampler.probabilities(last))
+            new = speculate(self, self.draft, first, prompt, self.draft_k, max_new_tokens, eos, on_token, self.last_speculation, sampler)
             self.last_logprobs = None
         else:
             choose = None if sampling.argmax and not logprobs else TokenChooser(sampling, self.device, self.vocab_size, ids)

@@ -55,6 +55,21 @@ class SamplingParams:
         return self.greedy and self.repetition_penalty == 1.0
 
 
+def sampled_logprobs(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities [vocab] that a token is drawn from, for one position's float scores:
+    scaled by the temperature, cut to the top k, then to the smallest set reaching top_p."""
+    scores = scores / params.temperature
+    if params.top_k and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        drop = probs.cumsum(-1) - probs >= params.top_p  # keep the smallest prefix reaching top_p
+        scores = scores.scatter(0, order, ordered.masked_fill(drop, -math.inf))
+    return torch.log_softmax(scores, dim=-1)
+
+
 class TokenChooser:
     """Chooses each next token from a step's last logits, on their device."""
 
@@ -82,16 +97,7 @@ class TokenChooser:
             token = scores.argmax().reshape(1)
             logprob = torch.log_softmax(scores, dim=-1)[token]
         else:
-            scores = scores / p.temperature
-            if p.top_k and p.top_k < scores.numel():
-                kth = torch.topk(scores, p.top_k).values[-1]
-                scores = scores.masked_fill(scores < kth, -math.inf)
-            if p.top_p < 1.0:
-                ordered, order = torch.sort(scores, descending=True)
-                probs = torch.softmax(ordered, dim=-1)
-                drop = probs.cumsum(-1) - probs >= p.top_p  # keep the smallest prefix reaching top_p
-                scores = scores.scatter(0, order, ordered.masked_fill(drop, -math.inf))
-            logprobs = torch.log_softmax(scores, dim=-1)
+            logprobs = sampled_logprobs(scores, p)
             token = torch.multinomial(logprobs.exp(), 1, generator=self.generator)
             logprob = logprobs[token]
         if self.seen is not None:

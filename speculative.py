@@ -67,11 +67,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def speculate(target, draft, first_token: int, position: int, k: int, max_new_tokens: int, eos, on_token, stats: SpeculationStats) -> list[int]:
-    """Greedy tokens after a prompt that both caches hold: ``first_token`` (the target's choice
-    after the prompt, to go at ``position``) and the rest, k drafted and checked per round
-    (k up to the target's verify width less one: a shorter round pads the verify call, whose
-    padding's cache entries come after the round's and are overwritten like a rejection's)."""
+def accept_or_resample(p: torch.Tensor, q: torch.Tensor, proposed: int, generator: torch.Generator) -> tuple[bool, int]:
+    """The rule of speculative sampling at one position: ``proposed`` was drawn from the draft's
+    distribution ``q``; keep it with probability min(1, p/q) under the target's ``p``, else draw
+    from max(0, p - q), renormalised. The token that results is distributed as ``p``."""
+    u = torch.rand((), generator=generator, device=p.device)
+    if bool(u * q[proposed] <= p[proposed]):
+        return True, proposed
+    residual = (p - q).clamp(min=0)
+    total = residual.sum()
+    if not bool(total > 0):  # p == q up to rounding: nothing to correct toward
+        residual, total = p, p.sum()
+    return False, int(torch.multinomial(residual / total, 1, generator=generator))
+
+
+class Sampler:
+    """Draws the draft's proposals and applies the rule, with one seeded generator on the device."""
+
+    def __init__(self, params, device: torch.device):
+        from hostswap.sampling import sampled_logprobs
+
+        self.params, self._logprobs = params, sampled_logprobs
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        return self._logprobs(logits.float(), self.params).exp()
+
+    def draw(self, probabilities: torch.Tensor) -> int:
+        return int(torch.multinomial(probabilities, 1, generator=self.generator))
+
+
+def speculate(target, draft, first_token: int, position: int, k: int, max_new_tokens: int, eos, on_token, stats: SpeculationStats,
+              sampler: Sampler | None = None) -> list[int]:
+    """Tokens after a prompt that both caches hold: ``first_token`` (the target's choice after
+    the prompt, to go at ``position``) and the rest, k drafted and checked per round (k up to
+    the target's verify width less one: a shorter round pads the verify call, whose padding's
+    cache entries come after the round's and are overwritten like a rejection's). Greedy, or
+    with ``sampler`` the speculative sampling rule: the draft samples its proposals, and the
+    tokens kept are distributed as the target's sampling would draw them."""
     width = target.speculate_k + 1  # tokens the verify method takes
     new = [first_token]
     if on_token:
@@ -81,34 +115,57 @@ def speculate(target, draft, first_token: int, position: int, k: int, max_new_to
         at = position + len(new) - 1  # where the last new token goes
         if at + width > target.max_seq_len:  # the verify call's positions do not fit: plain decode
             (logits,) = target.module.run_method(DECODE, [torch.tensor([[new[-1]]]), torch.tensor([at])])
-            token = int(logits[0, -1].argmax())
+            row = logits[0, -1]
+            token = int(row.argmax()) if sampler is None else sampler.draw(sampler.probabilities(row))
             stats.plain_steps += 1
             accepted = [token]
         else:
             start = time.perf_counter()
+
+            def propose(logits) -> tuple[int, torch.Tensor | None]:
+                row = logits[0, -1]
+                if sampler is None:
+                    return int(row.argmax()), None
+                q = sampler.probabilities(row)
+                return sampler.draw(q), q
+
             for token, where in pending:  # the last of these gives the first draft
                 (logits,) = draft.module.run_method(DECODE, [torch.tensor([[token]]), torch.tensor([where])])
-            drafts = [int(logits[0, -1].argmax())]
+            drafts, qs = zip(*[propose(logits)])
+            drafts, qs = list(drafts), list(qs)
             for i in range(1, k):
                 (logits,) = draft.module.run_method(DECODE, [torch.tensor([[drafts[-1]]]), torch.tensor([at + i])])
-                drafts.append(int(logits[0, -1].argmax()))
+                token, q = propose(logits)
+                drafts.append(token)
+                qs.append(q)
             _sync(draft.device)
             middle = time.perf_counter()
             ids = [new[-1], *drafts] + [drafts[-1]] * (width - k - 1)
             (logits,) = target.module.run_method(VERIFY, [torch.tensor([ids]), torch.arange(at, at + width)])
-            chosen = logits[0].argmax(-1).tolist()
+            n, last = 0, None
+            if sampler is None:
+                chosen = logits[0].argmax(-1).tolist()
+                while n < k and drafts[n] == chosen[n]:
+                    n += 1
+                last = chosen[n]
+            else:
+                while n < k:
+                    kept, token = accept_or_resample(sampler.probabilities(logits[0, n]), qs[n], drafts[n], sampler.generator)
+                    if not kept:
+                        last = token
+                        break
+                    n += 1
+                if last is None:  # every proposal kept: the target's own token after them
+                    last = sampler.draw(sampler.probabilities(logits[0, k]))
             stats.draft_seconds += middle - start
             stats.verify_seconds += time.perf_counter() - middle
-            n = 0
-            while n < k and drafts[n] == chosen[n]:
-                n += 1
             stats.passes += 1
             stats.drafted += k
             stats.accepted += n
-            accepted = drafts[:n] + [chosen[n]]
+            accepted = drafts[:n] + [last]
             # the draft saw the last token and drafts[:k - 1]; it has yet to see an accepted
             # drafts[k - 1] and the target's own token
-            pending = ([(drafts[k - 1], at + k)] if n == k else []) + [(chosen[n], at + n + 1)]
+            pending = ([(drafts[k - 1], at + k)] if n == k else []) + [(last, at + n + 1)]
         for token in accepted:  # (once rounds fall back to plain decode they stay there: the draft is not needed again)
             new.append(token)
             if on_token:
