@@ -431,8 +431,20 @@ class Generator:
         where_possible = cuda_graph is None  # by default, decode is graphed unless weights come from the disk
         if cuda_graph is None:
             cuda_graph = device.type == "cuda" and policy == "planned"
-        self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=device,
-                             policy=policy, cuda_graph=(DECODE,) if cuda_graph else False, cuda_graph_where_possible=where_possible, **module_options)
+        # a draft goes on the device first: the target's budget ("auto" included) is what it leaves
+        self._owns_draft = draft is not None and not isinstance(draft, Generator)
+        draft = _open_draft(draft, device) if self._owns_draft else draft
+        try:
+            self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=device,
+                                 policy=policy, cuda_graph=(DECODE,) if cuda_graph else False, cuda_graph_where_possible=where_possible, **module_options)
+        except (ValueError, RuntimeError) as e:  # BudgetError, PoolCreationError: what does not fit
+            if draft is None:
+                raise
+            weights, cache = draft.module.budget_bytes, draft.module.state_bytes
+            if self._owns_draft:
+                draft.close()
+            raise type(e)(f"{e}. The draft on {device} holds {(weights + cache) / 2**20:.1f} MiB besides: "
+                          f"weights {weights / 2**20:.1f} MiB, KV cache {cache / 2**20:.1f} MiB") from e
         try:
             missing = [m for m in (PREFILL, DECODE) if m not in self.module.schedules]
             if missing:
@@ -446,14 +458,19 @@ class Generator:
             self.device = device
             self.speculate_k = self._constant(SPECULATE_K) if SPECULATE_K in self.module.method_names() else None  # the verify width less one
             self.draft_k = self._draft_k(speculate_k) if draft is not None else None  # tokens drafted per round
-            self._owns_draft = draft is not None and not isinstance(draft, Generator)
-            self.draft = self._load_draft(draft) if draft is not None else None
+            if draft is not None:
+                from hostswap.speculative import check_draft
+
+                check_draft(self, draft)
+            self.draft = draft
             self.last_speculation = None  # SpeculationStats of the last generate with a draft
             self.last = GenerationStats()
             self.last_logprobs: list[float] | None = None  # of the last generate's new tokens, when asked for
             self.warm_up_seconds = self._warm_up() if warm_up else None
         except BaseException:
             self.module.close()
+            if self._owns_draft:
+                draft.close()
             raise
 
     def _draft_k(self, asked) -> int:
@@ -464,24 +481,6 @@ class Generator:
         if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= self.speculate_k:
             raise GenerationError(f"speculate_k must be an int from 1 to {self.speculate_k} (the program's verify method checks {self.speculate_k}), got {asked!r}")
         return asked
-
-    def _load_draft(self, draft) -> "Generator":
-        """The draft as a ``Generator``: one given, or the program at a path prefix (its weights
-        all on the device)."""
-        from hostswap.speculative import check_draft
-
-        if self.speculate_k is None:
-            raise GenerationError(f"{self.module.pte_path} has no verify method: export the target with speculate_k=k to decode with a draft")
-        if not isinstance(draft, Generator):
-            base = os.fspath(draft)
-            base = base[:-4] if base.endswith(".pte") else base
-            from hostswap.schedules.serialization import load_weight_schedules
-
-            schedules = load_weight_schedules(base + ".pte")
-            resident = max(max(s.total_bytes, s.load_floor_bytes) for s in schedules.values())
-            draft = Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=resident / 2**20, device=self.device)
-        check_draft(self, draft)
-        return draft
 
     def _warm_up(self) -> float:
         """One prefill chunk and one decode step on token 0, then the KV cache zeroed as at
@@ -638,6 +637,17 @@ class Generator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _open_draft(draft, device: torch.device) -> "Generator":
+    """The draft program at a path prefix (or its .pte), loaded with every weight on the device."""
+    from hostswap.schedules.serialization import load_weight_schedules
+
+    base = os.fspath(draft)
+    base = base[:-4] if base.endswith(".pte") else base
+    schedules = load_weight_schedules(base + ".pte")
+    resident = max(max(s.total_bytes, s.load_floor_bytes) for s in schedules.values())
+    return Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=resident / 2**20, device=device)
 
 
 def print_tokens(decode: Callable[[list[int]], str] | None = None, prompt_ids=(), stream=None) -> Callable[[int], None]:

@@ -121,6 +121,9 @@ def test_bad_drafts_and_requests_are_named(tmp_path_factory, tmp_path):
         llm.Generator(*short, weight_offload_budget_mb=pair.budget, device="cpu", draft=pair.same)
     with pytest.raises(llm.GenerationError, match=r"speculate_k must be an int from 1 to 8 \(the program's verify method checks 8\), got 9"):
         llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=pair.same, speculate_k=9)
+    # where the target does not fit beside the draft, the error names the target's budget and the draft's weights and KV cache
+    with pytest.raises(ValueError, match=r"below this program's floor.*The draft on cpu holds [\d.]+ MiB besides: weights [\d.]+ MiB, KV cache [\d.]+ MiB"):
+        llm.Generator(*pair.target, weight_offload_budget_mb=0.001, device="cpu", draft=pair.same)
     with llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=pair.same) as g:
         from hostswap.sampling import SamplingParams
 
