@@ -473,11 +473,11 @@ class Generator:
                 draft.close()
             raise
 
-    def _draft_k(self, asked) -> int:
+    def _draft_k(self, asked) -> int | None:
         if self.speculate_k is None:
             raise GenerationError(f"{self.module.pte_path} has no verify method: export the target with speculate_k=k to decode with a draft")
         if asked is None:
-            return self.speculate_k
+            return None  # chosen each round from the measured acceptance and costs
         if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= self.speculate_k:
             raise GenerationError(f"speculate_k must be an int from 1 to {self.speculate_k} (the program's verify method checks {self.speculate_k}), got {asked!r}")
         return asked

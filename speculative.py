@@ -35,6 +35,8 @@ class SpeculationStats:
     accepted: int = 0  # drafted tokens the target agreed with
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    rejections: int = 0  # rounds that ended at a proposal the target did not keep
+    k: list[int] = dataclasses.field(default_factory=list)  # proposals per round
 
     @property
     def acceptance(self) -> float | None:
@@ -48,6 +50,28 @@ class SpeculationStats:
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "acceptance": self.acceptance, "tokens_per_pass": self.tokens_per_pass}
+
+
+def best_k(acceptance: float, draft_seconds: float, verify_seconds: float, most: int) -> int:
+    """The proposals per round that give the most tokens per second, where each proposal is
+    kept with probability ``acceptance`` (the round ending at the first one that is not), a
+    draft token costs ``draft_seconds`` and a verify pass ``verify_seconds``: a round of k
+    proposals yields 1 + a + ... + a^k tokens for k drafts and one pass."""
+    a = min(max(acceptance, 0.0), 1.0)
+
+    def rate(k: int) -> float:
+        tokens = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+        return tokens / (k * draft_seconds + verify_seconds)
+
+    return max(range(1, most + 1), key=rate)
+
+
+def _next_k(stats: SpeculationStats, most: int) -> int:
+    """k for the next round from what the rounds so far measured (``most`` until two ran)."""
+    if stats.passes < 2 or stats.drafted == 0:
+        return most
+    acceptance = stats.accepted / (stats.accepted + stats.rejections) if stats.accepted + stats.rejections else 1.0
+    return best_k(acceptance, stats.draft_seconds / stats.drafted, stats.verify_seconds / stats.passes, most)
 
 
 def check_draft(target, draft) -> None:
@@ -98,15 +122,17 @@ class Sampler:
         return int(torch.multinomial(probabilities, 1, generator=self.generator))
 
 
-def speculate(target, draft, first_token: int, position: int, k: int, max_new_tokens: int, eos, on_token, stats: SpeculationStats,
+def speculate(target, draft, first_token: int, position: int, k: int | None, max_new_tokens: int, eos, on_token, stats: SpeculationStats,
               sampler: Sampler | None = None) -> list[int]:
     """Tokens after a prompt that both caches hold: ``first_token`` (the target's choice after
     the prompt, to go at ``position``) and the rest, k drafted and checked per round (k up to
     the target's verify width less one: a shorter round pads the verify call, whose padding's
     cache entries come after the round's and are overwritten like a rejection's). Greedy, or
     with ``sampler`` the speculative sampling rule: the draft samples its proposals, and the
-    tokens kept are distributed as the target's sampling would draw them."""
+    tokens kept are distributed as the target's sampling would draw them. ``k=None``: chosen
+    each round by ``best_k`` from the acceptance and the draft and verify times so far."""
     width = target.speculate_k + 1  # tokens the verify method takes
+    fixed = k
     new = [first_token]
     if on_token:
         on_token(first_token)
@@ -120,6 +146,8 @@ def speculate(target, draft, first_token: int, position: int, k: int, max_new_to
             stats.plain_steps += 1
             accepted = [token]
         else:
+            k = fixed if fixed is not None else _next_k(stats, width - 1)
+            stats.k.append(k)
             start = time.perf_counter()
 
             def propose(logits) -> tuple[int, torch.Tensor | None]:
@@ -162,6 +190,7 @@ def speculate(target, draft, first_token: int, position: int, k: int, max_new_to
             stats.passes += 1
             stats.drafted += k
             stats.accepted += n
+            stats.rejections += n < k
             accepted = drafts[:n] + [last]
             # the draft saw the last token and drafts[:k - 1]; it has yet to see an accepted
             # drafts[k - 1] and the target's own token

@@ -187,3 +187,21 @@ def test_sampling_with_a_draft_is_seeded_and_keeps_the_targets_proposals(tmp_pat
             # the draft is the target's own weights: its proposals are kept but where verify's rounding differs
             assert g.last_speculation.acceptance > 0.9
     assert runs[0] == runs[1] != runs[2]
+
+
+def test_k_follows_the_acceptance_and_the_costs(tmp_path_factory):
+    """best_k: a draft that is never right proposes one token; a cheap draft that is always
+    right proposes all the verify method checks; without speculate_k the rounds choose k from
+    what they measure, and the output stays the target's."""
+    from hostswap.speculative import best_k
+
+    assert best_k(0.0, draft_seconds=1.0, verify_seconds=10.0, most=8) == 1
+    assert best_k(1.0, draft_seconds=0.1, verify_seconds=10.0, most=8) == 8
+    assert best_k(0.5, draft_seconds=1.0, verify_seconds=1.0, most=8) == 1
+    assert best_k(0.9, draft_seconds=0.1, verify_seconds=1.0, most=8) == 8
+    pair = _pairs.get("Llama") or _pairs.setdefault("Llama", Pair("Llama", tmp_path_factory.mktemp("Llama")))
+    for draft in (pair.same, pair.other):
+        with llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=draft) as g:
+            assert torch.equal(g.generate(_prompt(), NEW, eos_token_id=[]), pair.expected)
+            ks = g.last_speculation.k
+            assert ks[:2] == [8, 8] and all(1 <= k <= 8 for k in ks)
