@@ -885,10 +885,28 @@ Each command takes `--help`; results go to `bench/results/<benchmark>_<device>.j
 """
 
 # docs/benchmarks.md: every benchmark, every table; the README: the headline alone, and a pointer to the rest
+# --- speculative decoding --------------------------------------------------------------------
+def speculative_section(paths: list[str], plot_path: str | None) -> str:
+    """A row per (budget, draft, k): the draft's acceptance, tokens per weight pass of the target,
+    whether the tokens equal plain greedy decode, and (on a GPU) the speed-up over plain decode
+    at the same budget."""
+    parts = []
+    for path in paths:
+        r = json.load(open(path))
+        env = r["environment"]
+        gpu = env.get("device", "").startswith("cuda")
+        head = f"{r['model']}, {r['dtype']} target, {r['new_tokens']} new tokens per question; torch {env['torch']}"
+        rows = [[row["budget"], row["draft"], row["k"], f"{100 * row['acceptance']:.1f} %", f"{row['tokens_per_pass']:.2f}",
+                 "yes" if row["same_tokens_as_plain"] else "NO"] + ([f"{row['speedup']:.2f}"] if gpu else []) for row in r["rows"]]
+        headers = ["budget", "draft", "k", "drafted tokens accepted", "tokens per weight pass", "tokens = plain greedy"] + (["speed-up over plain"] if gpu else [])
+        parts.append(head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+    return "\n\n".join(parts)
+
+
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
-            "export": export_section, "tiers": disk_tier_section}
+            "export": export_section, "tiers": disk_tier_section, "speculative": speculative_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
-          "export": "Exporting a checkpoint", "tiers": "Weights read from disk"}
+          "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "speculative": "Speculative decoding"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "generate": "Greedy decoding of a transformers `LlamaForCausalLM` (hidden 2048, GQA, bf16, random weights). Decode cells: ms per token "
@@ -906,6 +924,9 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
               "left in the page cache, after it returned (not in its time). Peak RSS is the process's high-water mark, "
               "its baseline the RSS after importing torch, transformers, accelerate, executorch and hostswap. Disk time: the checkpoint's bytes at "
               "the read speed plus the same bytes at the write speed.",
+    "speculative": "SmolLM2-135M-Instruct (real weights) as the target, a torchao weight-only quantized copy of it as the draft "
+                   "(`bench/speculative.py`): greedy answers to chat questions. Acceptance and tokens per weight pass depend on the "
+                   "weights, not the machine; on the CPU nothing is streamed, so only they mean anything there.",
     "tiers": "Greedy decode of the checkpoint exported with `hostswap.llm.export_checkpoint`, at each GPU budget and host budget "
                  "(`host_memory_budget_mb`: streamed weights kept pinned; the rest read from the `.ptd` with O_DIRECT each token). "
                  "Bound: max(all-resident decode, bytes streamed per token / pinned H2D, bytes read from disk per token / the `.ptd`'s "

@@ -477,7 +477,7 @@ class Module:
         s["expert_reads"] = {block: {**dataclasses.asdict(r), "resident": block in self.resident_experts,
                                      "hits": r.experts if block in self.resident_experts else 0,
                                      "misses": 0 if block in self.resident_experts else r.experts}
-                             for block, r in self.expert_reads.items()}
+                             for block, r in self.expert_reads.items() if block in {b.block for b in self.schedule.expert_blocks}}
         s["expert_bytes_read"] = self.expert_bytes_read
         s["expert_scratch_bytes"] = self.expert_scratch_bytes
         s["policy"] = self.policy
@@ -487,7 +487,8 @@ class Module:
     def expert_bytes_read(self) -> int:
         """Bytes of routed experts the kernels have read over the bus since load (each picked
         expert's rows, resident blocks aside)."""
-        return sum(r.bytes for block, r in self.expert_reads.items() if block not in self.resident_experts)
+        in_place = {b.block for b in self.schedule.expert_blocks} - self.resident_experts  # a block streamed whole reads its copy
+        return sum(r.bytes for block, r in self.expert_reads.items() if block in in_place)
 
     def _expert_table_bytes(self) -> int:
         return sum(b.table_bytes for b in self.schedule.expert_blocks)

