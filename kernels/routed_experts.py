@@ -7,17 +7,16 @@ else, so the weight pass treats the tables as row gathers (``graph_facts``): the
 copied to the device whole, and a kernel on the GPU reads the picked rows from the tables'
 mapped host pages.
 
-Three ways through, chosen by the call's shape (and whether a CUDA graph is being captured):
+Three ways through, chosen by the call's tokens (and whether a CUDA graph is being captured):
 
-- **pairs** (a decode step: tokens x top-k <= experts): each (token, expert) pair's rows are
-  gathered by index and multiplied batched. The expert ids stay on the device: no host sync,
-  so a graphed decode step can hold it.
+- **pairs** (one token: a decode step): each of its top-k experts' rows are gathered by index
+  and multiplied batched. The expert ids stay on the device: no host sync, so a graphed decode
+  step can hold it.
   The arithmetic is transformers' ``batched_mm`` experts implementation, op for op.
 - **grouped** (prefill chunks, batched decode steps run eagerly): the host learns the union
   of the call's experts once, and each expert of it is read once and applied to its tokens,
   as transformers' eager experts loop does;
-- **dense** (a call with more pairs than experts while a CUDA graph is captured: a batched
-  decode step): every expert applied to every token, weighted by its routing weight (zero
+- **dense** (several tokens while a CUDA graph is captured: a batched decode step): every expert applied to every token, weighted by its routing weight (zero
   where not picked); each expert read once, with no host sync and no gathered copies.
 
 An expert id outside ``0..E-1`` stops the call with ``ExpertIndexError`` naming the block
@@ -173,7 +172,7 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
     _check_ids(top_k_index, num_experts, block)
     gate_of = lambda x: gate(x, activation, gated, interleaved, alpha, limit)  # noqa: E731
     tables = (gate_up, down, gate_up_bias, down_bias)
-    if top_k_index.numel() <= num_experts:
+    if top_k_index.shape[0] == 1:  # one token: its top-k, gathered (k experts of scratch)
         _record(block, top_k_index.numel(), unit_bytes(*tables))
         return _pairs(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot learn the union

@@ -5,8 +5,8 @@ tables that the router names: an expert is one row of each table, ``unit_bytes``
 The tables are outside the static order (they are read in place from host memory, as row
 gathers), so what a call reads is a count of units, not a list of weights:
 
-- a call of ``tokens`` x ``top_k`` pairs no more than the block's experts (a decode step)
-  gathers each pair's rows into device scratch, with no host sync: ``tokens * top_k`` units;
+- a call of one token (a decode step) gathers its top-k experts' rows into device scratch,
+  with no host sync: ``top_k`` units;
 - a larger call (a prefill chunk, a batched decode step) reads each expert of the union once,
   in place (every expert once where the step is a CUDA graph, which cannot learn the union):
   at most ``num_experts`` units, no scratch.
@@ -37,8 +37,8 @@ class ExpertBlock:
 
     @property
     def gathers_pairs(self) -> bool:
-        """Its calls take the pair path (no host sync, scratch for every pair)."""
-        return self.tokens * self.top_k <= self.num_experts
+        """Its calls take the pair path: one token, its top-k gathered (no host sync)."""
+        return self.tokens == 1
 
     @property
     def scratch_bytes(self) -> int:

@@ -181,7 +181,7 @@ def test_logits_bitwise_equal_to_the_exported_program_and_the_all_experts_schedu
 
 
 def test_prefill_reads_the_union_of_its_chunk_and_decode_each_pick(tmp_path_factory):
-    """Counted by the kernel: a chunk (4 tokens x top-2 of 4 experts: the grouped path) reads
+    """Counted by the kernel: a chunk (4 tokens, top-2 of 4 experts: the grouped path) reads
     each expert it routes to once; a decode step its top-k, in every layer."""
     moe = _get("Mixtral", tmp_path_factory)
     blocks = moe.schedules["prefill"].expert_blocks
@@ -228,7 +228,7 @@ def test_residency_takes_whole_blocks_in_order_while_they_fit():
     assert plan_expert_residency(blocks, 799) == frozenset()
     assert plan_expert_residency(blocks, 1700) == {"b0", "b1"}
     assert bytes_read_per_call(blocks, frozenset({"b0", "b1"})) == (200, 200)
-    chunk = ExpertBlock("c", ("t",), 2, 16, 8, 100)  # 32 pairs of 8 experts: the union, no scratch
+    chunk = ExpertBlock("c", ("t",), 2, 16, 8, 100)  # 16 tokens: the union of their picks, no scratch
     assert not chunk.gathers_pairs and chunk.scratch_bytes == 0 and chunk.units_per_call == (2, 8)
 
 
