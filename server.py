@@ -224,32 +224,47 @@ class Engine:
                 if job.cancelled.is_set():
                     self.metrics.cancelled += 1
                     continue
-                sequence = runner.begin(job.prompt_ids, job.max_tokens, sampling=job.sampling)
+                try:
+                    sequence = runner.begin(job.prompt_ids, job.max_tokens, sampling=job.sampling)
+                except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                    job.emit("error", ApiError(400 if isinstance(e, ValueError) else 500, f"{type(e).__name__}: {e}"))
+                    continue
                 running[sequence.slot] = (job, TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), job.stop), sequence)
-            if stopping:
-                for job, _, sequence in running.values():
-                    job.cancelled.set()
-            for slot, (job, text, sequence) in list(running.items()):
-                if job.cancelled.is_set():
+            try:
+                self._advance(runner, running, stopping, window)
+            except Exception as e:  # noqa: BLE001 - a failed step fails the sequences in it; the server goes on
+                for slot, (job, _, sequence) in list(running.items()):
                     runner.release(sequence)
-                    del running[slot]
-                    self.metrics.cancelled += 1
-                elif sequence.prefilled < len(sequence.prompt) and runner.prefill_next(sequence):
-                    self._took(running, slot, sequence.tokens[-1])
+                    job.emit("error", ApiError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error"))
+                running.clear()
             self.active = len(running)
             self.metrics.peak_active = max(self.metrics.peak_active, self.active)
             if stopping and not running:
                 return
-            if any(s.decoding for _, _, s in running.values()):
-                start, copied = time.perf_counter(), runner.module.pool.stats.bytes_h2d
-                stepped = runner.step()
-                for sequence in stepped:
-                    self._took(running, sequence.slot, sequence.tokens[-1])
-                window = (window + [(time.perf_counter() - start, len(stepped), runner.module.pool.stats.bytes_h2d - copied)])[-32:]
-                seconds = sum(w[0] for w in window)
-                self.metrics.decode_tokens_per_second = sum(w[1] for w in window) / seconds if seconds > 0 else 0.0
-                self.metrics.bytes_streamed_per_step = sum(w[2] for w in window) / len(window)
-            self.active = len(running)
+
+    def _advance(self, runner, running: dict, stopping: bool, window: list) -> None:
+        """Drop the cancelled sequences, run one more prompt chunk for each still prefilling,
+        then one decode step for all the others."""
+        if stopping:
+            for job, _, sequence in running.values():
+                job.cancelled.set()
+        for slot, (job, text, sequence) in list(running.items()):
+            if job.cancelled.is_set():
+                runner.release(sequence)
+                del running[slot]
+                self.metrics.cancelled += 1
+            elif sequence.prefilled < len(sequence.prompt) and runner.prefill_next(sequence):
+                self._took(running, slot, sequence.tokens[-1])
+        if any(s.decoding for _, _, s in running.values()):
+            start, copied = time.perf_counter(), runner.module.pool.stats.bytes_h2d
+            stepped = runner.step()
+            for sequence in stepped:
+                self._took(running, sequence.slot, sequence.tokens[-1])
+            window.append((time.perf_counter() - start, len(stepped), runner.module.pool.stats.bytes_h2d - copied))
+            del window[:-32]  # the last 32 steps
+            seconds = sum(w[0] for w in window)
+            self.metrics.decode_tokens_per_second = sum(w[1] for w in window) / seconds if seconds > 0 else 0.0
+            self.metrics.bytes_streamed_per_step = sum(w[2] for w in window) / len(window)
 
     def _took(self, running: dict, slot: int, token: int) -> None:
         """``token`` came for the sequence in ``slot``: release its text, end it where it ends."""
