@@ -4,7 +4,7 @@ An MoE decode step needs the k experts its router picked, known only on the devi
 to bring them without the host learning which: a gather kernel over the table's mapped host
 pages (`table[ids]`, `index_select`, on wider element types), against the copy engine's
 pinned-to-device copy of the same bytes (which needs the ids on the host) and the copy of
-the whole table (today's all-experts schedule). Writes bench/results/expert_reads_<device>.json.
+the whole table (the all-experts schedule). Writes bench/results/expert_reads_<device>.json.
 
     python bench/expert_reads.py [--experts 8] [--top-k 2] [--rows 28672] [--hidden 4096]
 """
