@@ -126,6 +126,18 @@ def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activat
     return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
 
+def _expert(x, e: int, gate_up, down, gate_up_bias, down_bias, activate, transposed):
+    """Expert ``e`` (row ``e`` of each table) over the rows of ``x``, as transformers' eager loop
+    computes it."""
+    def linear(x, table, bias):
+        if transposed:
+            y = x @ table[e]
+            return y + bias[e] if bias is not None else y
+        return F.linear(x, table[e], bias[e] if bias is not None else None)
+
+    return linear(activate(linear(x, gate_up, gate_up_bias)), down, down_bias)
+
+
 def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed):
     """Each expert of the union once, over its tokens: transformers' eager experts loop."""
     out = torch.zeros_like(hidden)
@@ -133,15 +145,7 @@ def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activ
     mask = F.one_hot(ids, num_classes=gate_up.shape[0]).permute(2, 1, 0)
     for e in experts:
         slot, token = torch.where(mask[e])
-        x = hidden[token]
-
-        def linear(x, table, bias):
-            if transposed:
-                y = x @ table[e]
-                return y + bias[e] if bias is not None else y
-            return F.linear(x, table[e], bias[e] if bias is not None else None)
-
-        y = linear(activate(linear(x, gate_up, gate_up_bias)), down, down_bias)
+        y = _expert(hidden[token], e, gate_up, down, gate_up_bias, down_bias, activate, transposed)
         y = y * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out, len(experts)
@@ -150,20 +154,13 @@ def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activ
 def _dense(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed):
     """Every expert over every token, each token's output weighted by its routing weight (zero
     where the expert is not among its picks): each expert's rows read once, no host sync and
-    no gathered copies. For a captured call with more pairs than experts (a batched decode)."""
+    no gathered copies. For a captured call of several tokens (a batched decode step)."""
     num_experts = gate_up.shape[0]
     # [tokens, experts]: a token's weight for each expert, summed over its picks
     routing = torch.zeros(ids.shape[0], num_experts, dtype=weights.dtype, device=weights.device).scatter_add_(1, ids, weights)
     out = torch.zeros(hidden.shape, dtype=torch.float32 if hidden.dtype != torch.float64 else hidden.dtype, device=hidden.device)
     for e in range(num_experts):
-        def linear(x, table, bias):
-            if transposed:
-                y = x @ table[e]
-                return y + bias[e] if bias is not None else y
-            return F.linear(x, table[e], bias[e] if bias is not None else None)
-
-        y = linear(activate(linear(hidden, gate_up, gate_up_bias)), down, down_bias)
-        out += y * routing[:, e : e + 1]
+        out += _expert(hidden, e, gate_up, down, gate_up_bias, down_bias, activate, transposed) * routing[:, e : e + 1]
     return out.to(hidden.dtype)
 
 
