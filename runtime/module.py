@@ -23,7 +23,7 @@ from hostswap.runtime.pool import PoolCreationError
 from hostswap.runtime.ptd import PtdFile, open_pair, verify_showing_progress
 from hostswap.schedules.artifacts import ArtifactError
 from hostswap.schedules.experts import plan_expert_residency
-from hostswap.schedules.policies import check_budget, check_budget_with_experts, plan_layout
+from hostswap.schedules.policies import check_budget, plan_layout
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, read_program_bytes, torch_dtype
 from hostswap.schedules.serialization import decode_program
 from hostswap.schedules.weight_schedule import check_prefetch_depth
@@ -198,9 +198,8 @@ class Module:
             given = self.auto_budget.budget_bytes + self.expert_scratch_bytes
         else:
             given = round(weight_offload_budget_mb * 2**20)
-        check_budget_with_experts(floor_schedule, given, self.expert_scratch_bytes)
+        check_budget(floor_schedule, given, self.expert_scratch_bytes)
         self.budget_bytes = given - self.expert_scratch_bytes  # the pool's, and the resident experts'
-        check_budget(floor_schedule, self.budget_bytes)
         self.ptd = open_pair(self.pte_path, pte_bytes, self.program, data_path)
         self.expert_reads: dict[str, ExpertReads] = {}  # routed experts read, per MoE block
         try:

@@ -19,25 +19,19 @@ class BudgetError(ValueError):
     """The budget cannot hold what the schedule needs."""
 
 
-def check_budget(schedule: ScheduleFacts, budget_bytes: int) -> None:
-    if budget_bytes < schedule.floor_bytes:
-        raise BudgetError(
-            f"weight_offload_budget_mb={budget_bytes / 2**20:.2f} is below this program's floor: "
-            f"at least {schedule.floor_bytes} bytes ({mb_ceil(schedule.floor_bytes)} MB) are required "
-            f"(largest pair of consecutive kernels plus prefetch headroom for prefetch_depth={schedule.prefetch_depth})"
-        )
-
-
-def check_budget_with_experts(schedule: ScheduleFacts, budget_bytes: int, expert_scratch_bytes: int) -> None:
-    """The floor of a program with routed experts: the schedule's, plus the device scratch one
-    routed-experts call gathers its picked experts into."""
-    if expert_scratch_bytes and budget_bytes < schedule.floor_bytes + expert_scratch_bytes:
-        least = schedule.floor_bytes + expert_scratch_bytes
-        raise BudgetError(
-            f"weight_offload_budget_mb={budget_bytes / 2**20:.2f} is below this program's floor: at least {least} bytes "
-            f"({mb_ceil(least)} MB) are required (largest pair of consecutive kernels plus prefetch headroom for "
-            f"prefetch_depth={schedule.prefetch_depth}: {schedule.floor_bytes} bytes; one MoE layer's routed experts: {expert_scratch_bytes} bytes)"
-        )
+def check_budget(schedule: ScheduleFacts, budget_bytes: int, expert_scratch_bytes: int = 0) -> None:
+    """Refuse a budget below the floor: the schedule's, plus (for a program with routed experts)
+    the device scratch one routed-experts call gathers its picked experts into."""
+    least = schedule.floor_bytes + expert_scratch_bytes
+    if budget_bytes >= least:
+        return
+    floor = "largest pair of consecutive kernels plus prefetch headroom for prefetch_depth=" f"{schedule.prefetch_depth}"
+    if expert_scratch_bytes:
+        floor += f": {schedule.floor_bytes} bytes; one MoE layer's routed experts: {expert_scratch_bytes} bytes"
+    raise BudgetError(
+        f"weight_offload_budget_mb={budget_bytes / 2**20:.2f} is below this program's floor: "
+        f"at least {least} bytes ({mb_ceil(least)} MB) are required ({floor})"
+    )
 
 
 def mb_ceil(nbytes: int) -> int:

@@ -29,8 +29,8 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
             "bytes_by_dtype": schedule.bytes_by_dtype() if schedule.weight_dtypes else {},
             "probes": schedule.num_probes,
             "kernels": schedule.num_kernels,
-            "floor_bytes": floor.floor_bytes + expert_scratch_bytes(schedule.expert_blocks),
-            "floor_mb": mb_ceil(floor.floor_bytes + expert_scratch_bytes(schedule.expert_blocks)),
+            "floor_bytes": schedule.load_floor_bytes,
+            "floor_mb": mb_ceil(schedule.load_floor_bytes),
             "lru_window_bytes": floor.lru_bytes,
             "planned_ring_bytes": floor.ring_bytes,
             "pinned_bytes": floor.pinned_bytes,
@@ -63,8 +63,8 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
         },
     }
     if budget_bytes is not None:
-        scratch = expert_scratch_bytes(schedule.expert_blocks)  # the budget's share for gathered experts (the runtime's split)
-        loads = budget_bytes >= floor.floor_bytes + scratch
+        scratch = schedule.expert_scratch_bytes  # the budget's share for gathered experts (the runtime's split)
+        loads = budget_bytes >= schedule.load_floor_bytes
         budget = {"budget_bytes": budget_bytes, "loads": loads}
         if loads:
             budget_bytes -= scratch
@@ -90,7 +90,7 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
                     "weights": {schedule.fqns[w]: tiers.tier_of(w) for w in range(len(schedule.fqns))},
                 }
         else:
-            budget["required_mb"] = mb_ceil(floor.floor_bytes + scratch)
+            budget["required_mb"] = mb_ceil(schedule.load_floor_bytes)
         report["budget"] = budget
     return report
 
