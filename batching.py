@@ -35,7 +35,7 @@ from hostswap import llm
 from hostswap.llm import DECODE, PREFILL, GenerationError
 from hostswap.sampling import SamplingParams, TokenChooser
 
-MAX_BATCH_SIZE = llm.PREFIX + "max_batch_size"
+MAX_BATCH_SIZE = llm.MAX_BATCH_SIZE
 
 
 class SlotCache:
@@ -200,21 +200,22 @@ class BatchGenerator:
                  cuda_graph: bool | None = None, **module_options):
         from hostswap.runtime import Module
         from hostswap.runtime.module import check_device_argument
-        from hostswap.schedules.pte_program import constant_method_outputs, read_program
+        from hostswap.schedules.pte_program import constant_method_outputs
 
         self.device = check_device_argument(device)
-        program = read_program(os.fspath(pte_path))
-        constants = {name: constant_method_outputs(program, name) for name in (MAX_BATCH_SIZE, llm.MAX_SEQ_LEN, llm.PREFILL_CHUNK, llm.VOCAB_SIZE, llm.EOS_TOKEN_IDS)}
+        graphed = self.device.type == "cuda" and policy == "planned" and cuda_graph is not False
+        self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=self.device, policy=policy,
+                             cuda_graph=[DECODE] if graphed else False, **module_options)
+        constants = {name: constant_method_outputs(self.module.program, name)
+                     for name in (MAX_BATCH_SIZE, llm.MAX_SEQ_LEN, llm.PREFILL_CHUNK, llm.VOCAB_SIZE, llm.EOS_TOKEN_IDS)}
         if constants[MAX_BATCH_SIZE] is None:
+            self.module.close()
             raise GenerationError(f"{pte_path} is not a batched program: write it with hostswap.batching.export(..., max_batch_size=B), or run it with hostswap.llm.Generator")
         self.max_batch_size = constants[MAX_BATCH_SIZE][0]
         self.max_seq_len = constants[llm.MAX_SEQ_LEN][0]
         self.prefill_chunk = constants[llm.PREFILL_CHUNK][0]
         self.vocab_size = constants[llm.VOCAB_SIZE][0]
         self.eos_token_ids = frozenset(constants[llm.EOS_TOKEN_IDS] or ())
-        graphed = self.device.type == "cuda" and policy == "planned" and cuda_graph is not False
-        self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=self.device, policy=policy,
-                             cuda_graph=[DECODE] if graphed else False, **module_options)
         self.slots: list[Sequence | None] = [None] * self.max_batch_size
         try:
             # one-time costs (lazy initialisation, the decode graph's capture) before the first request

@@ -31,6 +31,7 @@ PREFILL_CHUNK = PREFIX + "prefill_chunk"
 EOS_TOKEN_IDS = PREFIX + "eos_token_ids"
 VOCAB_SIZE = PREFIX + "vocab_size"
 SPECULATE_K = PREFIX + "speculate_k"
+MAX_BATCH_SIZE = PREFIX + "max_batch_size"  # a batched program's slots (hostswap/batching.py)
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
 DEFAULT_PREFILL_CHUNK = 128  # the most tokens a prefill call takes unless asked (less where max_seq_len is shorter)
 
@@ -449,7 +450,7 @@ class Generator:
             missing = [m for m in (PREFILL, DECODE) if m not in self.module.schedules]
             if missing:
                 raise GenerationError(f"{pte_path} has no method {missing[0]!r} that reads weights: write it with hostswap.llm.export")
-            if PREFIX + "max_batch_size" in self.module.method_names():
+            if MAX_BATCH_SIZE in self.module.method_names():
                 raise GenerationError(f"{pte_path} is a batched program (export with max_batch_size): run it with hostswap.batching.BatchGenerator")
             self.max_seq_len = self._constant(MAX_SEQ_LEN)
             self.prefill_chunk = self._constant(PREFILL_CHUNK)
