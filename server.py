@@ -178,29 +178,34 @@ class Engine:
             if stopped:
                 raise _Stopped
 
-        finish = "length"
+        finish, stopped = "length", False
         try:
             self.generator.generate(torch.tensor([job.prompt_ids]), job.max_tokens, on_token=on_token, sampling=job.sampling)
             if count < job.max_tokens:
                 finish = "stop"  # an end-of-sequence token
         except _Stopped:
-            finish = "stop"
+            finish, stopped = "stop", True
         except _Cancelled:
             self.metrics.cancelled += 1
             return
         except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
             job.emit("error", ApiError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error"))
             return
-        rest = text.rest() if finish != "stop" else ""
-        if rest:
-            job.emit("text", rest)
         stats = self.generator.last
-        self.metrics.completed += 1
-        self.metrics.prompt_tokens += len(job.prompt_ids)
-        self.metrics.generated_tokens += count
         if stats.tokens_per_second is not None:
             self.metrics.decode_tokens_per_second = stats.tokens_per_second
             self.metrics.bytes_streamed_per_step = stats.bytes_streamed_per_token or 0.0
+        self._finish(job, text, finish, count, stopped)
+
+    def _finish(self, job: Job, text: TextStream, finish: str, count: int, stopped: bool) -> None:
+        """End ``job``'s completion of ``count`` tokens: the text held back (unless a stop string
+        ended it: ``stopped``), the counters, and the final event with the usage."""
+        rest = "" if stopped else text.rest()
+        if rest:
+            job.emit("text", rest)
+        self.metrics.completed += 1
+        self.metrics.prompt_tokens += len(job.prompt_ids)
+        self.metrics.generated_tokens += count
         job.emit("done", {"finish_reason": finish, "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": count,
                                                              "total_tokens": len(job.prompt_ids) + count}})
 
@@ -276,17 +281,7 @@ class Engine:
             return
         self.generator.release(sequence)
         del running[slot]
-        if not stopped:
-            rest = text.rest()
-            if rest:
-                job.emit("text", rest)
-        finish = "stop" if stopped or token in sequence.eos else "length"
-        count = len(sequence.tokens)
-        self.metrics.completed += 1
-        self.metrics.prompt_tokens += len(job.prompt_ids)
-        self.metrics.generated_tokens += count
-        job.emit("done", {"finish_reason": finish, "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": count,
-                                                             "total_tokens": len(job.prompt_ids) + count}})
+        self._finish(job, text, "stop" if stopped or token in sequence.eos else "length", len(sequence.tokens), stopped)
 
     def close(self) -> None:
         """Take no more jobs, cancel those waiting, and let the worker end after the running one."""
