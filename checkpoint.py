@@ -273,12 +273,13 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
         candidates = names.get(entry.fqn, ())
         converted = next((n for n in candidates if stored_as.is_converted(n)), None)
         if converted is not None:
-            stored = " + ".join(stored_as.sources(converted)[:2]) + (" + ..." if len(stored_as.sources(converted)) > 2 else "")
+            sources = stored_as.sources(converted)
+            stored = " + ".join(sources[:2]) + (" + ..." if len(sources) > 2 else "")
             try:
                 tensor = stored_as.build(converted, checkpoint.tensor)
             except ConversionError as e:
                 raise CheckpointError(f"{folder}: {e}") from None
-            return _checked(tensor, entry, stored, f"built from {len(stored_as.sources(converted))} tensors of")
+            return _checked(tensor, entry, stored, f"built from {len(sources)} tensors of")
         stored = next((s for n in candidates for s in stored_as.sources(n) if s in checkpoint), None)
         if stored is None:
             raise CheckpointError(f"tensor '{entry.fqn.removeprefix(MODEL_PREFIX)}' of the model is in no shard of {folder}")

@@ -17,6 +17,7 @@ from hostswap.sampling import SamplingParams
 from hostswap.schedules.serialization import load_weight_schedules
 
 from real_models import BY_NAME, VOCAB, build
+from test_generation import transformers_greedy
 
 MB = 2**20
 MAX_SEQ_LEN, CHUNK, SLOTS = 40, 4, 3
@@ -43,13 +44,7 @@ class Batched:
         self.total = schedules["decode"].total_bytes + sum(b.table_bytes for b in schedules["decode"].expert_blocks) + max(s.expert_scratch_bytes for s in schedules.values())
 
     def transformers_tokens(self, prompt: list[int], new: int) -> list[int]:
-        from transformers import GenerationConfig
-
-        model = _model(self.name, self.window)
-        model.generation_config = GenerationConfig(cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": MAX_SEQ_LEN},
-                                                   do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0)
-        with torch.no_grad():
-            return model.generate(torch.tensor([prompt]))[0, len(prompt):].tolist()
+        return transformers_greedy(_model(self.name, self.window), torch.tensor([prompt]), new, MAX_SEQ_LEN)[0, len(prompt):].tolist()
 
 
 _built: dict = {}

@@ -28,6 +28,7 @@ from hostswap.schedules.policies import BudgetError
 from hostswap.schedules.serialization import load_weight_schedules
 
 from real_models import VOCAB, _decoder_common
+from test_generation import transformers_greedy
 
 MB = 2**20
 MAX_SEQ_LEN, CHUNK = 30, 4
@@ -92,15 +93,9 @@ class ExportedMoE:
         self.everything = decode.total_bytes + sum(b.table_bytes for b in decode.expert_blocks) + max(s.expert_scratch_bytes for s in self.schedules.values())
 
     def transformers_tokens(self, prompt: torch.Tensor, new: int) -> torch.Tensor:
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.directory).eval()
-        model.generation_config = GenerationConfig(
-            cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": MAX_SEQ_LEN},
-            do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0,
-        )
-        with torch.no_grad():
-            return model.generate(prompt)
+        return transformers_greedy(AutoModelForCausalLM.from_pretrained(self.directory).eval(), prompt, new, MAX_SEQ_LEN)
 
 
 _exported: dict[tuple[str, bool], ExportedMoE] = {}

@@ -21,6 +21,19 @@ CHUNK = 4
 GENERATION_ARCHITECTURES = ["Llama", "Qwen2", "Qwen3", "Mistral", "Phi-3", "Gemma", "GPT-2", "Gemma3"]
 
 
+def transformers_greedy(model, prompt: torch.Tensor, new: int, max_seq_len: int) -> torch.Tensor:
+    """``model``'s greedy generate of exactly ``new`` tokens after ``prompt`` [1, n], with a static
+    cache of ``max_seq_len`` positions: the reference hostswap's programs are held to."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(
+        cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": max_seq_len},
+        do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0,
+    )
+    with torch.no_grad():
+        return model.generate(prompt)
+
+
 class Exported:
     def __init__(self, name: str, directory):
         from transformers import AutoModelForCausalLM
@@ -41,15 +54,9 @@ class Exported:
 
     def transformers_tokens(self, prompt: torch.Tensor, new: int) -> torch.Tensor:
         """transformers' greedy generate with the same static cache, from a fresh load."""
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.directory).eval()
-        model.generation_config = GenerationConfig(
-            cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": MAX_SEQ_LEN},
-            do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0,
-        )
-        with torch.no_grad():
-            return model.generate(prompt)
+        return transformers_greedy(AutoModelForCausalLM.from_pretrained(self.directory).eval(), prompt, new, MAX_SEQ_LEN)
 
 
 _exported: dict[str, Exported] = {}
