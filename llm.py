@@ -464,6 +464,8 @@ class Generator:
 
                 check_draft(self, draft)
             self.draft = draft
+            if draft is not None and self.module.cuda_graph:
+                self.module.graph_method(VERIFY)  # each round's one streamed pass: launched from the host, its kernels would cost more than its copies
             self.last_speculation = None  # SpeculationStats of the last generate with a draft
             self.last = GenerationStats()
             self.last_logprobs: list[float] | None = None  # of the last generate's new tokens, when asked for
@@ -491,6 +493,9 @@ class Generator:
         ids = torch.zeros(1, self.prefill_chunk, dtype=torch.long)
         self._step(PREFILL, ids, 0)
         self._step(DECODE, ids[:, :1].to(self.device), torch.zeros(1, dtype=torch.long).to(self.device))
+        if self.draft is not None:
+            width = self.speculate_k + 1
+            self._step(VERIFY, torch.zeros(1, width, dtype=torch.long).to(self.device), torch.arange(width, dtype=torch.long).to(self.device))
         self._sync()
         self.module.reset_state()
         self._sync()

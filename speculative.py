@@ -86,9 +86,26 @@ def check_draft(target, draft) -> None:
         raise GenerationError(f"the draft's max_seq_len={draft.max_seq_len} is shorter than the target's {target.max_seq_len}; export the draft with at least as many positions")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class _RoundClock:
+    """The draft's and the verify pass's time in a round, read once the round's tokens are on
+    the host: CUDA events where the work is queued on a device (no sync of its own between
+    the two), the host's clock where it runs as it is called."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.cuda else [0.0] * 3
+
+    def mark(self, i: int) -> None:
+        if self.cuda:
+            self.marks[i].record()
+        else:
+            self.marks[i] = time.perf_counter()
+
+    def seconds(self) -> tuple[float, float]:
+        """(draft, verify); call after the round's results were read."""
+        if self.cuda:
+            return self.marks[0].elapsed_time(self.marks[1]) / 1e3, self.marks[1].elapsed_time(self.marks[2]) / 1e3
+        return self.marks[1] - self.marks[0], self.marks[2] - self.marks[1]
 
 
 def accept_or_resample(p: torch.Tensor, q: torch.Tensor, proposed: int, generator: torch.Generator) -> tuple[bool, int]:
@@ -122,6 +139,10 @@ class Sampler:
         return int(torch.multinomial(probabilities, 1, generator=self.generator))
 
 
+def _token(value: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([[value]], dtype=torch.long).to(device)
+
+
 def speculate(target, draft, first_token: int, position: int, k: int | None, max_new_tokens: int, eos, on_token, stats: SpeculationStats,
               sampler: Sampler | None = None) -> list[int]:
     """Tokens after a prompt that both caches hold: ``first_token`` (the target's choice after
@@ -130,17 +151,27 @@ def speculate(target, draft, first_token: int, position: int, k: int | None, max
     cache entries come after the round's and are overwritten like a rejection's). Greedy, or
     with ``sampler`` the speculative sampling rule: the draft samples its proposals, and the
     tokens kept are distributed as the target's sampling would draw them. ``k=None``: chosen
-    each round by ``best_k`` from the acceptance and the draft and verify times so far."""
+    each round by ``best_k`` from the acceptance and the draft and verify times so far.
+
+    A greedy round queues the draft's k steps and the verify pass on the device, each step's
+    input token the previous step's argmax and its position a slice of a device range, and
+    reads the drafted and the chosen tokens in one copy at its end: one wait for the device
+    per round, not one per drafted token.
+    """
     width = target.speculate_k + 1  # tokens the verify method takes
     fixed = k
     new = [first_token]
     if on_token:
         on_token(first_token)
-    pending = [(first_token, position)]  # tokens the draft has not yet seen, with their positions
+    # inputs on the device: a host tensor given to a method is a copy from pageable memory, which waits for the device
+    target_positions = torch.arange(target.max_seq_len + width, dtype=torch.long).to(target.device)
+    draft_positions = target_positions.to(draft.device)
+    last = _token(first_token, target.device)  # the last new token, on the target's device
+    pending = [(last.to(draft.device), position)]  # tokens the draft has not yet seen, with their positions
     while len(new) < max_new_tokens and new[-1] not in eos:
         at = position + len(new) - 1  # where the last new token goes
         if at + width > target.max_seq_len:  # the verify call's positions do not fit: plain decode
-            (logits,) = target.module.run_method(DECODE, [torch.tensor([[new[-1]]]), torch.tensor([at])])
+            (logits,) = target.module.run_method(DECODE, [_token(new[-1], target.device), target_positions[at : at + 1]])
             row = logits[0, -1]
             token = int(row.argmax()) if sampler is None else sampler.draw(sampler.probabilities(row))
             stats.plain_steps += 1
@@ -148,53 +179,25 @@ def speculate(target, draft, first_token: int, position: int, k: int | None, max
         else:
             k = fixed if fixed is not None else _next_k(stats, width - 1)
             stats.k.append(k)
-            start = time.perf_counter()
-
-            def propose(logits) -> tuple[int, torch.Tensor | None]:
-                row = logits[0, -1]
-                if sampler is None:
-                    return int(row.argmax()), None
-                q = sampler.probabilities(row)
-                return sampler.draw(q), q
-
-            for token, where in pending:  # the last of these gives the first draft
-                (logits,) = draft.module.run_method(DECODE, [torch.tensor([[token]]), torch.tensor([where])])
-            drafts, qs = zip(*[propose(logits)])
-            drafts, qs = list(drafts), list(qs)
-            for i in range(1, k):
-                (logits,) = draft.module.run_method(DECODE, [torch.tensor([[drafts[-1]]]), torch.tensor([at + i])])
-                token, q = propose(logits)
-                drafts.append(token)
-                qs.append(q)
-            _sync(draft.device)
-            middle = time.perf_counter()
-            ids = [new[-1], *drafts] + [drafts[-1]] * (width - k - 1)
-            (logits,) = target.module.run_method(VERIFY, [torch.tensor([ids]), torch.arange(at, at + width)])
-            n, last = 0, None
+            clock = _RoundClock(target.device)
+            clock.mark(0)
+            for token, where in pending:  # the last of these gives the first proposal
+                (logits,) = draft.module.run_method(DECODE, [token, draft_positions[where : where + 1]])
             if sampler is None:
-                chosen = logits[0].argmax(-1).tolist()
-                while n < k and drafts[n] == chosen[n]:
-                    n += 1
-                last = chosen[n]
+                n, drafts, after, last = _greedy_round(target, draft, logits, last, k, at, width, draft_positions, target_positions, clock)
             else:
-                while n < k:
-                    kept, token = accept_or_resample(sampler.probabilities(logits[0, n]), qs[n], drafts[n], sampler.generator)
-                    if not kept:
-                        last = token
-                        break
-                    n += 1
-                if last is None:  # every proposal kept: the target's own token after them
-                    last = sampler.draw(sampler.probabilities(logits[0, k]))
-            stats.draft_seconds += middle - start
-            stats.verify_seconds += time.perf_counter() - middle
+                n, drafts, after, last = _sampled_round(target, draft, logits, last, k, at, width, draft_positions, target_positions, clock, sampler)
+            draft_seconds, verify_seconds = clock.seconds()
+            stats.draft_seconds += draft_seconds
+            stats.verify_seconds += verify_seconds
             stats.passes += 1
             stats.drafted += k
             stats.accepted += n
             stats.rejections += n < k
-            accepted = drafts[:n] + [last]
+            accepted = drafts[:n] + [after]
             # the draft saw the last token and drafts[:k - 1]; it has yet to see an accepted
             # drafts[k - 1] and the target's own token
-            pending = ([(drafts[k - 1], at + k)] if n == k else []) + [(last, at + n + 1)]
+            pending = ([(_token(drafts[k - 1], draft.device), at + k)] if n == k else []) + [(last.to(draft.device), at + n + 1)]
         for token in accepted:  # (once rounds fall back to plain decode they stay there: the draft is not needed again)
             new.append(token)
             if on_token:
@@ -202,3 +205,50 @@ def speculate(target, draft, first_token: int, position: int, k: int | None, max
             if len(new) == max_new_tokens or token in eos:
                 return new
     return new
+
+
+def _greedy_round(target, draft, logits, last, k, at, width, draft_positions, target_positions, clock) -> tuple[int, list[int], int, torch.Tensor]:
+    """k greedy proposals from the draft's ``logits`` on, checked by one verify pass after
+    ``last``: (proposals kept, the k proposals, the target's token after the kept ones, that
+    token as a [1, 1] tensor on the target's device)."""
+    proposals = [logits[0, -1].argmax().reshape(1, 1)]
+    for i in range(1, k):
+        (logits,) = draft.module.run_method(DECODE, [proposals[-1], draft_positions[at + i : at + i + 1]])
+        proposals.append(logits[0, -1].argmax().reshape(1, 1))
+    clock.mark(1)
+    drafted = torch.cat(proposals, dim=1).to(target.device)
+    ids = torch.cat([last, drafted] + [proposals[-1].to(target.device)] * (width - k - 1), dim=1)
+    (logits,) = target.module.run_method(VERIFY, [ids, target_positions[at : at + width]])
+    chosen = logits[0].argmax(-1)
+    clock.mark(2)
+    values = torch.cat([drafted[0], chosen]).tolist()  # the round's one wait for the device
+    drafts, choices = values[:k], values[k:]
+    n = 0
+    while n < k and drafts[n] == choices[n]:
+        n += 1
+    return n, drafts, choices[n], chosen[n : n + 1].reshape(1, 1)
+
+
+def _sampled_round(target, draft, logits, last, k, at, width, draft_positions, target_positions, clock, sampler) -> tuple[int, list[int], int, torch.Tensor]:
+    """k sampled proposals, kept or resampled by the rule; returns as ``_greedy_round`` does."""
+    drafts, qs = [], []
+    for i in range(k):
+        if i:
+            (logits,) = draft.module.run_method(DECODE, [_token(drafts[-1], draft.device), draft_positions[at + i : at + i + 1]])
+        q = sampler.probabilities(logits[0, -1])
+        drafts.append(sampler.draw(q))
+        qs.append(q)
+    clock.mark(1)
+    ids = torch.tensor([[int(last.reshape(-1)[0]), *drafts] + [drafts[-1]] * (width - k - 1)], dtype=torch.long).to(target.device)
+    (logits,) = target.module.run_method(VERIFY, [ids, target_positions[at : at + width]])
+    n, token = 0, None
+    while n < k:
+        kept, token = accept_or_resample(sampler.probabilities(logits[0, n]), qs[n], drafts[n], sampler.generator)
+        if not kept:
+            break
+        n += 1
+        token = None
+    if token is None:  # every proposal kept: the target's own token after them
+        token = sampler.draw(sampler.probabilities(logits[0, k]))
+    clock.mark(2)
+    return n, drafts, token, _token(token, target.device)

@@ -79,6 +79,7 @@ def main(argv=None) -> int:
             llm.export(draft, os.path.join(folder, f"draft-{scheme}"), max_seq_len=max_seq_len, prefill_chunk=32)
             draft_paths[scheme] = os.path.join(folder, f"draft-{scheme}")
         target = llm.export(model, os.path.join(folder, "target"), max_seq_len=max_seq_len, prefill_chunk=32, speculate_k=max(ks))
+        print(f"exported the target and {len(draft_paths)} drafts", flush=True)
         schedules = load_weight_schedules(target[0])
         floor, total = max(s.load_floor_bytes for s in schedules.values()), schedules["decode"].total_bytes
         budgets = {"floor": floor, "50%": max(floor, total // 2)} if cuda else {"all": max(floor, total)}
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
             with llm.Generator(*target, weight_offload_budget_mb=budget / 2**20, device=device) as plain:
                 reference = [timed_generate(plain, p, args.new_tokens) for p in prompts]
             plain_seconds = sum(seconds for _, seconds in reference)
+            print(f"plain decode at {budget_name}: {plain_seconds:.2f} s", flush=True)
             for scheme, draft_path in draft_paths.items():
                 for k in ks:
                     with llm.Generator(*target, weight_offload_budget_mb=budget / 2**20, device=device, draft=draft_path, speculate_k=k) as g:

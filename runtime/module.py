@@ -454,6 +454,17 @@ class Module:
             total.calls, total.experts, total.bytes = total.calls + r.calls, total.experts + r.experts, total.bytes + r.bytes
         return method.graph_outputs
 
+    def graph_method(self, name: str) -> None:
+        """Capture method ``name`` as a CUDA graph at its next call, as ``cuda_graph`` naming
+        it at load would have: for a caller that learns from the program which methods it
+        will run often (a generator's verify method, once a draft is given)."""
+        self.ensure_open()
+        if name not in self._probed:
+            raise ValueError(f"graph_method names '{name}', which is not a method of {self.pte_path} that reads weights ({list(self._probed)})")
+        if not self.cuda_graph:
+            raise ValueError(f"graph_method('{name}') needs a Module loaded with cuda_graph on a CUDA device (policy='planned', no weights on disk)")
+        self._probed[name].graphed = True
+
     def __call__(self, *inputs):
         outputs = self.run_method(self.method_name, inputs)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
