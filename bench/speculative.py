@@ -15,6 +15,7 @@ pass mean anything. Rows go to ``bench/results/speculative_<device>.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ks", default="2,4,8")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
+    parser.add_argument("--work", default=None, help="keep the exported programs in this folder and reuse them on the next run (default: a temporary folder)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -72,13 +74,20 @@ def main(argv=None) -> int:
               "new_tokens": args.new_tokens, "rows": []}
     os.makedirs(args.out, exist_ok=True)
     path = result_path(args.out, "speculative", device)
-    with tempfile.TemporaryDirectory() as folder:
+    with contextlib.ExitStack() as stack:
+        folder = args.work or stack.enter_context(tempfile.TemporaryDirectory())
+        os.makedirs(folder, exist_ok=True)
+        tag = f"{result['dtype']}-{max_seq_len}"  # a kept program is reused only for the same dtype and length
         draft_paths = {}
         for scheme in drafts:
-            draft = llm.quantize(copy.deepcopy(model).to(torch.bfloat16 if scheme == "int4" else dtype), scheme)
-            llm.export(draft, os.path.join(folder, f"draft-{scheme}"), max_seq_len=max_seq_len, prefill_chunk=32)
-            draft_paths[scheme] = os.path.join(folder, f"draft-{scheme}")
-        target = llm.export(model, os.path.join(folder, "target"), max_seq_len=max_seq_len, prefill_chunk=32, speculate_k=max(ks))
+            draft_paths[scheme] = os.path.join(folder, f"draft-{scheme}-{tag}")
+            if not all(os.path.exists(draft_paths[scheme] + e) for e in (".pte", ".ptd")):
+                draft = llm.quantize(copy.deepcopy(model).to(torch.bfloat16 if scheme == "int4" else dtype), scheme)
+                llm.export(draft, draft_paths[scheme], max_seq_len=max_seq_len, prefill_chunk=32)
+        target_base = os.path.join(folder, f"target-{tag}-k{max(ks)}")
+        target = (target_base + ".pte", target_base + ".ptd")
+        if not all(os.path.exists(p) for p in target):
+            llm.export(model, target_base, max_seq_len=max_seq_len, prefill_chunk=32, speculate_k=max(ks))
         print(f"exported the target and {len(draft_paths)} drafts", flush=True)
         schedules = load_weight_schedules(target[0])
         floor, total = max(s.load_floor_bytes for s in schedules.values()), schedules["decode"].total_bytes
@@ -92,7 +101,7 @@ def main(argv=None) -> int:
                 for k in ks:
                     with llm.Generator(*target, weight_offload_budget_mb=budget / 2**20, device=device, draft=draft_path, speculate_k=k) as g:
                         passes = accepted = drafted = 0
-                        seconds, same = 0.0, True
+                        seconds, draft_seconds, verify_seconds, same = 0.0, 0.0, 0.0, True
                         for prompt, (expected, _) in zip(prompts, reference):
                             out, took = timed_generate(g, prompt, args.new_tokens)
                             seconds += took
@@ -101,9 +110,12 @@ def main(argv=None) -> int:
                             passes += s.passes + s.plain_steps
                             accepted += s.accepted
                             drafted += s.drafted
+                            draft_seconds += s.draft_seconds
+                            verify_seconds += s.verify_seconds
                     row = {"budget": budget_name, "budget_bytes": budget, "draft": scheme, "k": k, "acceptance": accepted / drafted,
                            "tokens_per_pass": (accepted + passes) / passes, "same_tokens_as_plain": same,
-                           "seconds": seconds, "plain_seconds": plain_seconds, "speedup": plain_seconds / seconds}
+                           "seconds": seconds, "plain_seconds": plain_seconds, "speedup": plain_seconds / seconds,
+                           "draft_seconds": draft_seconds, "verify_seconds": verify_seconds, "verify_passes": passes}
                     result["rows"].append(row)
                     print(json.dumps(row), flush=True)
                     with open(path, "w") as f:
