@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from hostswap.llm import DECODE, VERIFY, GenerationError
+from hostswap.llm import DECODE, VERIFY, GenerationError, decode_tokens
 
 
 @dataclasses.dataclass
@@ -32,6 +32,7 @@ class SpeculationStats:
     passes: int = 0  # verify passes of the target
     plain_steps: int = 0  # target decode steps where k + 1 positions did not fit
     drafted: int = 0
+    draft_steps: int = 0  # decode calls of the draft: the proposals, and the catching up on a round's last tokens
     accepted: int = 0  # drafted tokens the target agreed with
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -55,23 +56,32 @@ class SpeculationStats:
 def best_k(acceptance: float, draft_seconds: float, verify_seconds: float, most: int) -> int:
     """The proposals per round that give the most tokens per second, where each proposal is
     kept with probability ``acceptance`` (the round ending at the first one that is not), a
-    draft token costs ``draft_seconds`` and a verify pass ``verify_seconds``: a round of k
-    proposals yields 1 + a + ... + a^k tokens for k drafts and one pass."""
+    draft step costs ``draft_seconds`` and a verify pass ``verify_seconds``: a round of k
+    proposals yields 1 + a + ... + a^k tokens for one pass and k + a^k draft steps (after a
+    round that kept every proposal, the draft first catches up on the last one).
+
+    0 where plain decode is faster than every k. A plain token is taken to cost a verify pass:
+    where the weights stream, a pass over k + 1 positions costs what a pass over one does
+    (measured on an H200: 1.00 x at the floor and at 50 %, 1.10 x with every weight resident).
+    A draft that costs about what the target's step costs (a small model whose decode is bound
+    by its kernels' launches, not by its bytes) does not pay."""
     a = min(max(acceptance, 0.0), 1.0)
 
     def rate(k: int) -> float:
         tokens = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
-        return tokens / (k * draft_seconds + verify_seconds)
+        return tokens / ((k + a**k) * draft_seconds + verify_seconds)
 
-    return max(range(1, most + 1), key=rate)
+    best = max(range(1, most + 1), key=rate)
+    return best if rate(best) > 1.0 / verify_seconds else 0
 
 
 def _next_k(stats: SpeculationStats, most: int) -> int:
-    """k for the next round from what the rounds so far measured (``most`` until two ran)."""
+    """k for the next round from what the rounds so far measured (``most`` until two ran); 0:
+    decode plainly from here on."""
     if stats.passes < 2 or stats.drafted == 0:
         return most
     acceptance = stats.accepted / (stats.accepted + stats.rejections) if stats.accepted + stats.rejections else 1.0
-    return best_k(acceptance, stats.draft_seconds / stats.drafted, stats.verify_seconds / stats.passes, most)
+    return best_k(acceptance, stats.draft_seconds / stats.draft_steps, stats.verify_seconds / stats.passes, most)
 
 
 def check_draft(target, draft) -> None:
@@ -170,14 +180,21 @@ def speculate(target, draft, first_token: int, position: int, k: int | None, max
     pending = [(last.to(draft.device), position)]  # tokens the draft has not yet seen, with their positions
     while len(new) < max_new_tokens and new[-1] not in eos:
         at = position + len(new) - 1  # where the last new token goes
-        if at + width > target.max_seq_len:  # the verify call's positions do not fit: plain decode
+        k = fixed if fixed is not None else _next_k(stats, width - 1)
+        if sampler is None and (k == 0 or at + width > target.max_seq_len):
+            # plain decode from here on (speculation does not pay, or the verify call's
+            # positions do not fit), pipelined as a Generator without a draft decodes
+            (logits,) = target.module.run_method(DECODE, [_token(new[-1], target.device), target_positions[at : at + 1]])
+            rest = decode_tokens(target._step, logits, at + 1, max_new_tokens - len(new), eos, on_token)
+            stats.plain_steps += len(rest)
+            return new + rest
+        if k == 0 or at + width > target.max_seq_len:  # sampled: one plain step at a time
             (logits,) = target.module.run_method(DECODE, [_token(new[-1], target.device), target_positions[at : at + 1]])
             row = logits[0, -1]
             token = int(row.argmax()) if sampler is None else sampler.draw(sampler.probabilities(row))
             stats.plain_steps += 1
             accepted = [token]
         else:
-            k = fixed if fixed is not None else _next_k(stats, width - 1)
             stats.k.append(k)
             clock = _RoundClock(target.device)
             clock.mark(0)
@@ -192,6 +209,7 @@ def speculate(target, draft, first_token: int, position: int, k: int | None, max
             stats.verify_seconds += verify_seconds
             stats.passes += 1
             stats.drafted += k
+            stats.draft_steps += len(pending) + k - 1
             stats.accepted += n
             stats.rejections += n < k
             accepted = drafts[:n] + [after]

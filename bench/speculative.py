@@ -43,11 +43,47 @@ QUESTIONS = [
 
 
 def timed_generate(g, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
-    start = time.perf_counter()
+    """The tokens, and the decode's seconds (after the first token; prefill is a one-time cost
+    per prompt, the draft's included, and is not counted)."""
     out = g.generate(prompt, new_tokens, eos_token_id=[])
-    if g.device.type == "cuda":
-        torch.cuda.synchronize(g.device)
-    return out.cpu(), time.perf_counter() - start
+    return out.cpu(), g.last.decode_seconds
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """The first new-token index where two outputs of the same prompt differ, or None."""
+    a, b = a.reshape(-1).tolist(), b.reshape(-1).tolist()
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def mechanism_cost(layers: int, ks: list[int], device: torch.device) -> list[dict]:
+    """A verify pass of k + 1 positions against one decode step, on the random-weight Llama of
+    bench/generate.py at its floor and at 50 % (acceptance on random weights means nothing)."""
+    from generate import llama
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for k in ks:
+            pte, ptd = llm.export(llama(layers), os.path.join(folder, f"llama-k{k}"), max_seq_len=64, prefill_chunk=16, speculate_k=k)
+            schedules = load_weight_schedules(pte)
+            floor, total = max(s.load_floor_bytes for s in schedules.values()), schedules["decode"].total_bytes
+            for budget_name, budget in (("floor", floor), ("50%", max(floor, total // 2)), ("all", max(floor, total))):
+                with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=device) as g:
+                    g.module.graph_method(llm.VERIFY)
+                    times = {}
+                    for method, width in ((llm.DECODE, 1), (llm.VERIFY, k + 1)):
+                        ids, positions = torch.zeros(1, width, dtype=torch.long, device=device), torch.arange(width, device=device)
+                        for _ in range(3):
+                            g.module.run_method(method, [ids, positions])
+                        torch.cuda.synchronize(device)
+                        start = time.perf_counter()
+                        for _ in range(20):
+                            g.module.run_method(method, [ids, positions])
+                        torch.cuda.synchronize(device)
+                        times[method] = (time.perf_counter() - start) / 20 * 1e3
+                rows.append({"layers": layers, "k": k, "budget": budget_name, "budget_bytes": budget, "decode_ms": times[llm.DECODE],
+                             "verify_ms": times[llm.VERIFY], "verify_over_decode": times[llm.VERIFY] / times[llm.DECODE]})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -58,6 +94,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ks", default="2,4,8")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
+    parser.add_argument("--mechanism-layers", type=int, default=12, help="layers of the random Llama whose verify pass is timed against decode (0: skip)")
+    parser.add_argument("--only-mechanism", action="store_true")
     parser.add_argument("--work", default=None, help="keep the exported programs in this folder and reuse them on the next run (default: a temporary folder)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
@@ -66,12 +104,19 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     drafts = (args.drafts or ("int8,int4" if cuda else "int8")).split(",")
     ks = [int(k) for k in args.ks.split(",")]
+    if cuda and args.mechanism_layers:
+        mechanism = mechanism_cost(args.mechanism_layers, ks, device)
+        if args.only_mechanism:
+            os.makedirs(args.out, exist_ok=True)
+            with open(result_path(args.out, "speculative_mechanism", device), "w") as f:
+                json.dump({"environment": environment(device), "rows": mechanism}, f, indent=2)
+            return 0
     tokenizer, model = load_smollm2()
     model = model.to(dtype)
     prompts = [chat_prompt(tokenizer, q) for q in QUESTIONS[: args.questions]]
     max_seq_len = max(p.shape[1] for p in prompts) + args.new_tokens + max(ks) + 2
     result = {"environment": environment(device), "model": "SmolLM2-135M-Instruct", "dtype": str(dtype).removeprefix("torch."),
-              "new_tokens": args.new_tokens, "rows": []}
+              "new_tokens": args.new_tokens, "rows": [], "mechanism": mechanism if cuda and args.mechanism_layers else []}
     os.makedirs(args.out, exist_ok=True)
     path = result_path(args.out, "speculative", device)
     with contextlib.ExitStack() as stack:
@@ -101,11 +146,11 @@ def main(argv=None) -> int:
                 for k in ks:
                     with llm.Generator(*target, weight_offload_budget_mb=budget / 2**20, device=device, draft=draft_path, speculate_k=k) as g:
                         passes = accepted = drafted = 0
-                        seconds, draft_seconds, verify_seconds, same = 0.0, 0.0, 0.0, True
+                        seconds, draft_seconds, verify_seconds, differ = 0.0, 0.0, 0.0, []
                         for prompt, (expected, _) in zip(prompts, reference):
                             out, took = timed_generate(g, prompt, args.new_tokens)
                             seconds += took
-                            same &= torch.equal(out, expected)
+                            differ.append(first_difference(out[0, prompt.shape[1]:], expected[0, prompt.shape[1]:]))
                             s = g.last_speculation
                             passes += s.passes + s.plain_steps
                             accepted += s.accepted
@@ -113,7 +158,7 @@ def main(argv=None) -> int:
                             draft_seconds += s.draft_seconds
                             verify_seconds += s.verify_seconds
                     row = {"budget": budget_name, "budget_bytes": budget, "draft": scheme, "k": k, "acceptance": accepted / drafted,
-                           "tokens_per_pass": (accepted + passes) / passes, "same_tokens_as_plain": same,
+                           "tokens_per_pass": (accepted + passes) / passes, "same_tokens_as_plain": all(d is None for d in differ), "first_difference": differ,
                            "seconds": seconds, "plain_seconds": plain_seconds, "speedup": plain_seconds / seconds,
                            "draft_seconds": draft_seconds, "verify_seconds": verify_seconds, "verify_passes": passes}
                     result["rows"].append(row)
