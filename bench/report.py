@@ -886,27 +886,123 @@ Each command takes `--help`; results go to `bench/results/<benchmark>_<device>.j
 
 # docs/benchmarks.md: every benchmark, every table; the README: the headline alone, and a pointer to the rest
 # --- speculative decoding --------------------------------------------------------------------
+def _same_tokens(row: dict) -> str:
+    if row["same_tokens_as_plain"]:
+        return "yes"
+    differ = row.get("first_difference")
+    if differ is None:
+        return "NO"
+    parted = [(i, d) for i, d in enumerate(differ) if d is not None]
+    return f"{len(differ) - len(parted)} of {len(differ)}; " + ", ".join(f"question {i + 1} parts at token {d}" for i, d in parted)
+
+
 def speculative_section(paths: list[str], plot_path: str | None) -> str:
     """A row per (budget, draft, k): the draft's acceptance, tokens per weight pass of the target,
-    whether the tokens equal plain greedy decode, and (on a GPU) the speed-up over plain decode
-    at the same budget."""
+    whether the tokens equal plain greedy decode, and (on a GPU) the decode speed-up over plain
+    decode at the same budget, with the draft's and the verify passes' shares; then the verify
+    pass's cost against a decode step on the random Llama."""
     parts = []
     for path in paths:
         r = json.load(open(path))
         env = r["environment"]
         gpu = env.get("device", "").startswith("cuda")
-        head = f"{r['model']}, {r['dtype']} target, {r['new_tokens']} new tokens per question; torch {env['torch']}"
-        rows = [[row["budget"], row["draft"], row["k"], f"{100 * row['acceptance']:.1f} %", f"{row['tokens_per_pass']:.2f}",
-                 "yes" if row["same_tokens_as_plain"] else "NO"] + ([f"{row['speedup']:.2f}"] if gpu else []) for row in r["rows"]]
-        headers = ["budget", "draft", "k", "drafted tokens accepted", "tokens per weight pass", "tokens = plain greedy"] + (["speed-up over plain"] if gpu else [])
+        head = f"{r['model']}, {r['dtype']} target, {r['new_tokens']} new tokens per question; {_machine(env)}"
+        timed = gpu and "draft_seconds" in (r["rows"] or [{}])[0]
+        rows = [[row["budget"], row["draft"], row["k"], f"{100 * row['acceptance']:.1f} %", f"{row['tokens_per_pass']:.2f}", _same_tokens(row)]
+                + ([f"{row['speedup']:.2f}", f"{row['draft_seconds'] / row['seconds']:.2f}", f"{row['verify_seconds'] / row['seconds']:.2f}"] if timed else [])
+                for row in r["rows"]]
+        headers = (["budget", "draft", "k", "drafted tokens accepted", "tokens per weight pass", "tokens = plain greedy"]
+                   + (["decode speed-up over plain", "draft share", "verify share"] if timed else []))
+        parts.append(head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+        if r.get("mechanism"):
+            rows = [[m["layers"], m["k"], m["budget"], f"{m['budget_bytes'] / 2**20:.0f}", f"{m['decode_ms']:.2f}", f"{m['verify_ms']:.2f}", f"{m['verify_over_decode']:.2f}"]
+                    for m in r["mechanism"]]
+            parts.append("What verification costs: one verify pass of k + 1 positions against one decode step (both graphed), on the random-weight "
+                         "Llama of the generation benchmark\n\n"
+                         + tabulate(rows, headers=["layers", "k", "budget", "MiB", "decode ms", "verify ms", "verify / decode"], tablefmt="github", disable_numparse=True))
+    return "\n\n".join(parts)
+
+
+def _machine(env: dict) -> str:
+    return f"{env.get('gpu') or 'CPU'}, torch {env['torch']}, transformers {env.get('transformers')}"
+
+
+# --- mixture of experts -----------------------------------------------------------------------
+def moe_section(paths: list[str], plot_path: str | None) -> str:
+    """Per shape: a row per budget, the routed program's decode against its bound and the
+    all-experts schedule at the same budget."""
+    parts = []
+    for path in paths:
+        r = json.load(open(path))
+        c = r["config"]
+        experts = c.get("num_local_experts") or c.get("num_experts")
+        head = (f"**{r['shape']}**: {c['model_type']} shape, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {experts} experts, top-{c['num_experts_per_tok']}, "
+                f"{r['checkpoint']['bytes'] / 2**30:.2f} GiB bf16 checkpoint; {_machine(r['environment'])}; pinned H2D {r['pinned_h2d_bytes_per_s'] / 1e9:.1f} GB/s, "
+                f"all-resident routed decode {r['all_resident_ms_per_token']:.2f} ms/token")
+        rows = []
+        for row in r["rows"]:
+            routed, whole = row["routed"], row["all experts"]
+            rows.append([row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", f"{routed['bytes_streamed_per_token'] / 2**30:.2f}", f"{routed['expert_bytes_per_token'] / 2**30:.2f}",
+                         f"{routed['ms_per_token']:.1f}", f"{row['routed_bound_ms_per_token']:.1f}", f"{row['routed_ratio_to_bound']:.2f}",
+                         f"{whole['bytes_streamed_per_token'] / 2**30:.2f}", f"{whole['ms_per_token']:.1f}", f"{row['speedup_over_all_experts']:.2f}",
+                         "yes" if row["same_tokens"] else "NO"])
+        headers = ["budget", "GiB", "routed: streamed GiB/token", "experts read in place GiB/token", "ms/token", "bound ms", "ratio",
+                   "all experts: streamed GiB/token", "ms/token", "speed-up", "same tokens"]
         parts.append(head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
     return "\n\n".join(parts)
 
 
+def moe_headline(paths: list[str]) -> str:
+    runs = [json.load(open(p)) for p in paths]
+    parts = []
+    for r in runs:
+        floor = next(row for row in r["rows"] if row["budget"] == "floor")
+        parts.append(f"{r['shape']} shape {floor['routed']['ms_per_token']:.0f} ms/token, {floor['speedup_over_all_experts']:.1f} x the all-experts schedule, "
+                     f"{floor['routed_ratio_to_bound']:.2f} x its bound")
+    return ("MoE decode at the GPU floor, reading only the routed experts: " + "; ".join(parts) + f" ({runs[0]['environment'].get('gpu')}).")
+
+
+# --- batched decode and the server ------------------------------------------------------------
+def batch_section(paths: list[str], plot_path: str | None) -> str:
+    """A row per (sequences, configuration): total tokens/s, step time, its bound and the speed-up over one sequence."""
+    r = json.load(open(paths[0]))
+    head = (f"Llama {r['layers']} layers (hidden 2048, bf16, random weights), prompts of {r['prompt']} tokens, {r['new_tokens']} decode steps timed; "
+            f"{_machine(r['environment'])}; pinned H2D {r['pinned_h2d_bytes_per_s'] / 1e9:.1f} GB/s")
+    rows = [[row["batch"], row["configuration"], f"{row['tokens_per_s']:.0f}", f"{row['ms_per_step']:.2f}",
+             f"{row['bound_ms_per_step']:.2f}" if "bound_ms_per_step" in row else "", f"{row['ratio_to_bound']:.2f}" if "ratio_to_bound" in row else "",
+             f"{row['speedup_over_batch_1']:.1f}" if "speedup_over_batch_1" in row else ""] for row in r["rows"]]
+    headers = ["sequences", "configuration", "tokens/s", "ms/step", "bound ms", "ratio", "x one sequence"]
+    return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def batch_headline(paths: list[str]) -> str:
+    r = json.load(open(paths[0]))
+    one = next(row for row in r["rows"] if row["batch"] == 1 and row["configuration"] == "hostswap floor")
+    most = max((row for row in r["rows"] if row["configuration"] == "hostswap floor"), key=lambda row: row["batch"])
+    peer = next((row for row in r["rows"] if row["batch"] == most["batch"] and row["configuration"].startswith("transformers")), None)
+    line = (f"Many sequences per weight pass: at the GPU floor, {most['batch']} sequences decode {most['tokens_per_s']:.0f} tokens/s, "
+            f"{most['tokens_per_s'] / one['tokens_per_s']:.1f} x one sequence, {most['ratio_to_bound']:.2f} x the bound")
+    if peer:
+        line += f" (transformers' batched `generate` with every weight on the GPU: {peer['tokens_per_s']:.0f} tokens/s)"
+    return line + f" ({r['environment'].get('gpu')})."
+
+
+def serve_section(paths: list[str], plot_path: str | None) -> str:
+    r = json.load(open(paths[0]))
+    head = (f"Llama {r['layers']} layers (bf16, random weights, no end-of-sequence token), budget {r['budget']} ({r['budget_bytes'] / 2**20:.0f} MiB), "
+            f"prompts of {r['prompt']} token ids, {r['new_tokens']} tokens each; {_machine(r['environment'])}")
+    rows = [[row["clients"], f"{row['python']['tokens_per_s']:.0f}", f"{row['server']['tokens_per_s']:.0f}", f"{row['server_over_python']:.2f}",
+             f"{row['server']['first_chunk_s_mean'] * 1e3:.0f}"] for row in r["rows"]]
+    headers = ["concurrent requests", "Python API tokens/s", "server tokens/s", "server / Python", "first chunk ms (mean)"]
+    return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
-            "export": export_section, "tiers": disk_tier_section, "speculative": speculative_section}
+            "export": export_section, "tiers": disk_tier_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
+            "speculative": speculative_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
-          "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "speculative": "Speculative decoding"}
+          "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "moe": "Mixture of experts: only the routed experts",
+          "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "generate": "Greedy decoding of a transformers `LlamaForCausalLM` (hidden 2048, GQA, bf16, random weights). Decode cells: ms per token "
@@ -926,7 +1022,20 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
               "the read speed plus the same bytes at the write speed.",
     "speculative": "SmolLM2-135M-Instruct (real weights) as the target, a torchao weight-only quantized copy of it as the draft "
                    "(`bench/speculative.py`): greedy answers to chat questions. Acceptance and tokens per weight pass depend on the "
-                   "weights, not the machine; on the CPU nothing is streamed, so only they mean anything there.",
+                   "weights, not the machine; on the CPU nothing is streamed, so only they mean anything there. On a GPU the speed-up is of decode "
+                   "(prefill apart), against plain decode of the same program at the same budget; with `speculate_k` left to the Generator, "
+                   "rounds that do not pay give way to plain decode, so these fixed-k rows show the mechanism, not the default.",
+    "moe": "A random bf16 checkpoint of the shape, exported twice from its shards (`bench/moe.py`): routed (each token's top-k experts "
+           "read in place from the mapped `.ptd` by `hostswap::routed_experts`) and all experts (the same kernel, its expert tables streamed "
+           "whole like any weight). Greedy decode; the routed bound is max(all-resident decode, (streamed + expert bytes read per token) / "
+           "pinned H2D of the same run). The router is the random one of random weights (near-uniform popularity); a skewed router and the "
+           "expert cache's hit rates are not measured here.",
+    "batch": "`hostswap.batching.BatchGenerator` on a program exported with `max_batch_size` = the row's sequences (`bench/batch.py`); the bound "
+             "is max(bytes streamed per step / pinned H2D, the all-resident step at that batch). transformers' `generate` runs batched with "
+             "every weight on the GPU, in the same process.",
+    "serve": "`hostswap serve` in a subprocess with concurrent streaming `/v1/completions` requests through the `openai` client, against "
+             "`BatchGenerator.generate` on the same program and budget (`bench/serve.py`); both timed from the first request to the last "
+             "token, prefill included.",
     "tiers": "Greedy decode of the checkpoint exported with `hostswap.llm.export_checkpoint`, at each GPU budget and host budget "
                  "(`host_memory_budget_mb`: streamed weights kept pinned; the rest read from the `.ptd` with O_DIRECT each token). "
                  "Bound: max(all-resident decode, bytes streamed per token / pinned H2D, bytes read from disk per token / the `.ptd`'s "
@@ -935,7 +1044,7 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "train": "Host GiB is what the offloads hold in host memory; the bound is the row's forward+backward plus the optimizer's copies at "
              "the measured bandwidth (`bench/report.py`).",
 }
-README_SECTIONS = {"generate": generation_headline, "tiers": disk_tier_headline}
+README_SECTIONS = {"generate": generation_headline, "tiers": disk_tier_headline, "moe": moe_headline, "batch": batch_headline}
 README_MORE = ("Longer prompts, prefill, tokens/s, token checks, quantized decode and its quality, and the weight, activation, training and "
                "verification benchmarks: [docs/benchmarks.md](docs/benchmarks.md).")
 
@@ -963,7 +1072,7 @@ def render(draw_plots: bool = True) -> dict[str, str]:
             note = f"{NOTES[benchmark]}\n\n" if benchmark in NOTES else ""
             doc.append(f"## {TITLES[benchmark]} ({device})\n\nFrom {names}.\n\n{note}{full}\n" + (f"\n![{benchmark}]({os.path.relpath(plot, os.path.join(ROOT, 'docs'))})\n" if image else ""))
             if benchmark in README_SECTIONS:
-                block = README_SECTIONS[benchmark](paths) + (f"\n\n![{benchmark}]({os.path.relpath(plot, ROOT)})" if image else "") + "\n\n" + (README_MORE + "\n" if benchmark == "generate" else "")
+                block = README_SECTIONS[benchmark](paths) + (f"\n\n![{benchmark}]({os.path.relpath(plot, ROOT)})" if image else "") + "\n" + ("\n" + README_MORE + "\n" if benchmark == "generate" else "")
                 marker = re.compile(rf"(<!-- report:{benchmark} -->\n).*?(<!-- /report:{benchmark} -->)", re.S)
                 readme = marker.sub(lambda m: m.group(1) + block + m.group(2), readme)
     return {os.path.join(ROOT, "docs", "benchmarks.md"): "\n".join(doc), readme_path: readme}

@@ -55,13 +55,15 @@ def test_rendered_results_are_up_to_date():
 
 def test_the_readme_shows_the_headline_alone():
     """The README holds one generated table, streamed generation's bf16 decode table and plot,
-    and one generated sentence on weights read from disk; every other table is in
-    docs/benchmarks.md alone."""
+    and one generated sentence each on weights read from disk, MoE and batched decode; every
+    other table is in docs/benchmarks.md alone."""
     root = pathlib.Path(__file__).parents[1]
     readme = (root / "README.md").read_text()
-    assert set(re.findall(r"<!-- report:(\w+) -->", readme)) == set(_report.README_SECTIONS) == {"generate", "tiers"}
-    tiers = readme.split("<!-- report:tiers -->")[1].split("<!-- /report:tiers -->")[0]
-    assert "|" not in tiers and tiers.count("\n") <= 3  # one sentence, not a second table
+    sentences = {"tiers", "moe", "batch"}
+    assert set(re.findall(r"<!-- report:(\w+) -->", readme)) == set(_report.README_SECTIONS) == {"generate"} | sentences
+    for name in sentences:
+        block = readme.split(f"<!-- report:{name} -->")[1].split(f"<!-- /report:{name} -->")[0]
+        assert "|" not in block and block.count("\n") <= 3, name  # one sentence, not a second table
     block = readme.split("<!-- report:generate -->")[1].split("<!-- /report:generate -->")[0]
     assert "**decode**" in block and "![generate](bench/results/generate_" in block and "(docs/benchmarks.md)" in block
     assert "quantized" not in block.split("![generate]")[0] and "| target | met | measured |" not in block
