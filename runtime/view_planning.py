@@ -10,6 +10,8 @@ where re-planning does not apply, copies are made views inside ExecuTorch's own 
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from hostswap.runtime.instructions import Kernel, copy_into
@@ -75,20 +77,29 @@ def replan_with_views(m: LoadedMethod) -> int | None:
     is_planned = set(planned)
     # Values no instruction writes are views ExecuTorch folded into planning: find the
     # written value whose bytes they read (the last one written into them before).
+    # Searched backwards from the first read over the writes in program order: the base is
+    # written shortly before its view is read, and a scan of every value per view grows with
+    # the square of the program.
+    writes = sorted((p, u) for u in planned for p in write_pcs.get(u, ()))
+    write_order = [p for p, _ in writes]
     folded_base: dict[int, int] = {}
     for v in planned:
         if write_pcs.get(v) or v in inputs:
             continue
         mem, lo, hi = m.regions[v]
         first = min(read_pcs.get(v, [n]))
-        candidates = [(max(p for p in write_pcs[u] if p < first), u) for u in planned
-                      if u != v and write_pcs.get(u) and any(p < first for p in write_pcs[u])
-                      and m.regions[u][0] == mem and m.regions[u][1] <= lo and hi <= m.regions[u][2]]
-        if not candidates:
+        found = None  # (pc, value) of the latest write before ``first`` into bytes that hold v's
+        for i in range(bisect.bisect_left(write_order, first) - 1, -1, -1):
+            p, u = writes[i]
+            if found is not None and p < found[0]:
+                break
+            if u != v and m.regions[u][0] == mem and m.regions[u][1] <= lo and hi <= m.regions[u][2]:
+                found = max(found, (p, u)) if found is not None else (p, u)
+        if found is None:
             if hi > lo:
                 return None
             continue
-        folded_base[v] = max(candidates)[1]
+        folded_base[v] = found[1]
     folded_of = set(folded_base.values())
     # Decide the views. root: the buffer a view reads; contiguous: whether the view is.
     root: dict[int, int] = {}

@@ -42,6 +42,8 @@ floor_bytes = pinned_bytes + max(lru_bytes, ring_bytes).
 
 from __future__ import annotations
 
+import bisect
+
 import dataclasses
 from collections.abc import Sequence
 
@@ -134,7 +136,10 @@ def ring_placement(seq: StreamSequence, ring_size: int) -> RingPlacement | None:
     # weight id -> index of the fill holding it; a weight is intact while nothing placed after
     # it overlapped its bytes.
     live: dict[int, int] = {}
-    occupants: list[tuple[int, int, int]] = []  # (start, end, fill index) of live placements
+    # the live placements, disjoint and in ring order (so their ends are in order too): the
+    # ones a new placement overlaps are one run of them, found by bisection
+    occupants: list[tuple[int, int, int]] = []  # (start, end, fill index)
+    occupant_ends: list[int] = []
     for i, w in enumerate(seq.probe_weight):
         size = seq.sizes[w]
         if size > ring_size:
@@ -146,14 +151,14 @@ def ring_placement(seq: StreamSequence, ring_size: int) -> RingPlacement | None:
         if cursor + size > ring_size:
             cursor = 0
         start, end = cursor, cursor + size
-        survivors, overwritten = [], []
-        for (s, e, fill) in occupants:
-            if s < end and start < e:
-                live.pop(seq.probe_weight[fill], None)
-                overwritten.append(fill)
-            else:
-                survivors.append((s, e, fill))
-        occupants = survivors + [(start, end, i)]
+        lo = hi = bisect.bisect_right(occupant_ends, start)
+        while hi < len(occupants) and occupants[hi][0] < end:
+            hi += 1
+        overwritten = sorted(fill for _, _, fill in occupants[lo:hi])
+        for fill in overwritten:
+            live.pop(seq.probe_weight[fill], None)
+        occupants[lo:hi] = [(start, end, i)]
+        occupant_ends[lo:hi] = [end]
         live[w] = i
         offsets.append(start)
         source.append(i)

@@ -279,11 +279,12 @@ def _keep_greedily(schedule: ScheduleFacts, sizes: list[int], kept: set[int], bu
             # wrap waste can then make a window overlap) and all the space that would be left.
             largest = max((trial_seq.sizes[v] for v in set(trial_seq.probe_weight)), default=0)
             candidates = sorted({lower, min(lower + largest, available), available})
-            fits = [r for r in candidates if not trial_seq.probe_weight or ring_is_safe(trial_seq, schedule.prefetch_depth, r)]
-            if fits:
+            # the least safe one (each test walks the whole sequence: stop at the first that passes)
+            fit = next((r for r in candidates if not trial_seq.probe_weight or ring_is_safe(trial_seq, schedule.prefetch_depth, r)), None)
+            if fit is not None:
                 kept.add(w)
                 kept_bytes += sizes[w]
-                seq, ring = trial_seq, (fits[0] if trial_seq.probe_weight else 0)
+                seq, ring = trial_seq, (fit if trial_seq.probe_weight else 0)
                 changed = True
     return seq, ring
 
