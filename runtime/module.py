@@ -193,7 +193,7 @@ class Module:
             state_sizes, activations = self._arena_sizes()
             self.auto_budget = auto_budget(free_bytes=free_memory(self.device), total_bytes=total_memory(self.device),
                                            state_bytes=sum(state_sizes.values()), activation_bytes=activations + self.expert_scratch_bytes,
-                                           weight_bytes=self.schedule.total_bytes + self._expert_table_bytes(),
+                                           weight_bytes=self.schedule.resident_bytes + self._expert_table_bytes(),
                                            floor_bytes=floor_schedule.floor_bytes, device=self.device)
             given = self.auto_budget.budget_bytes + self.expert_scratch_bytes
         else:
@@ -233,10 +233,10 @@ class Module:
             self.ptd.lock(host_tier if self.tiers.disk else None)
         # MoE blocks whose whole tables fit in the budget left once every streamed weight is
         # resident stay on the device; the others' picked experts are read in place
-        self.resident_experts = plan_expert_residency(self.schedule.expert_blocks, self.budget_bytes - self.schedule.total_bytes)
+        self.resident_experts = plan_expert_residency(self.schedule.expert_blocks, self.budget_bytes - self.schedule.resident_bytes)
         on_device = {t for b in self.schedule.expert_blocks if b.block in self.resident_experts for t in b.tables}
         state_sizes, activations = self._arena_sizes()
-        weights_on_device = min(self.budget_bytes, self.schedule.total_bytes) + sum(b.table_bytes for b in self.schedule.expert_blocks if b.block in self.resident_experts)
+        weights_on_device = min(self.budget_bytes, self.schedule.resident_bytes) + sum(b.table_bytes for b in self.schedule.expert_blocks if b.block in self.resident_experts)
         check_device_memory(self.device, weights_on_device, sum(state_sizes.values()), activations + self.expert_scratch_bytes, free_memory(self.device))
         host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
         if layout is None:

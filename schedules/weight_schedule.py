@@ -6,7 +6,7 @@ import dataclasses
 import functools
 
 from hostswap.schedules.experts import ExpertBlock, check_expert_blocks, expert_scratch_bytes
-from hostswap.schedules.floor import Floor, compute_floor
+from hostswap.schedules.floor import Floor, aligned, compute_floor
 from hostswap.schedules.render import plot_schedule, render_tables, schedule_report
 
 SCHEDULE_VERSION = 4
@@ -116,6 +116,12 @@ class WeightSchedule:
     @property
     def total_bytes(self) -> int:
         return sum(self.weight_bytes)
+
+    @property
+    def resident_bytes(self) -> int:
+        """The budget that holds every weight in the pool: each allocation rounds up to
+        ``ALIGNMENT``, so it can exceed ``total_bytes`` by a few KiB (norm weights, biases)."""
+        return sum(aligned(b) for b in self.weight_bytes)
 
     def bytes_by_dtype(self) -> dict[str, int]:
         """Weight bytes per dtype (quantized weights count their packed bytes)."""

@@ -41,7 +41,7 @@ class Batched:
         self.pte, self.ptd = batching.export(_model(name, window), os.path.join(directory, "m"), max_seq_len=MAX_SEQ_LEN, max_batch_size=SLOTS, prefill_chunk=CHUNK)
         schedules = load_weight_schedules(self.pte)
         self.floor = max(s.load_floor_bytes for s in schedules.values())
-        self.total = schedules["decode"].total_bytes + sum(b.table_bytes for b in schedules["decode"].expert_blocks) + max(s.expert_scratch_bytes for s in schedules.values())
+        self.total = schedules["decode"].resident_bytes + sum(b.table_bytes for b in schedules["decode"].expert_blocks) + max(s.expert_scratch_bytes for s in schedules.values())
 
     def transformers_tokens(self, prompt: list[int], new: int) -> list[int]:
         return transformers_greedy(_model(self.name, self.window), torch.tensor([prompt]), new, MAX_SEQ_LEN)[0, len(prompt):].tolist()

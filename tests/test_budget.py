@@ -60,5 +60,5 @@ def test_module_auto_takes_every_weight_where_memory_allows(lowered_by_name):
     every weight; the refusal below the floor is the arithmetic's, tested above."""
     lowered = lowered_by_name("demo_transformer")
     with hostswap.runtime.Module(lowered.pte, lowered.ptd, weight_offload_budget_mb="auto", device="cpu") as m:
-        assert m.auto_budget.all_resident and m.budget_bytes == m.schedule.total_bytes
+        assert m.auto_budget.all_resident and m.budget_bytes == m.schedule.resident_bytes
         assert m.auto_budget.floor_bytes == m.schedule.floor_bytes

@@ -90,7 +90,7 @@ class ExportedMoE:
         decode = self.schedules["decode"]
         self.floor = max(s.load_floor_bytes for s in self.schedules.values())
         # every streamed weight and every expert table on the device
-        self.everything = decode.total_bytes + sum(b.table_bytes for b in decode.expert_blocks) + max(s.expert_scratch_bytes for s in self.schedules.values())
+        self.everything = decode.resident_bytes + sum(b.table_bytes for b in decode.expert_blocks) + max(s.expert_scratch_bytes for s in self.schedules.values())
 
     def transformers_tokens(self, prompt: torch.Tensor, new: int) -> torch.Tensor:
         from transformers import AutoModelForCausalLM

@@ -215,7 +215,7 @@ def test_a_short_max_seq_len_exports_with_the_default_chunk(tmp_path):
     prompt = _prompt(20)[:, :9]
     with llm.Generator(pte, ptd, device="cpu") as g:  # the budget "auto"
         assert g.prefill_chunk == 16 and g.max_seq_len == 16
-        assert g.module.auto_budget is not None and g.module.budget_bytes == g.module.schedule.total_bytes  # all fit in RAM
+        assert g.module.auto_budget is not None and g.module.budget_bytes == g.module.schedule.resident_bytes  # all fit in RAM
         out = g.generate(prompt, 5, eos_token_id=[])
     expected = model.generate(prompt, do_sample=False, max_new_tokens=5, min_new_tokens=5, pad_token_id=0, eos_token_id=None,
                               cache_implementation="static", cache_config={"batch_size": 1, "max_cache_len": 16})
