@@ -927,6 +927,17 @@ def _machine(env: dict) -> str:
     return f"{env.get('gpu') or 'CPU'}, torch {env['torch']}, transformers {env.get('transformers')}"
 
 
+# --- load time ------------------------------------------------------------------------------
+def load_section(paths: list[str], plot_path: str | None) -> str:
+    r = json.load(open(paths[0]))
+    env = r["environment"]
+    head = f"{env.get('gpu') or 'CPU'} host ({env.get('cpu_count')} cores), torch {env['torch']}"
+    rows = [[row["layers"], row["weights"], f"{row['program_bytes'] / 2**20:.1f}", row["budget"], f"{row['load_s']:.2f}", f"{row['parse_s']:.2f}",
+             f"{row['layout_s']:.2f}", f"{row['rest_s']:.2f}"] for row in r["rows"]]
+    headers = ["layers", "weights", ".pte MiB", "budget", "load s", "parse s", "layout s", "the rest s"]
+    return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
 # --- mixture of experts -----------------------------------------------------------------------
 def moe_section(paths: list[str], plot_path: str | None) -> str:
     """Per shape: a row per budget, the routed program's decode against its bound and the
@@ -998,10 +1009,10 @@ def serve_section(paths: list[str], plot_path: str | None) -> str:
 
 
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
-            "export": export_section, "tiers": disk_tier_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
+            "export": export_section, "tiers": disk_tier_section, "load": load_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
             "speculative": speculative_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
-          "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "moe": "Mixture of experts: only the routed experts",
+          "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "load": "Load time against depth", "moe": "Mixture of experts: only the routed experts",
           "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
@@ -1025,6 +1036,10 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
                    "weights, not the machine; on the CPU nothing is streamed, so only they mean anything there. On a GPU the speed-up is of decode "
                    "(prefill apart), against plain decode of the same program at the same budget; with `speculate_k` left to the Generator, "
                    "rounds that do not pay give way to plain decode, so these fixed-k rows show the mechanism, not the default.",
+    "load": "`hostswap.runtime.Module` loading a thin Llama (hidden 64: the count of weights and kernels matters here, not their bytes) "
+            "exported at each depth (`bench/load.py`), best of three, the files in the page cache. Parse: ExecuTorch's deserializer reading the "
+            "`.pte`; layout: the planned pool's placement at that budget; the rest: executors, view planning, the pool and its checks. "
+            "Copying resident weights to a GPU comes on top.",
     "moe": "A random bf16 checkpoint of the shape, exported twice from its shards (`bench/moe.py`): routed (each token's top-k experts "
            "read in place from the mapped `.ptd` by `hostswap::routed_experts`) and all experts (the same kernel, its expert tables streamed "
            "whole like any weight). Greedy decode; the routed bound is max(all-resident decode, (streamed + expert bytes read per token) / "

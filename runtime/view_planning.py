@@ -35,6 +35,9 @@ VIEW_CONTIGUITY = {
 }
 
 
+PLACEMENT_BLOCK = 64  # instructions per stretch of the arena placement's index
+
+
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -138,6 +141,10 @@ def replan_with_views(m: LoadedMethod) -> int | None:
             span[0], span[1] = min(span[0], min(pcs)), max(span[1], max(pcs))
     sizes = {o: m.regions[o][2] - m.regions[o][1] for o in life}
     placed: list[tuple[int, int, int, int]] = []  # offset, end, first, last
+    # placed buffers by the stretches of PLACEMENT_BLOCK instructions their lives touch: the
+    # ones a buffer may collide with are found among its own stretches' (most buffers live a
+    # few instructions), not among every buffer placed so far
+    placed_in_block: dict[int, list[int]] = {}
     offset_of: dict[int, int] = {}
     align = 256
     for o in sorted(life, key=lambda o: (-sizes[o], o)):
@@ -145,13 +152,17 @@ def replan_with_views(m: LoadedMethod) -> int | None:
         if sizes[o] == 0:
             offset_of[o] = 0
             continue
-        busy = sorted((a, b) for a, b, f, l in placed if not (l < first or last < f))
+        blocks = range(first // PLACEMENT_BLOCK, last // PLACEMENT_BLOCK + 1)
+        near = {i for block in blocks for i in placed_in_block.get(block, ())}
+        busy = sorted((placed[i][0], placed[i][1]) for i in near if not (placed[i][3] < first or last < placed[i][2]))
         offset = 0
         for a, b in busy:
             if offset + sizes[o] <= a:
                 break
             offset = max(offset, -(-b // align) * align)
         offset_of[o] = offset
+        for block in blocks:
+            placed_in_block.setdefault(block, []).append(len(placed))
         placed.append((offset, offset + sizes[o], first, last))
     total = max((b for _, b, _, _ in placed), default=0)
     arena = torch.empty(total, dtype=torch.uint8, device=m.device)
