@@ -30,7 +30,7 @@ class SpeculationStats:
     """What the last speculative ``generate`` measured."""
 
     passes: int = 0  # verify passes of the target
-    plain_steps: int = 0  # target decode steps where k + 1 positions did not fit
+    plain_steps: int = 0  # target decode steps: where k + 1 positions did not fit, or speculation did not pay
     drafted: int = 0
     draft_steps: int = 0  # decode calls of the draft: the proposals, and the catching up on a round's last tokens
     accepted: int = 0  # drafted tokens the target agreed with
@@ -181,19 +181,16 @@ def speculate(target, draft, first_token: int, position: int, k: int | None, max
     while len(new) < max_new_tokens and new[-1] not in eos:
         at = position + len(new) - 1  # where the last new token goes
         k = fixed if fixed is not None else _next_k(stats, width - 1)
-        if sampler is None and (k == 0 or at + width > target.max_seq_len):
-            # plain decode from here on (speculation does not pay, or the verify call's
-            # positions do not fit), pipelined as a Generator without a draft decodes
+        if k == 0 or at + width > target.max_seq_len:
+            # plain decode from here on: speculation does not pay, or the verify call's
+            # positions do not fit
             (logits,) = target.module.run_method(DECODE, [_token(new[-1], target.device), target_positions[at : at + 1]])
-            rest = decode_tokens(target._step, logits, at + 1, max_new_tokens - len(new), eos, on_token)
-            stats.plain_steps += len(rest)
-            return new + rest
-        if k == 0 or at + width > target.max_seq_len:  # sampled: one plain step at a time
-            (logits,) = target.module.run_method(DECODE, [_token(new[-1], target.device), target_positions[at : at + 1]])
-            row = logits[0, -1]
-            token = int(row.argmax()) if sampler is None else sampler.draw(sampler.probabilities(row))
+            if sampler is None:  # greedy: pipelined as a Generator without a draft decodes
+                rest = decode_tokens(target._step, logits, at + 1, max_new_tokens - len(new), eos, on_token)
+                stats.plain_steps += len(rest)
+                return new + rest
             stats.plain_steps += 1
-            accepted = [token]
+            accepted = [sampler.draw(sampler.probabilities(logits[0, -1]))]
         else:
             stats.k.append(k)
             clock = _RoundClock(target.device)

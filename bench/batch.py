@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from generate import llama, sync  # noqa: E402
-from weights import environment, h2d_bandwidth, result_path  # noqa: E402
+from weights import add_row, environment, h2d_bandwidth, result_path, save_result  # noqa: E402
 
 from hostswap import batching  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
@@ -101,22 +100,19 @@ def main(argv=None) -> int:
                     transfer_ms = row["bytes_streamed_per_step"] / result["pinned_h2d_bytes_per_s"] * 1e3
                     row["bound_ms_per_step"] = max(transfer_ms, resident["ms_per_step"])
                     row["ratio_to_bound"] = row["ms_per_step"] / row["bound_ms_per_step"]
-                result["rows"].append({"batch": b, "configuration": f"hostswap {budget}", **row})
-                print(json.dumps(result["rows"][-1]), flush=True)
+                add_row(result, {"batch": b, "configuration": f"hostswap {budget}", **row}, path)
             if not args.skip_peers and device.type == "cuda":
                 peer = model.cuda()
                 result["rows"].append({"batch": b, "configuration": "transformers generate, all resident", **measure_transformers(peer, prompts, args.new_tokens)})
                 model = peer.cpu()
                 gc.collect()
                 torch.cuda.empty_cache()
-            with open(path, "w") as f:
-                json.dump(result, f, indent=2)
+            save_result(result, path)
     ones = {r["configuration"]: r["tokens_per_s"] for r in result["rows"] if r["batch"] == 1}
     for r in result["rows"]:
         if r["configuration"] in ones and ones[r["configuration"]]:
             r["speedup_over_batch_1"] = r["tokens_per_s"] / ones[r["configuration"]]
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    save_result(result, path)
     print(f"wrote {path}")
     return 0
 

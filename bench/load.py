@@ -13,7 +13,6 @@ that budget, and the rest (executors, view planning, pool). Rows go to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from weights import environment, result_path  # noqa: E402
+from weights import add_row, best_seconds, environment, result_path  # noqa: E402
 
 from hostswap import llm  # noqa: E402
 from hostswap.runtime import Module  # noqa: E402
@@ -40,15 +39,6 @@ def thin_llama(layers: int):
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=None)
     return LlamaForCausalLM(config).eval()
-
-
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main(argv=None) -> int:
@@ -70,16 +60,13 @@ def main(argv=None) -> int:
             schedules = load_weight_schedules(pte)
             schedule = schedules["decode"]
             floor, total = max(s.load_floor_bytes for s in schedules.values()), schedule.total_bytes
-            parse_s = best(lambda: read_program(read_program_bytes(pte), pte), args.repeat)
+            parse_s = best_seconds(lambda: read_program(read_program_bytes(pte), pte), args.repeat)
             for name, budget in (("floor", floor), ("50%", max(floor, total // 2)), ("all", max(floor, schedule.resident_bytes))):
-                load_s = best(lambda: Module(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=device).close(), args.repeat)
-                layout_s = best(lambda: plan_layout(schedule, budget), args.repeat)
+                load_s = best_seconds(lambda: Module(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=device).close(), args.repeat)
+                layout_s = best_seconds(lambda: plan_layout(schedule, budget), args.repeat)
                 row = {"layers": layers, "weights": len(schedule.fqns), "program_bytes": os.path.getsize(pte), "export_s": export_s, "budget": name,
                        "budget_bytes": budget, "load_s": load_s, "parse_s": parse_s, "layout_s": layout_s, "rest_s": load_s - parse_s - layout_s}
-                result["rows"].append(row)
-                print(json.dumps(row), flush=True)
-            with open(path, "w") as f:
-                json.dump(result, f, indent=2)
+                add_row(result, row, path)
     print(f"wrote {path}")
     return 0
 

@@ -19,7 +19,6 @@ random weights (nearly uniform popularity); a skewed router is not measured yet.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -31,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from checkpoints import write_checkpoint  # noqa: E402
-from weights import environment, h2d_bandwidth, result_path  # noqa: E402
+from weights import add_row, environment, h2d_bandwidth, result_path  # noqa: E402
 
 from hostswap import llm  # noqa: E402
 from hostswap.checkpoint import export_checkpoint  # noqa: E402
@@ -110,10 +109,7 @@ def main(argv=None) -> int:
                 row["routed_ratio_to_bound"] = r["ms_per_token"] / row["routed_bound_ms_per_token"]
             row["speedup_over_all_experts"] = row["all experts"]["ms_per_token"] / r["ms_per_token"]
             row["same_tokens"] = r["tokens"] == row["all experts"]["tokens"]
-            result["rows"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in programs} | {n: {k: v for k, v in row[n].items() if k != "tokens"} for n in programs}), flush=True)
-            with open(path, "w") as f:
-                json.dump(result, f, indent=2)
+            add_row(result, row, path, shown={k: v for k, v in row.items() if k not in programs} | {n: {k: v for k, v in row[n].items() if k != "tokens"} for n in programs})
     print(f"wrote {path}")
     return 0
 

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from generate import llama, sync  # noqa: E402
-from weights import environment, result_path  # noqa: E402
+from weights import environment, result_path, save_result  # noqa: E402
 
 from hostswap import batching  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
@@ -152,8 +152,7 @@ def main(argv=None) -> int:
                 row["server"] = measure_server(url, prompts[: row["clients"]], args.new_tokens)
                 row["server_over_python"] = row["server"]["tokens_per_s"] / row["python"]["tokens_per_s"]
                 print(json.dumps(row), flush=True)
-                with open(path, "w") as f:
-                    json.dump(result, f, indent=2)
+                save_result(result, path)
         finally:
             process.terminate()
             process.wait(60)

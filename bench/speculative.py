@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from weights import environment, result_path  # noqa: E402
+from weights import add_row, environment, result_path  # noqa: E402
 
 from hostswap import llm  # noqa: E402
 from hostswap.demo import chat_prompt, load_smollm2  # noqa: E402
@@ -95,7 +95,6 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
     parser.add_argument("--mechanism-layers", type=int, default=12, help="layers of the random Llama whose verify pass is timed against decode (0: skip)")
-    parser.add_argument("--only-mechanism", action="store_true")
     parser.add_argument("--work", default=None, help="keep the exported programs in this folder and reuse them on the next run (default: a temporary folder)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
@@ -104,19 +103,13 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     drafts = (args.drafts or ("int8,int4" if cuda else "int8")).split(",")
     ks = [int(k) for k in args.ks.split(",")]
-    if cuda and args.mechanism_layers:
-        mechanism = mechanism_cost(args.mechanism_layers, ks, device)
-        if args.only_mechanism:
-            os.makedirs(args.out, exist_ok=True)
-            with open(result_path(args.out, "speculative_mechanism", device), "w") as f:
-                json.dump({"environment": environment(device), "rows": mechanism}, f, indent=2)
-            return 0
+    mechanism = mechanism_cost(args.mechanism_layers, ks, device) if cuda and args.mechanism_layers else []
     tokenizer, model = load_smollm2()
     model = model.to(dtype)
     prompts = [chat_prompt(tokenizer, q) for q in QUESTIONS[: args.questions]]
     max_seq_len = max(p.shape[1] for p in prompts) + args.new_tokens + max(ks) + 2
     result = {"environment": environment(device), "model": "SmolLM2-135M-Instruct", "dtype": str(dtype).removeprefix("torch."),
-              "new_tokens": args.new_tokens, "rows": [], "mechanism": mechanism if cuda and args.mechanism_layers else []}
+              "new_tokens": args.new_tokens, "rows": [], "mechanism": mechanism}
     os.makedirs(args.out, exist_ok=True)
     path = result_path(args.out, "speculative", device)
     with contextlib.ExitStack() as stack:
@@ -161,10 +154,7 @@ def main(argv=None) -> int:
                            "tokens_per_pass": (accepted + passes) / passes, "same_tokens_as_plain": all(d is None for d in differ), "first_difference": differ,
                            "seconds": seconds, "plain_seconds": plain_seconds, "speedup": plain_seconds / seconds,
                            "draft_seconds": draft_seconds, "verify_seconds": verify_seconds, "verify_passes": passes}
-                    result["rows"].append(row)
-                    print(json.dumps(row), flush=True)
-                    with open(path, "w") as f:
-                        json.dump(result, f, indent=2)
+                    add_row(result, row, path)
     print(f"wrote {path}")
     return 0
 

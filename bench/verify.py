@@ -30,16 +30,7 @@ import hostswap.llm as llm  # noqa: E402
 from generate import llama  # noqa: E402
 from hostswap.runtime.ptd import PtdFile, open_pair  # noqa: E402
 from hostswap.schedules.pte_program import read_program, read_program_bytes  # noqa: E402
-from weights import environment, result_path  # noqa: E402
-
-
-def best(repeat: int, fn) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+from weights import best_seconds, environment, result_path  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -67,7 +58,7 @@ def main(argv=None) -> int:
 
     with PtdFile(ptd) as weights:
         nbytes = sum(e.nbytes for e in weights.entries.values())
-        verify_s = best(args.repeat, weights.verify)
+        verify_s = best_seconds(weights.verify, args.repeat)
         into = torch.empty(nbytes, dtype=torch.uint8)
 
         def copy_out():
@@ -76,10 +67,10 @@ def main(argv=None) -> int:
                 into[at : at + e.nbytes].copy_(weights.host_tensor(e.fqn).reshape(-1).view(torch.uint8))
                 at += e.nbytes
 
-        copy_s = best(args.repeat, copy_out)
+        copy_s = best_seconds(copy_out, args.repeat)
         count = len(weights.entries)
-    checks_s = best(args.repeat, load_checks)
-    parse_s = best(args.repeat, lambda: read_program(data, pte))  # every load parses the program anyway
+    checks_s = best_seconds(load_checks, args.repeat)
+    parse_s = best_seconds(lambda: read_program(data, pte), args.repeat)  # every load parses the program anyway
     result = {
         "environment": dict(environment(machine), cpu_count=os.cpu_count(), cpu=_cpu_name()),
         "model": {"class": "LlamaForCausalLM", "layers": args.layers, "weight_bytes": nbytes, "weights": count},

@@ -261,6 +261,29 @@ def result_path(out: str, benchmark: str, device: torch.device, part: str | None
     return os.path.join(out, f"{benchmark}_{device_slug(device)}{'_' + part if part else ''}.json")
 
 
+def save_result(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def add_row(result: dict, row: dict, path: str, shown: dict | None = None) -> None:
+    """Append ``row`` to ``result["rows"]``, print it (or ``shown``, a shorter form) as a JSON
+    line, and write the result: a run cut short keeps every row it measured."""
+    result["rows"].append(row)
+    print(json.dumps(row if shown is None else shown), flush=True)
+    save_result(result, path)
+
+
+def best_seconds(fn, repeat: int) -> float:
+    """The least wall time of ``repeat`` calls of ``fn()`` (host work: nothing to synchronize)."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 # --- the run ------------------------------------------------------------------------------------
 class Bench:
     def __init__(self, args):
