@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from hostswap.kernels.row_copy import masked_row_copy
 from hostswap.runtime.ptd import _MappedBytes
 
 
@@ -64,6 +65,8 @@ def main() -> None:
         for j, e in enumerate(ids_host):
             landing[j].copy_(host[e], non_blocking=True)
 
+    slots = torch.arange(args.top_k, device="cuda")
+    every, none = torch.ones(args.top_k, dtype=torch.int32, device="cuda"), torch.zeros(args.top_k, dtype=torch.int32, device="cuda")
     wide = {torch.int64: view.view(args.experts, -1).view(torch.int64), torch.int32: view.view(args.experts, -1).view(torch.int32)}
     ways = {
         "copy engine, whole table (all experts)": (lambda: device_table.copy_(host, non_blocking=True), expert_bytes * args.experts),
@@ -72,14 +75,19 @@ def main() -> None:
         "index_select over int32 elements": (lambda: wide[torch.int32].index_select(0, ids), picked),
         "index_select over int64 elements": (lambda: wide[torch.int64].index_select(0, ids), picked),
         "mapped view copy_ of one expert (contiguous)": (lambda: landing[0].copy_(view[int(ids_host[0])]), expert_bytes),
+        "masked row copy, every pick missed (Triton)": (lambda: masked_row_copy(view, landing, ids, slots, every), picked),
+        "masked row copy, every pick hit (Triton, reads nothing)": (lambda: masked_row_copy(view, landing, ids, slots, none), 0),
     }
     # the same gather, checked once against the host's bytes (as int16: random bits hold NaNs, which equal nothing)
     assert torch.equal(view[ids].cpu().view(torch.int16), host[ids.cpu()].view(torch.int16))
+    landing.zero_()
+    masked_row_copy(view, landing, ids, slots, every)
+    assert torch.equal(landing.cpu().view(torch.int16), host[ids.cpu()].view(torch.int16))
     results = {"device": torch.cuda.get_device_name(), "shape": list(shape), "top_k": args.top_k, "expert_bytes": expert_bytes, "ways": {}}
     for name, (fn, nbytes) in ways.items():
         seconds = timed(fn, args.repeat)
         results["ways"][name] = {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9}
-        print(f"{name:55s} {nbytes / 2**20:9.0f} MiB  {nbytes / seconds / 1e9:6.1f} GB/s")
+        print(f"{name:58s} {nbytes / 2**20:9.0f} MiB  {nbytes / seconds / 1e9:6.1f} GB/s  {seconds * 1e6:9.1f} us")
     try:
         import triton
 
@@ -89,11 +97,11 @@ def main() -> None:
     print("triton", results["triton"])
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     name = torch.cuda.get_device_name().replace(" ", "_")
-    with open(os.path.join(os.path.dirname(__file__), "results", f"expert_reads_{name}.json"), "w") as f:
+    with open(os.path.join(os.path.dirname(__file__), "results", f"expert_reads_{name}_{args.experts}x{args.top_k}.json"), "w") as f:
         json.dump(results, f, indent=2)
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, f"expert_reads_{name}.json"), "w") as f:
+        with open(os.path.join(out, f"expert_reads_{name}_{args.experts}x{args.top_k}.json"), "w") as f:
             json.dump(results, f, indent=2)
 
 

@@ -11,14 +11,28 @@ as every weight is: ``gather_from_host=False``). For each budget (the routed pro
 25 % and 50 % of the weights) both generate ``--new-tokens`` greedy tokens from the same prompt;
 a row records ms/token, bytes streamed per token, expert bytes read in place per token, and
 the routed bound: (streamed + expert bytes per token) / pinned H2D bandwidth measured in the
-same run, or the all-resident decode where that is slower. Routing here is the random router of
-random weights (nearly uniform popularity); a skewed router is not measured yet. Rows go to
-``bench/results/moe_<device>_<shape>.json``.
+same run, or the all-resident decode where that is slower. Where the budget leaves room
+beyond the streamed weights, experts take it (whole tables, or a device cache per block), and
+a row records the decode steps' cache hit rate.
+
+Routing is measured twice. **Uniform**: the random router of random weights, which spreads the
+picks nearly evenly. **Skewed** (``skew_routers``): the same checkpoint with its routers biased
+toward a Zipf-like expert popularity, then exported again (routed only). The bias rides on one
+hidden channel: column 0 of the embeddings is set to a constant ``0.02 * sqrt(hidden)`` (as
+large as the rest of a row together), each layer's post-attention norm passes that channel
+with weight 1, and column 0 of each router becomes ``-exponent * noise * ln(rank_e) / x0``, where
+``rank_e`` is expert ``e``'s place in a random order of popularity, ``x0`` the channel's value
+after the norm and ``noise`` the standard deviation of the rest of the router's logits, both
+worked out from the random weights' scale (std 0.02). A token's logits are then the bias plus
+the token's own noise: popular experts win most steps, the others now and then, and tokens
+that repeat route alike. Rows go to ``bench/results/moe_<device>_<shape>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import tempfile
@@ -53,12 +67,60 @@ def shape_config(shape: str):
     raise SystemExit(f"--shape must be mixtral, many or tiny, got {shape!r}")
 
 
+WEIGHT_STD = 0.02  # bench/checkpoints.py draws every value, norms included, from N(0, 0.02)
+
+
+def _patch(folder: str, name: str, change) -> None:
+    """Rewrite tensor ``name`` (bf16) of the safetensors checkpoint in ``folder`` in place:
+    ``change`` takes its values (float32) and returns the new ones."""
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        shard = os.path.join(folder, json.load(f)["weight_map"][name])
+    with open(shard, "r+b") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_len))[name]
+        start, end = entry["data_offsets"]
+        f.seek(8 + header_len + start)
+        values = torch.frombuffer(bytearray(f.read(end - start)), dtype=torch.bfloat16).view(entry["shape"]).float()
+        changed = change(values).to(torch.bfloat16).contiguous()
+        f.seek(8 + header_len + start)
+        f.write(changed.view(torch.uint8).numpy().tobytes())
+
+
+def skew_routers(folder: str, config, exponent: float, seed: int = 0) -> dict:
+    """Bias every router of the random checkpoint in ``folder`` toward a Zipf-like popularity
+    (the module docstring says how); returns what was set."""
+    hidden, experts = config.hidden_size, getattr(config, "num_local_experts", None) or config.num_experts
+    channel = WEIGHT_STD * math.sqrt(hidden)  # the constant: as large as the other channels together
+    rms = math.sqrt((channel**2 + (hidden - 1) * WEIGHT_STD**2) / hidden)
+    x0 = channel / rms  # the channel after a norm of weight 1
+    # the rest of a router logit: hidden-1 products of a router weight and a normed value (x / rms * norm weight)
+    noise = math.sqrt(hidden - 1) * WEIGHT_STD * (WEIGHT_STD / rms) * WEIGHT_STD
+    rank = torch.randperm(experts, generator=torch.Generator().manual_seed(seed)) + 1
+    bias = -exponent * noise * torch.log(rank.double()).float()
+
+    def column0(value):
+        def change(t):
+            t[..., 0] = value
+            return t
+        return change
+
+    _patch(folder, "model.embed_tokens.weight", column0(channel))
+    for layer in range(config.num_hidden_layers):
+        _patch(folder, f"model.layers.{layer}.post_attention_layernorm.weight", column0(1.0))
+        _patch(folder, f"model.layers.{layer}.mlp.gate.weight", column0(bias / x0))
+    return {"exponent": exponent, "channel": channel, "noise": noise, "popularity_rank": rank.tolist()}
+
+
 def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> dict:
     with llm.Generator(pte, ptd, weight_offload_budget_mb=budget_bytes / 2**20, device=device) as g:
         out = g.generate(prompt, new_tokens, eos_token_id=[])
         s = g.stats
+        reads = s["expert_reads"].values()
+        lookups = sum(r["cache_hits"] + r["cache_misses"] for r in reads)
         return {"ms_per_token": s["ms_per_token"], "bytes_streamed_per_token": s["bytes_streamed_per_token"],
                 "expert_bytes_per_token": s["expert_bytes_per_token"] or 0, "graphed": g.module.cuda_graph,
+                "resident_blocks": sum(r["resident"] for r in reads), "cache_slots": max((r["cache_slots"] for r in reads if not r["resident"]), default=0),
+                "cache_hit_rate": sum(r["cache_hits"] for r in reads) / lookups if lookups else None,
                 "tokens": out[0, prompt.shape[1]:].tolist()}
 
 
@@ -68,6 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--skew", type=float, default=1.0, help="the skewed router's exponent, in units of the logit noise (0: no skewed rows)")
     parser.add_argument("--work", default=None, help="folder for the checkpoint and programs (default: a temporary one)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
@@ -96,20 +159,34 @@ def main(argv=None) -> int:
         prompt = torch.randint(0, config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
         resident = generate(*programs["routed"], max(total + max(s.expert_scratch_bytes for s in routed.values()), floor), prompt, args.new_tokens, device)
         result["all_resident_ms_per_token"] = resident["ms_per_token"]
-        for budget_name, budget in (("floor", floor), ("25%", total // 4), ("50%", total // 2)):
-            row = {"budget": budget_name, "budget_bytes": max(budget, floor)}
-            for name in programs:
-                measured = generate(*programs[name], max(budget, floor, whole_floor if name == "all experts" else 0), prompt, args.new_tokens, device)
-                row[name] = measured
-            bandwidth = result["pinned_h2d_bytes_per_s"]
-            r = row["routed"]
+        budgets = (("floor", floor), ("25%", total // 4), ("50%", total // 2))
+        bandwidth = result["pinned_h2d_bytes_per_s"]
+
+        def bound(row, r):
             if bandwidth:
                 transfer = (r["bytes_streamed_per_token"] + r["expert_bytes_per_token"]) / bandwidth * 1e3
                 row["routed_bound_ms_per_token"] = max(transfer, resident["ms_per_token"])
                 row["routed_ratio_to_bound"] = r["ms_per_token"] / row["routed_bound_ms_per_token"]
+
+        for budget_name, budget in budgets:
+            row = {"routing": "uniform", "budget": budget_name, "budget_bytes": max(budget, floor)}
+            for name in programs:
+                measured = generate(*programs[name], max(budget, floor, whole_floor if name == "all experts" else 0), prompt, args.new_tokens, device)
+                row[name] = measured
+            r = row["routed"]
+            bound(row, r)
             row["speedup_over_all_experts"] = row["all experts"]["ms_per_token"] / r["ms_per_token"]
             row["same_tokens"] = r["tokens"] == row["all experts"]["tokens"]
             add_row(result, row, path, shown={k: v for k, v in row.items() if k not in programs} | {n: {k: v for k, v in row[n].items() if k != "tokens"} for n in programs})
+        if args.skew:
+            t = time.perf_counter()
+            result["skewed_router"] = skew_routers(os.path.join(work, "ckpt"), config, args.skew)
+            skewed = export_checkpoint(os.path.join(work, "ckpt"), os.path.join(work, "skewed"), max_seq_len=max_seq_len, prefill_chunk=args.prompt)
+            result["export_skewed_s"] = time.perf_counter() - t
+            for budget_name, budget in budgets:
+                row = {"routing": "skewed", "budget": budget_name, "budget_bytes": max(budget, floor), "routed": generate(*skewed, max(budget, floor), prompt, args.new_tokens, device)}
+                bound(row, row["routed"])
+                add_row(result, row, path, shown={k: v for k, v in row.items() if k != "routed"} | {"routed": {k: v for k, v in row["routed"].items() if k != "tokens"}})
     print(f"wrote {path}")
     return 0
 

@@ -950,16 +950,28 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
         head = (f"**{r['shape']}**: {c['model_type']} shape, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {experts} experts, top-{c['num_experts_per_tok']}, "
                 f"{r['checkpoint']['bytes'] / 2**30:.2f} GiB bf16 checkpoint; {_machine(r['environment'])}; pinned H2D {r['pinned_h2d_bytes_per_s'] / 1e9:.1f} GB/s, "
                 f"all-resident routed decode {r['all_resident_ms_per_token']:.2f} ms/token")
-        rows = []
+        rows, skewed = [], []
         for row in r["rows"]:
-            routed, whole = row["routed"], row["all experts"]
-            rows.append([row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", f"{routed['bytes_streamed_per_token'] / 2**30:.2f}", f"{routed['expert_bytes_per_token'] / 2**30:.2f}",
-                         f"{routed['ms_per_token']:.1f}", f"{row['routed_bound_ms_per_token']:.1f}", f"{row['routed_ratio_to_bound']:.2f}",
-                         f"{whole['bytes_streamed_per_token'] / 2**30:.2f}", f"{whole['ms_per_token']:.1f}", f"{row['speedup_over_all_experts']:.2f}",
-                         "yes" if row["same_tokens"] else "NO"])
-        headers = ["budget", "GiB", "routed: streamed GiB/token", "experts read in place GiB/token", "ms/token", "bound ms", "ratio",
-                   "all experts: streamed GiB/token", "ms/token", "speed-up", "same tokens"]
-        parts.append(head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+            routed = row["routed"]
+            hit = f"{routed['cache_hit_rate']:.0%}" if routed.get("cache_hit_rate") is not None else "-"
+            on_device = (f"{routed['resident_blocks']} whole" if routed.get("resident_blocks") else
+                         f"{routed['cache_slots']} of {experts}" if routed.get("cache_slots") else "none") if "cache_slots" in routed else "-"
+            common = [row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", f"{routed['bytes_streamed_per_token'] / 2**30:.2f}", on_device, hit,
+                      f"{routed['expert_bytes_per_token'] / 2**30:.2f}", f"{routed['ms_per_token']:.1f}", f"{row['routed_bound_ms_per_token']:.1f}", f"{row['routed_ratio_to_bound']:.2f}"]
+            if row.get("routing", "uniform") == "skewed":
+                skewed.append(common)
+                continue
+            whole = row["all experts"]
+            rows.append(common + [f"{whole['bytes_streamed_per_token'] / 2**30:.2f}", f"{whole['ms_per_token']:.1f}", f"{row['speedup_over_all_experts']:.2f}",
+                                  "yes" if row["same_tokens"] else "NO"])
+        headers = ["budget", "GiB", "routed: streamed GiB/token", "experts on the device (per block)", "decode cache hits", "experts read over the bus GiB/token",
+                   "ms/token", "bound ms", "ratio"]
+        parts.append(head + "\n\nUniform routing (the random router):\n\n"
+                     + tabulate(rows, headers=headers + ["all experts: streamed GiB/token", "ms/token", "speed-up", "same tokens"], tablefmt="github", disable_numparse=True))
+        if skewed:
+            z = r["skewed_router"]
+            parts.append(f"Skewed routing (routers biased to a Zipf-like popularity, exponent {z['exponent']:g} in units of the logit noise; `bench/moe.py`):\n\n"
+                         + tabulate(skewed, headers=headers, tablefmt="github", disable_numparse=True))
     return "\n\n".join(parts)
 
 
@@ -1042,9 +1054,10 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
             "Copying resident weights to a GPU comes on top.",
     "moe": "A random bf16 checkpoint of the shape, exported twice from its shards (`bench/moe.py`): routed (each token's top-k experts "
            "read in place from the mapped `.ptd` by `hostswap::routed_experts`) and all experts (the same kernel, its expert tables streamed "
-           "whole like any weight). Greedy decode; the routed bound is max(all-resident decode, (streamed + expert bytes read per token) / "
-           "pinned H2D of the same run). The router is the random one of random weights (near-uniform popularity); a skewed router and the "
-           "expert cache's hit rates are not measured here.",
+           "whole like any weight). Greedy decode; the routed bound is max(all-resident decode, (streamed + expert bytes read over the bus "
+           "per token) / pinned H2D of the same run). Budget beyond the streamed weights holds experts: whole tables where they fit, else a "
+           "device cache of the same number of slots per block, least recently used evicted; the hit rate counts decode steps' lookups. "
+           "Skewed rows: the same checkpoint with its routers biased (the script's docstring says how) and exported again.",
     "batch": "`hostswap.batching.BatchGenerator` on a program exported with `max_batch_size` = the row's sequences (`bench/batch.py`); the bound "
              "is max(bytes streamed per step / pinned H2D, the all-resident step at that batch). transformers' `generate` runs batched with "
              "every weight on the GPU, in the same process.",

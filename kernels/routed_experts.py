@@ -10,7 +10,8 @@ mapped host pages.
 Three ways through, chosen by the call's tokens (and whether a CUDA graph is being captured):
 
 - **pairs** (one token: a decode step): each of its top-k experts' rows are gathered by index
-  and multiplied batched. The expert ids stay on the device: no host sync, so a graphed decode
+  and multiplied batched (from an expert cache's device slots where the runtime gives the
+  block one, ``using_caches``). The expert ids stay on the device: no host sync, so a graphed decode
   step can hold it.
   The arithmetic is transformers' ``batched_mm`` experts implementation, op for op.
 - **grouped** (prefill chunks, batched decode steps run eagerly): the host learns the union
@@ -69,6 +70,22 @@ def recording_reads(into: dict[str, ExpertReads]):
         yield into
     finally:
         _recorder = outer
+
+
+_caches: dict | None = None
+
+
+@contextlib.contextmanager
+def using_caches(caches: dict):
+    """While the body runs, a decode step of a block in ``caches`` (block -> an expert cache
+    with ``lookup(ids, tables)`` and ``tables``: runtime/expert_cache.py) reads its experts
+    from the cache's slots, which it fills from the tables on a miss."""
+    global _caches
+    outer, _caches = _caches, caches
+    try:
+        yield caches
+    finally:
+        _caches = outer
 
 
 def _record(block: str, experts: int, unit_bytes: int) -> None:
@@ -171,6 +188,10 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
     tables = (gate_up, down, gate_up_bias, down_bias)
     if top_k_index.shape[0] == 1:  # one token: its top-k, gathered (k experts of scratch)
         _record(block, top_k_index.numel(), unit_bytes(*tables))
+        cache = _caches.get(block) if _caches else None
+        if cache is not None:  # the picks' slots, the missed ones filled first
+            slots = cache.lookup(top_k_index, tables).view_as(top_k_index)
+            return _pairs(hidden, slots, top_k_weights, *cache.tables, gate_of, transposed)
         return _pairs(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot learn the union
         _record(block, num_experts, unit_bytes(*tables))

@@ -11,10 +11,11 @@ import weakref
 
 import torch
 
-from hostswap.kernels.routed_experts import ExpertReads, recording_reads
+from hostswap.kernels.routed_experts import ExpertReads, recording_reads, using_caches
 from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, free_memory, total_memory
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_host_tiers
+from hostswap.runtime.expert_cache import expert_read_stats, place_experts
 from hostswap.runtime.instructions import ListRef, ProgramError
 from hostswap.runtime.method_loader import state_memory_ids
 from hostswap.runtime.lru_pool import LruPool
@@ -22,7 +23,6 @@ from hostswap.runtime.planned_pool import PlannedPool
 from hostswap.runtime.pool import PoolCreationError
 from hostswap.runtime.ptd import PtdFile, open_pair, verify_showing_progress
 from hostswap.schedules.artifacts import ArtifactError
-from hostswap.schedules.experts import plan_expert_residency
 from hostswap.schedules.policies import check_budget, plan_layout
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, read_program_bytes, torch_dtype
 from hostswap.schedules.serialization import decode_program
@@ -231,12 +231,13 @@ class Module:
             self.ptd.prefault(host_tier if self.tiers.disk else None)
         if lock:
             self.ptd.lock(host_tier if self.tiers.disk else None)
-        # MoE blocks whose whole tables fit in the budget left once every streamed weight is
-        # resident stay on the device; the others' picked experts are read in place
-        self.resident_experts = plan_expert_residency(self.schedule.expert_blocks, self.budget_bytes - self.schedule.resident_bytes)
+        # MoE experts take the budget left once every streamed weight is resident: whole
+        # tables where they fit, else a device cache per block; the rest are read in place
+        self.resident_experts, self.expert_caches = place_experts(self.schedule.expert_blocks, self.budget_bytes - self.schedule.resident_bytes, self.device)
         on_device = {t for b in self.schedule.expert_blocks if b.block in self.resident_experts for t in b.tables}
         state_sizes, activations = self._arena_sizes()
-        weights_on_device = min(self.budget_bytes, self.schedule.resident_bytes) + sum(b.table_bytes for b in self.schedule.expert_blocks if b.block in self.resident_experts)
+        weights_on_device = (min(self.budget_bytes, self.schedule.resident_bytes) + sum(c.nbytes for c in self.expert_caches.values())
+                             + sum(b.table_bytes for b in self.schedule.expert_blocks if b.block in self.resident_experts))
         check_device_memory(self.device, weights_on_device, sum(state_sizes.values()), activations + self.expert_scratch_bytes, free_memory(self.device))
         host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
         if layout is None:
@@ -347,7 +348,7 @@ class Module:
         self.pool.begin_forward()
         if inputs is not None:
             method.executor.bind_inputs(inputs)
-        with recording_reads(self.expert_reads):
+        with recording_reads(self.expert_reads), using_caches(self.expert_caches):
             method.executor.run(method.on_kernel, hooked=method.hooked)
         self.pool.end_forward()
 
@@ -483,11 +484,10 @@ class Module:
         s["disk_wait_seconds"] = reader.wait_seconds if reader is not None else 0.0
         s["disk_reads"] = reader.mode if reader is not None else None
         s["host_read_bytes"] = sum(self.schedule.host_read_bytes)  # gathered in place, never copied
-        # per MoE block: experts read from device-resident tables are hits, over the bus misses
-        s["expert_reads"] = {block: {**dataclasses.asdict(r), "resident": block in self.resident_experts,
-                                     "hits": r.experts if block in self.resident_experts else 0,
-                                     "misses": 0 if block in self.resident_experts else r.experts}
-                             for block, r in self.expert_reads.items() if block in {b.block for b in self.schedule.expert_blocks}}
+        # per MoE block: experts read from the device (resident tables, cache hits) are hits, over the bus misses
+        blocks = {b.block: b for b in self.schedule.expert_blocks}
+        s["expert_reads"] = {block: expert_read_stats(blocks[block], r, block in self.resident_experts, self.expert_caches.get(block))
+                             for block, r in self.expert_reads.items() if block in blocks}
         s["expert_bytes_read"] = self.expert_bytes_read
         s["expert_scratch_bytes"] = self.expert_scratch_bytes
         s["policy"] = self.policy
@@ -496,9 +496,10 @@ class Module:
     @property
     def expert_bytes_read(self) -> int:
         """Bytes of routed experts the kernels have read over the bus since load (each picked
-        expert's rows, resident blocks aside)."""
-        in_place = {b.block for b in self.schedule.expert_blocks} - self.resident_experts  # a block streamed whole reads its copy
-        return sum(r.bytes for block, r in self.expert_reads.items() if block in in_place)
+        expert's rows, resident blocks and cache hits aside)."""
+        blocks = {b.block: b for b in self.schedule.expert_blocks}  # a block streamed whole reads its copy
+        return sum(expert_read_stats(blocks[block], r, block in self.resident_experts, self.expert_caches.get(block))["bytes"]
+                   for block, r in self.expert_reads.items() if block in blocks)
 
     def _expert_table_bytes(self) -> int:
         return sum(b.table_bytes for b in self.schedule.expert_blocks)

@@ -11,8 +11,9 @@ gathers), so what a call reads is a count of units, not a list of weights:
   in place (every expert once where the step is a CUDA graph, which cannot learn the union):
   at most ``num_experts`` units, no scratch.
 
-With budget to spare once every streamed weight is resident, whole blocks' tables are kept
-on the device instead (``plan_expert_residency``): their reads are hits, the others misses.
+With budget to spare once every streamed weight is resident, experts are kept on the device
+(``plan_expert_cache``): each block gets slots for as many experts as fit, its whole tables
+where all do (resident), else a cache its decode steps look up and fill (runtime/expert_cache.py).
 """
 
 from __future__ import annotations
@@ -71,15 +72,26 @@ def expert_scratch_bytes(blocks: tuple[ExpertBlock, ...]) -> int:
     return max((b.scratch_bytes for b in blocks), default=0)
 
 
-def plan_expert_residency(blocks: tuple[ExpertBlock, ...], room_bytes: int) -> frozenset[str]:
-    """Blocks whose whole tables stay on the device, in program order while ``room_bytes``
-    (budget beyond every streamed weight) holds them."""
-    resident, left = set(), room_bytes
-    for b in blocks:
-        if b.table_bytes <= left:
-            resident.add(b.block)
-            left -= b.table_bytes
-    return frozenset(resident)
+def plan_expert_cache(blocks: tuple[ExpertBlock, ...], room_bytes: int) -> dict[str, int]:
+    """Device slots per block (block -> experts held) in ``room_bytes``, the budget beyond
+    every streamed weight: each resident weight saves its bytes every token, a cached expert
+    only when picked, so experts take what the streamed weights leave. The same number of
+    slots for every block (the most that fit), up to its experts (then its tables are
+    resident whole); a block offered fewer than its top-k gets none."""
+    if not blocks:
+        return {}
+    def need(slots: int) -> int:
+        return sum(min(slots, b.num_experts) * b.unit_bytes for b in blocks)
+    low, high = 0, max(b.num_experts for b in blocks)
+    while low < high:  # the most slots that fit
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if need(mid) <= room_bytes else (low, mid - 1)
+    return {b.block: (min(low, b.num_experts) if min(low, b.num_experts) >= min(b.top_k, b.num_experts) else 0) for b in blocks}
+
+
+def resident_blocks(slots: dict[str, int], blocks: tuple[ExpertBlock, ...]) -> frozenset[str]:
+    """The blocks whose slots hold every expert: their whole tables on the device."""
+    return frozenset(b.block for b in blocks if slots.get(b.block, 0) >= b.num_experts)
 
 
 def bytes_read_per_call(blocks: tuple[ExpertBlock, ...], resident: frozenset[str] = frozenset()) -> tuple[int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from hostswap.schedules.experts import bytes_read_per_call, expert_scratch_bytes, plan_expert_residency
+from hostswap.schedules.experts import bytes_read_per_call, expert_scratch_bytes, plan_expert_cache, resident_blocks
 from hostswap.schedules.policies import lru_streamed_bytes, mb_ceil, plan_layout
 from hostswap.schedules.schedule_facts import ScheduleFacts
 from hostswap.schedules.tiers import plan_tiers
@@ -76,8 +76,10 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
                 planned_ring_bytes=layout.ring_bytes,
             )
             if schedule.expert_blocks:
-                resident = plan_expert_residency(schedule.expert_blocks, budget_bytes - schedule.total_bytes)
+                slots = plan_expert_cache(schedule.expert_blocks, budget_bytes - schedule.resident_bytes)
+                resident = resident_blocks(slots, schedule.expert_blocks)
                 budget["resident_expert_blocks"] = sorted(resident)
+                budget["expert_cache_slots"] = {b: n for b, n in slots.items() if b not in resident}
                 budget["expert_bytes_per_call"] = list(bytes_read_per_call(schedule.expert_blocks, resident))
             if host_budget_bytes is not None:
                 tiers = plan_tiers(schedule, layout, host_budget_bytes)
@@ -177,7 +179,11 @@ def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host
             if "expert_bytes_per_call" in b:
                 fewest, most = b["expert_bytes_per_call"]
                 out.append(f"  routed experts: {len(b['resident_expert_blocks'])} of {len(r['experts']['blocks'])} blocks' tables on the device; "
-                           f"a call reads {_mb(fewest)}" + (f" to {_mb(most)}" if most != fewest else "") + " MB of experts over the bus")
+                           f"a call reads {_mb(fewest)}" + (f" to {_mb(most)}" if most != fewest else "") + " MB of experts over the bus"
+                           + (" when it misses the cache" if b.get("expert_cache_slots") else ""))
+                for block, slots in b.get("expert_cache_slots", {}).items():
+                    if slots:
+                        out.append(f"  expert cache of {block}: {slots} experts' slots on the device (least recently used evicted)")
             if tier:
                 t = b["tiers"]
                 out.append(f"\nTiers with {_mb(t['host_budget_bytes'])} MB of pinned host memory for streamed weights")

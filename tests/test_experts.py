@@ -23,7 +23,7 @@ import hostswap.llm as llm
 from hostswap.experts import UnroutedExpertsWarning, route_experts
 from hostswap.kernels.routed_experts import ExpertIndexError
 from hostswap.passes.routed_experts import routed_experts
-from hostswap.schedules.experts import ExpertBlock, bytes_read_per_call, plan_expert_residency
+from hostswap.schedules.experts import ExpertBlock, bytes_read_per_call, plan_expert_cache, resident_blocks
 from hostswap.schedules.policies import BudgetError
 from hostswap.schedules.serialization import load_weight_schedules
 
@@ -90,7 +90,11 @@ class ExportedMoE:
         decode = self.schedules["decode"]
         self.floor = max(s.load_floor_bytes for s in self.schedules.values())
         # every streamed weight and every expert table on the device
-        self.everything = decode.resident_bytes + sum(b.table_bytes for b in decode.expert_blocks) + max(s.expert_scratch_bytes for s in self.schedules.values())
+        scratch = max(s.expert_scratch_bytes for s in self.schedules.values())
+        self.everything = decode.resident_bytes + sum(b.table_bytes for b in decode.expert_blocks) + scratch
+        # every streamed weight on the device and room for top_k + 1 experts of each block: a cache
+        self.cache_slots = decode.expert_blocks[0].top_k + 1 if decode.expert_blocks else 0
+        self.cached = decode.resident_bytes + sum(self.cache_slots * b.unit_bytes for b in decode.expert_blocks) + scratch
 
     def transformers_tokens(self, prompt: torch.Tensor, new: int) -> torch.Tensor:
         from transformers import AutoModelForCausalLM
@@ -130,11 +134,11 @@ def test_every_experts_module_is_routed_and_its_tables_read_in_place(moe):
     assert all(b.tokens == CHUNK for b in prefill.expert_blocks)
 
 
-@pytest.mark.parametrize("budget", ["floor", "everything"])
+@pytest.mark.parametrize("budget", ["floor", "cache", "everything"])
 def test_greedy_tokens_equal_transformers(moe, budget):
     prompt = _prompt(7)
     expected = moe.transformers_tokens(prompt, 12)
-    mb = (moe.floor if budget == "floor" else moe.everything) / MB
+    mb = {"floor": moe.floor, "cache": moe.cached, "everything": moe.everything}[budget] / MB
     with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=mb, device="cpu") as g:
         out = g.generate(prompt, 12, eos_token_id=[])
         assert torch.equal(out, expected), (out.tolist(), expected.tolist())
@@ -145,6 +149,12 @@ def test_greedy_tokens_equal_transformers(moe, budget):
             assert g.module.resident_experts == frozenset()
             assert s["expert_bytes_per_token"] == per_token
             assert all(r["misses"] == r["experts"] > 0 and r["hits"] == 0 for r in s["expert_reads"].values())
+        elif budget == "cache":
+            assert g.module.resident_experts == frozenset() and set(g.module.expert_caches) == {b.block for b in blocks}
+            for r in s["expert_reads"].values():
+                assert r["cache_slots"] == moe.cache_slots and r["cache_policy"] == "lru" and r["hits"] > 0
+                assert r["hits"] + r["misses"] == r["experts"] and r["bytes"] == r["misses"] * blocks[0].unit_bytes
+            assert 0 < s["expert_bytes_per_token"] < per_token
         else:
             assert g.module.resident_experts == {b.block for b in blocks}
             assert s["expert_bytes_per_token"] == 0
@@ -218,13 +228,56 @@ def test_floor_is_the_non_expert_floor_plus_one_layers_picks_and_named_when_shor
     assert "2 of 2 blocks' tables on the device; a call reads 0.00 MB" in table
 
 
-def test_residency_takes_whole_blocks_in_order_while_they_fit():
+def test_experts_take_the_same_slots_in_every_block_up_to_whole_tables():
     blocks = tuple(ExpertBlock(f"b{i}", (f"t{i}",), 2, 1, 8, 100) for i in range(3))
-    assert plan_expert_residency(blocks, 799) == frozenset()
-    assert plan_expert_residency(blocks, 1700) == {"b0", "b1"}
+    assert plan_expert_cache(blocks, 599) == {"b0": 0, "b1": 0, "b2": 0}  # fewer than top-2 each: no cache
+    assert plan_expert_cache(blocks, 600) == {"b0": 2, "b1": 2, "b2": 2}
+    assert plan_expert_cache(blocks, 2399) == {"b0": 7, "b1": 7, "b2": 7}
+    slots = plan_expert_cache(blocks, 2400)
+    assert slots == {"b0": 8, "b1": 8, "b2": 8} and resident_blocks(slots, blocks) == {"b0", "b1", "b2"}
+    mixed = (ExpertBlock("small", ("s",), 2, 1, 4, 100), ExpertBlock("large", ("l",), 2, 1, 16, 100))
+    assert plan_expert_cache(mixed, 1400) == {"small": 4, "large": 10}  # the small block whole, the rest to the large one
     assert bytes_read_per_call(blocks, frozenset({"b0", "b1"})) == (200, 200)
     chunk = ExpertBlock("c", ("t",), 2, 16, 8, 100)  # 16 tokens: the union of their picks, no scratch
     assert not chunk.gathers_pairs and chunk.scratch_bytes == 0 and chunk.units_per_call == (2, 8)
+
+
+def test_expert_cache_evicts_the_least_recently_used_and_holds_the_experts_rows():
+    """The device-side cache against a plain LRU, step by step over random picks (skewed, so
+    that hits and evictions both happen): same hits, same experts held, and each slot's rows
+    the expert's rows of the tables."""
+    import collections
+
+    from hostswap.runtime.expert_cache import ExpertCache
+
+    experts, k, slots = 16, 4, 6
+    gen = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(experts, 6, 3, generator=gen), torch.randn(experts, 3, 3, generator=gen)
+    unit = (6 * 3 + 3 * 3) * 4
+    cache = ExpertCache("block", experts, unit, slots, k, torch.device("cpu"))
+    lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+    popularity = torch.tensor([1.0 / (e + 1) for e in range(experts)])
+    hits = 0
+    for step in range(200):
+        ids = torch.multinomial(popularity, k, generator=gen)
+        target = cache.lookup(ids.view(1, k), (gate_up, down, None))
+        for e in ids.tolist():  # the reference: hits first refreshed, then misses in pick order
+            hits += e in lru
+        for e in ids.tolist():
+            if e in lru:
+                lru.move_to_end(e)
+        for e in ids.tolist():
+            if e not in lru:
+                if len(lru) == slots:
+                    lru.popitem(last=False)
+                lru[e] = None
+        assert sorted(e for e in cache.expert_of.tolist() if e < experts) == sorted(lru), step
+        assert torch.equal(cache.tables[0][target], gate_up[ids]) and torch.equal(cache.tables[1][target], down[ids])
+        held = cache.expert_of.tolist()
+        assert all(cache.slot_of[e].item() == (held.index(e) if e in held else -1) for e in range(experts))
+    assert cache.counts() == (hits, 200 * k - hits) and 0 < hits < 200 * k
+    with pytest.raises(ValueError, match="needs top_k \\(4\\) to 15 slots, not 3"):
+        ExpertCache("block", experts, unit, 3, k, torch.device("cpu"))
 
 
 def test_an_expert_index_out_of_range_is_refused_naming_the_block():

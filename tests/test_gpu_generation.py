@@ -160,9 +160,9 @@ def test_quantized_streamed_export_is_the_quantized_in_memory_export_on_cuda(sch
 @pytest.mark.parametrize("name", ["Mixtral", "Qwen3-MoE", "gpt-oss"])
 def test_routed_experts_decode_graphed_on_the_device(name, tmp_path):
     """MoE decode as one CUDA graph per token, its experts read in place from the mapped
-    .ptd: the tokens of the eager run, of the run with every expert table resident, and of
-    transformers' greedy generate (fp32); the graph reads each token's top-k per layer, nothing
-    more."""
+    .ptd or through a device cache: the tokens of the eager run, of the run with every expert
+    table resident, and of transformers' greedy generate (fp32); the graph reads each token's
+    top-k per layer, nothing more, and the cache's misses only."""
     import hostswap.llm as llm
     from test_experts import ExportedMoE
 
@@ -171,13 +171,18 @@ def test_routed_experts_decode_graphed_on_the_device(name, tmp_path):
     prompt = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
     expected = moe.transformers_tokens(prompt, 12)
     runs = {}
-    for label, budget, graphed in (("floor graphed", moe.floor, True), ("floor eager", moe.floor, False), ("resident graphed", moe.everything, True)):
+    per_token = sum(b.top_k * b.unit_bytes for b in moe.schedules["decode"].expert_blocks)
+    for label, budget, graphed in (("floor graphed", moe.floor, True), ("floor eager", moe.floor, False), ("resident graphed", moe.everything, True),
+                                   ("cache graphed", moe.cached, True), ("cache eager", moe.cached, False)):
         with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=budget / MB, device="cuda", cuda_graph=graphed) as g:
             runs[label] = g.generate(prompt, 12, eos_token_id=[]).cpu()
             assert g.module.cuda_graph == graphed
             if label == "floor graphed":
-                per_token = sum(b.top_k * b.unit_bytes for b in moe.schedules["decode"].expert_blocks)
                 assert g.stats["expert_bytes_per_token"] == per_token
+            if label.startswith("cache"):  # the device cache, looked up and filled inside the graph
+                reads = g.stats["expert_reads"]
+                assert all(r["cache_slots"] == moe.cache_slots and r["hits"] > 0 and r["hits"] + r["misses"] == r["experts"] for r in reads.values()), reads
+                assert 0 < g.stats["expert_bytes_per_token"] < per_token
     for label, tokens in runs.items():
         assert torch.equal(tokens, runs["floor eager"]), label
     # transformers' greedy tokens, fp32 on the CPU: a tiny model's margins exceed the kernels' rounding

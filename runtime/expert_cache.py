@@ -1,0 +1,107 @@
+"""A device cache of one MoE block's experts, run entirely on the device.
+
+A decode step's experts are known only on the device (the router's top-k), and a graphed
+decode step replays fixed launches with no host sync. So the cache's bookkeeping is device
+tensors updated by device ops, the same ops every step:
+
+- ``slot_of[e]``: the slot holding expert ``e``, or -1;
+- ``expert_of[s]``: the expert in slot ``s``, or ``num_experts`` (empty);
+- ``last_use[s]``: when slot ``s`` was last read, in steps and picks (least recently used
+  evicted first);
+- ``hits``/``misses``: counters, read by the host only when it asks for stats.
+
+A step looks its top-k up; each miss takes the least recently used slot that no hit of the
+same step holds, and its rows are copied from the tables in mapped host memory by a kernel
+that skips the hits (kernels/row_copy.py): a hit reads no host byte. The step's experts are
+then read from the slots. Index ``num_experts`` of ``slot_of`` is a sink: writes that a hit
+must not make go there, so no step branches on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hostswap.kernels.row_copy import masked_row_copy
+from hostswap.schedules.experts import plan_expert_cache, resident_blocks
+
+POLICY = "lru"
+
+
+class ExpertCache:
+    """``slots`` experts of one block's stacked tables on the device, least recently used
+    evicted, looked up and filled by device ops only."""
+
+    def __init__(self, block: str, num_experts: int, unit_bytes: int, slots: int, top_k: int, device: torch.device):
+        if not top_k <= slots < num_experts:
+            raise ValueError(f"an expert cache of {block} needs top_k ({top_k}) to {num_experts - 1} slots, not {slots}")
+        self.block, self.slots, self.top_k, self.num_experts = block, slots, top_k, num_experts
+        self.nbytes = slots * unit_bytes
+        self.tables: tuple[torch.Tensor | None, ...] | None = None  # made at the first lookup, in the kernel's order of tables
+        self.slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64, device=device)
+        self.expert_of = torch.full((slots,), num_experts, dtype=torch.int64, device=device)
+        self.last_use = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.clock = torch.zeros((), dtype=torch.int64, device=device)
+        self.hits = torch.zeros((), dtype=torch.int64, device=device)
+        self.misses = torch.zeros((), dtype=torch.int64, device=device)
+        self._never = torch.iinfo(torch.int64).max
+
+    def lookup(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """The slots of ``ids`` (one token's distinct top-k), the missed ones filled from
+        ``sources`` (the block's tables, in the order the cache was built with)."""
+        ids = ids.reshape(-1)
+        if self.tables is None:  # a warm-up forward runs before any capture
+            self.tables = tuple(None if t is None else torch.empty((self.slots, *t.shape[1:]), dtype=t.dtype, device=ids.device) for t in sources)
+            if sum(t.numel() * t.element_size() for t in self.tables if t is not None) != self.nbytes:
+                raise ValueError(f"the expert cache of {self.block} was sized for {self.nbytes} bytes; its tables' rows take another size")
+        self.clock += 1
+        slot = self.slot_of[ids]
+        hit = slot >= 0
+        miss = ~hit
+        # the step's hits are not evicted; of the other slots the least recently used go first
+        held = torch.zeros(self.slots, dtype=torch.int64, device=ids.device).scatter_reduce_(0, slot.clamp(min=0), hit.to(torch.int64), "amax")
+        age = torch.where(held > 0, self._never, self.last_use)
+        victims = torch.topk(age, ids.numel(), largest=False, sorted=True).indices
+        rank = (torch.cumsum(miss.to(torch.int64), 0) - 1).clamp(min=0)
+        target = torch.where(hit, slot, victims[rank])
+        sink = torch.full_like(ids, self.num_experts)
+        evicted = self.expert_of[target]
+        self.slot_of.index_put_((torch.where(miss, evicted, sink),), torch.full_like(ids, -1))
+        self.slot_of.index_put_((torch.where(miss, ids, sink),), torch.where(miss, target, -1))
+        self.expert_of.index_put_((target,), ids)
+        # a step's hits count as used before its misses, each in pick order: an order with no ties
+        k = ids.numel()
+        order = torch.arange(k, device=ids.device) + torch.where(miss, k, 0)
+        self.last_use.index_put_((target,), self.clock * (2 * k) + order)
+        copy = miss.to(torch.int32)
+        for source, table in zip(sources, self.tables):
+            if table is not None:
+                masked_row_copy(source, table, ids, target, copy)
+        self.hits += hit.sum()
+        self.misses += miss.sum()
+        return target
+
+    def counts(self) -> tuple[int, int]:
+        """(hits, misses) since load: a host sync."""
+        return int(self.hits), int(self.misses)
+
+
+def place_experts(blocks, room_bytes: int, device: torch.device) -> tuple[frozenset[str], dict[str, ExpertCache]]:
+    """The blocks kept whole on the device, and a cache for each block given fewer slots than
+    it has experts (``plan_expert_cache`` over ``room_bytes``)."""
+    slots = plan_expert_cache(blocks, room_bytes)
+    caches = {b.block: ExpertCache(b.block, b.num_experts, b.unit_bytes, slots[b.block], b.top_k, device)
+              for b in blocks if 0 < slots[b.block] < b.num_experts}
+    return resident_blocks(slots, blocks), caches
+
+
+def expert_read_stats(block, reads, resident: bool, cache: ExpertCache | None) -> dict:
+    """One block's reads for ``stats``: experts read from the device (resident tables, cache
+    hits) and over the bus (misses), and the cache behind them."""
+    cache_hits, cache_misses = cache.counts() if cache is not None else (0, 0)
+    hits = reads.experts if resident else cache_hits
+    return {"calls": reads.calls, "experts": reads.experts, "hits": hits, "misses": reads.experts - hits,
+            "bytes": (reads.experts - hits) * block.unit_bytes, "resident": resident,
+            "cache_slots": block.num_experts if resident else cache.slots if cache is not None else 0,
+            "cache_policy": POLICY if cache is not None else None,
+            # the decode steps' lookups alone (a prefill chunk reads its union in place)
+            "cache_hits": cache_hits, "cache_misses": cache_misses}
