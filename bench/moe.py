@@ -8,7 +8,9 @@ A random bf16 checkpoint of the shape is written once (bench/checkpoints.py) and
 from its shards: routed (``hostswap::routed_experts`` reads each token's picked experts in
 place from the mapped ``.ptd``) and all-experts (the same kernel with its tables streamed whole,
 as every weight is: ``gather_from_host=False``). For each budget (the routed program's floor,
-25 % and 50 % of the weights) both generate ``--new-tokens`` greedy tokens from the same prompt;
+25 % and 50 % of the weights) both generate ``--new-tokens`` tokens from the same prompt, sampled
+at ``--temperature`` with a fixed seed (greedy decode of random weights soon repeats a few
+tokens, and repeated tokens route alike, which would flatter an expert cache);
 a row records ms/token, bytes streamed per token, expert bytes read in place per token, and
 the routed bound: (streamed + expert bytes per token) / pinned H2D bandwidth measured in the
 same run, or the all-resident decode where that is slower. Where the budget leaves room
@@ -48,6 +50,7 @@ from weights import add_row, environment, h2d_bandwidth, result_path  # noqa: E4
 
 from hostswap import llm  # noqa: E402
 from hostswap.checkpoint import export_checkpoint  # noqa: E402
+from hostswap.sampling import SamplingParams  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
 
 
@@ -111,9 +114,9 @@ def skew_routers(folder: str, config, exponent: float, seed: int = 0) -> dict:
     return {"exponent": exponent, "channel": channel, "noise": noise, "popularity_rank": rank.tolist()}
 
 
-def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> dict:
+def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_tokens: int, device: torch.device, temperature: float = 0.0) -> dict:
     with llm.Generator(pte, ptd, weight_offload_budget_mb=budget_bytes / 2**20, device=device) as g:
-        out = g.generate(prompt, new_tokens, eos_token_id=[])
+        out = g.generate(prompt, new_tokens, eos_token_id=[], sampling=SamplingParams(temperature=temperature, seed=0) if temperature else None)
         s = g.stats
         reads = s["expert_reads"].values()
         lookups = sum(r["cache_hits"] + r["cache_misses"] for r in reads)
@@ -128,7 +131,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="mixtral")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampled decode (seeded); 0: greedy")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--skew", type=float, default=1.0, help="the skewed router's exponent, in units of the logit noise (0: no skewed rows)")
     parser.add_argument("--work", default=None, help="folder for the checkpoint and programs (default: a temporary one)")
@@ -136,7 +140,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     config = shape_config(args.shape)
-    result = {"environment": environment(device), "shape": args.shape, "config": config.to_dict(), "rows": []}
+    result = {"environment": environment(device), "shape": args.shape, "config": config.to_dict(), "temperature": args.temperature, "rows": []}
     result["pinned_h2d_bytes_per_s"] = h2d_bandwidth(device, torch.empty(256 * 2**20, dtype=torch.uint8).pin_memory()) if device.type == "cuda" else None
     os.makedirs(args.out, exist_ok=True)
     path = result_path(args.out, "moe", device, args.shape)
@@ -157,7 +161,7 @@ def main(argv=None) -> int:
         floor = max(s.load_floor_bytes for s in routed.values())
         whole_floor = max(s.load_floor_bytes for s in whole.values())
         prompt = torch.randint(0, config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-        resident = generate(*programs["routed"], max(total + max(s.expert_scratch_bytes for s in routed.values()), floor), prompt, args.new_tokens, device)
+        resident = generate(*programs["routed"], max(total + max(s.expert_scratch_bytes for s in routed.values()), floor), prompt, args.new_tokens, device, args.temperature)
         result["all_resident_ms_per_token"] = resident["ms_per_token"]
         budgets = (("floor", floor), ("25%", total // 4), ("50%", total // 2))
         bandwidth = result["pinned_h2d_bytes_per_s"]
@@ -171,7 +175,7 @@ def main(argv=None) -> int:
         for budget_name, budget in budgets:
             row = {"routing": "uniform", "budget": budget_name, "budget_bytes": max(budget, floor)}
             for name in programs:
-                measured = generate(*programs[name], max(budget, floor, whole_floor if name == "all experts" else 0), prompt, args.new_tokens, device)
+                measured = generate(*programs[name], max(budget, floor, whole_floor if name == "all experts" else 0), prompt, args.new_tokens, device, args.temperature)
                 row[name] = measured
             r = row["routed"]
             bound(row, r)
@@ -184,7 +188,7 @@ def main(argv=None) -> int:
             skewed = export_checkpoint(os.path.join(work, "ckpt"), os.path.join(work, "skewed"), max_seq_len=max_seq_len, prefill_chunk=args.prompt)
             result["export_skewed_s"] = time.perf_counter() - t
             for budget_name, budget in budgets:
-                row = {"routing": "skewed", "budget": budget_name, "budget_bytes": max(budget, floor), "routed": generate(*skewed, max(budget, floor), prompt, args.new_tokens, device)}
+                row = {"routing": "skewed", "budget": budget_name, "budget_bytes": max(budget, floor), "routed": generate(*skewed, max(budget, floor), prompt, args.new_tokens, device, args.temperature)}
                 bound(row, row["routed"])
                 add_row(result, row, path, shown={k: v for k, v in row.items() if k != "routed"} | {"routed": {k: v for k, v in row["routed"].items() if k != "tokens"}})
     print(f"wrote {path}")

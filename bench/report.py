@@ -949,7 +949,8 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
         experts = c.get("num_local_experts") or c.get("num_experts")
         head = (f"**{r['shape']}**: {c['model_type']} shape, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {experts} experts, top-{c['num_experts_per_tok']}, "
                 f"{r['checkpoint']['bytes'] / 2**30:.2f} GiB bf16 checkpoint; {_machine(r['environment'])}; pinned H2D {r['pinned_h2d_bytes_per_s'] / 1e9:.1f} GB/s, "
-                f"all-resident routed decode {r['all_resident_ms_per_token']:.2f} ms/token")
+                f"all-resident routed decode {r['all_resident_ms_per_token']:.2f} ms/token; "
+                + (f"decode sampled at temperature {r['temperature']:g}, seeded" if r.get("temperature") else "greedy decode"))
         rows, skewed = [], []
         for row in r["rows"]:
             routed = row["routed"]
@@ -1054,7 +1055,8 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
             "Copying resident weights to a GPU comes on top.",
     "moe": "A random bf16 checkpoint of the shape, exported twice from its shards (`bench/moe.py`): routed (each token's top-k experts "
            "read in place from the mapped `.ptd` by `hostswap::routed_experts`) and all experts (the same kernel, its expert tables streamed "
-           "whole like any weight). Greedy decode; the routed bound is max(all-resident decode, (streamed + expert bytes read over the bus "
+           "whole like any weight). Decode is sampled with a fixed seed (greedy decode of random weights soon repeats a few tokens, which "
+           "route alike and would flatter the cache); the routed bound is max(all-resident decode, (streamed + expert bytes read over the bus "
            "per token) / pinned H2D of the same run). Budget beyond the streamed weights holds experts: whole tables where they fit, else a "
            "device cache of the same number of slots per block, least recently used evicted; the hit rate counts decode steps' lookups. "
            "Skewed rows: the same checkpoint with its routers biased (the script's docstring says how) and exported again.",
