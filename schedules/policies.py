@@ -8,6 +8,7 @@ runtime.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections import OrderedDict
 
@@ -246,6 +247,11 @@ def link_cost(layout: "PlannedLayout") -> int:
     return layout.streamed_bytes + len(layout.fill_offset) * COPY_COST_BYTES
 
 
+# weights of one size refused with nothing kept since (at least this many, or a quarter of the
+# weights of that size), after which the rest of that size are not tried
+SAME_SIZE_REFUSALS = 3
+
+
 def _keep_greedily(schedule: ScheduleFacts, sizes: list[int], kept: set[int], budget_bytes: int, seq: StreamSequence, ring: int,
                    small_first: bool) -> tuple[StreamSequence, int]:
     """Add weights to ``kept`` (in place) while the ring for what is left still fits beside them.
@@ -254,7 +260,7 @@ def _keep_greedily(schedule: ScheduleFacts, sizes: list[int], kept: set[int], bu
     ``small_first``, small weights before them, each saving a copy for few bytes. The ring is
     not monotone in what stays streamed (keeping one weight can pull larger ones into a
     prefetch window), so a weight refused once is tried again in later passes, until a pass
-    adds nothing.
+    adds nothing (within limits that keep the trials few; see below).
     Returns the stream sequence and a safe ring size for the final ``kept``.
     """
     kept_bytes = sum(sizes[w] for w in kept)
@@ -262,30 +268,74 @@ def _keep_greedily(schedule: ScheduleFacts, sizes: list[int], kept: set[int], bu
         # everything fits: nothing streams, no ring (and no trial of each weight against the rest)
         kept.update(range(len(sizes)))
         return _stream_sequence(schedule, kept)[0], 0
+
+    def fit_of(trial: set[int], trial_bytes: int):
+        """(stream sequence, least safe ring) with ``trial`` resident, or None if no ring fits."""
+        trial_seq, _ = _stream_sequence(schedule, trial)
+        available = budget_bytes - trial_bytes
+        lower = aligned(lru_requirement(trial_seq, schedule.prefetch_depth)[0])
+        if lower > available:
+            return None  # no ring is safe below the lru requirement: a cheap refusal
+        if not trial_seq.probe_weight:
+            return trial_seq, 0
+        # Safety is not monotone in the ring size (wrap waste), and scanning for the smallest
+        # safe ring per trial is slow: test the sizes that matter, the least possible, the
+        # least that is always safe (lru requirement plus the largest streamed weight: no
+        # wrap waste can then make a window overlap) and all the space that would be left.
+        largest = max((trial_seq.sizes[v] for v in set(trial_seq.probe_weight)), default=0)
+        candidates = sorted({lower, min(lower + largest, available), available})
+        # the least safe one (each test walks the whole sequence: stop at the first that passes)
+        fit = next((r for r in candidates if ring_is_safe(trial_seq, schedule.prefetch_depth, r)), None)
+        return None if fit is None else (trial_seq, fit)
+
+    # Each trial walks the whole sequence, so two things keep their number near the weights
+    # kept rather than weights times passes: a run of weights that fit one after another is
+    # tried together, the run doubling after each success and falling back to one weight on a
+    # failure (any set accepted leaves a safe ring: accepting a run whose members one by one
+    # would have needed another order is no less valid); and a weight refused is tried again
+    # only once something has been kept since. A model repeats its layers, so once a quarter
+    # of the weights of one size are refused with nothing kept in between, the rest of that
+    # size are taken as refused (streaming a weight is always safe; the plan may keep a little
+    # less).
+    added, refused_at, refusals = 0, {}, {}  # refusals: (size, added) -> weights of that size refused since
+    class_size = collections.Counter(sizes)
     changed = True
     while changed:
         changed = False
-        for w in keep_order(sizes, set(range(len(sizes))) - kept, small_first):
-            if kept_bytes + sizes[w] > budget_bytes:
+        order = [w for w in keep_order(sizes, set(range(len(sizes))) - kept, small_first) if refused_at.get(w) != added]
+        run, i = 1, 0
+        while i < len(order):
+            batch, batch_bytes = [], 0
+            for w in order[i:]:
+                if len(batch) == run:
+                    break
+                if kept_bytes + batch_bytes + sizes[w] > budget_bytes:
+                    break  # (a first that does not fit leaves the batch empty: it is skipped)
+                batch.append(w)
+                batch_bytes += sizes[w]
+            if not batch:
+                i += 1
                 continue
-            trial_seq, _ = _stream_sequence(schedule, kept | {w})
-            available = budget_bytes - kept_bytes - sizes[w]
-            lower = aligned(lru_requirement(trial_seq, schedule.prefetch_depth)[0])
-            if lower > available:
-                continue  # no ring is safe below the lru requirement: a cheap refusal
-            # Safety is not monotone in the ring size (wrap waste), and scanning for the smallest
-            # safe ring per trial is slow: test the sizes that matter, the least possible, the
-            # least that is always safe (lru requirement plus the largest streamed weight: no
-            # wrap waste can then make a window overlap) and all the space that would be left.
-            largest = max((trial_seq.sizes[v] for v in set(trial_seq.probe_weight)), default=0)
-            candidates = sorted({lower, min(lower + largest, available), available})
-            # the least safe one (each test walks the whole sequence: stop at the first that passes)
-            fit = next((r for r in candidates if not trial_seq.probe_weight or ring_is_safe(trial_seq, schedule.prefetch_depth, r)), None)
-            if fit is not None:
-                kept.add(w)
-                kept_bytes += sizes[w]
-                seq, ring = trial_seq, (fit if trial_seq.probe_weight else 0)
-                changed = True
+            if len(batch) == 1 and refusals.get((sizes[batch[0]], added), 0) >= max(SAME_SIZE_REFUSALS, class_size[sizes[batch[0]]] // 4):
+                refused_at[batch[0]] = added  # its like were refused where they stand: stream it too
+                i += 1
+                continue
+            fit = fit_of(kept | set(batch), kept_bytes + batch_bytes)
+            if fit is None:
+                if len(batch) > 1:
+                    run = 1  # try the run's first weight alone
+                    continue
+                refused_at[batch[0]] = added
+                refusals[sizes[batch[0]], added] = refusals.get((sizes[batch[0]], added), 0) + 1
+                i += 1
+                continue
+            kept.update(batch)
+            kept_bytes += batch_bytes
+            seq, ring = fit
+            added += 1
+            changed = True
+            i += len(batch)
+            run *= 2
     return seq, ring
 
 
