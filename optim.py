@@ -10,7 +10,8 @@ streams order themselves with events, so the host never waits inside the step, a
 device memory a step holds is three chunks and the update's temporaries whatever the model's
 size. The update is PyTorch's own AdamW arithmetic (``torch.optim.adamw.adamw``,
 single-tensor), and each bf16/fp16 working weight is refreshed from its fp32 master. Nothing
-stays on the device between steps. Host state is pinned on CUDA, so the copies are
+stays on the device between steps. Parameters sharded by FSDP2 (``fully_shard``: DTensors)
+are updated shard by shard: each rank keeps only its shard's moments and masters. Host state is pinned on CUDA, so the copies are
 asynchronous DMA.
 """
 
@@ -20,6 +21,7 @@ import contextlib
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
@@ -71,12 +73,13 @@ class OffloadAdamW(Optimizer):
         state = self.state[p]
         if not state:
             dtype = torch.float32 if self._has_master(p) else p.dtype
-            host = lambda: torch.zeros(p.shape, dtype=dtype, pin_memory=self._pin)
+            shape = _local(p).shape  # a sharded parameter's state is its rank's shard's
+            host = lambda: torch.zeros(shape, dtype=dtype, pin_memory=self._pin)
             state["step"] = torch.tensor(0.0)
             state["exp_avg"], state["exp_avg_sq"] = host(), host()
             if self._has_master(p):
-                state["master"] = torch.empty(p.shape, dtype=torch.float32, pin_memory=self._pin)
-                state["master"].copy_(p.detach())
+                state["master"] = torch.empty(shape, dtype=torch.float32, pin_memory=self._pin)
+                state["master"].copy_(_local(p.detach()))
         return state
 
     def _pieces(self, p: torch.Tensor):
@@ -84,6 +87,7 @@ class OffloadAdamW(Optimizer):
         AdamW is elementwise, so a slice updates exactly as the whole; a parameter that is not
         contiguous (its slices would not be views) stays whole."""
         moved = [t for name, t in self.state[p].items() if name in _MOVED]  # of one dtype
+        p = _local(p)
         n = p.numel()
         if not p.is_contiguous():
             yield 0, n
@@ -140,7 +144,7 @@ class OffloadAdamW(Optimizer):
                     t = state[name]
                     nbytes = (b - a) * t.element_size()
                     piece[name] = buffer[offset:offset + nbytes].view(t.dtype)
-                    if not p.is_contiguous():
+                    if not _local(p).is_contiguous():
                         piece[name] = piece[name].view(t.shape)
                     offset += _aligned(nbytes)
             views.append(piece)
@@ -151,8 +155,8 @@ class OffloadAdamW(Optimizer):
         targets, grads, avgs, avg_sqs, steps = [], [], [], [], []
         for (p, a, b), device in zip(chunk, views):
             master = device.get("master")
-            grad = _piece(p.grad, p, a, b)
-            targets.append(master if master is not None else _piece(p.detach(), p, a, b))
+            grad = _piece(_local(p.grad), _local(p), a, b)
+            targets.append(master if master is not None else _piece(_local(p.detach()), _local(p), a, b))
             grads.append(grad.float() if master is not None else grad)
             avgs.append(device["exp_avg"])
             avg_sqs.append(device["exp_avg_sq"])
@@ -162,7 +166,7 @@ class OffloadAdamW(Optimizer):
         for (p, a, b), device in zip(chunk, views):
             master = device.get("master")
             if master is not None:  # the working weight from the fp32 master
-                _piece(p.detach(), p, a, b).copy_(master)
+                _piece(_local(p.detach()), _local(p), a, b).copy_(master)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -192,7 +196,7 @@ class OffloadAdamW(Optimizer):
                     self._h2d_stream.wait_event(gone[slot])
                 for (p, a, b), piece in zip(chunk, views):
                     for name, view in piece.items():
-                        view.copy_(_piece(self.state[p][name], p, a, b), non_blocking=True)
+                        view.copy_(_piece(self.state[p][name], _local(p), a, b), non_blocking=True)
                         self.stats["bytes_h2d"] += view.numel() * view.element_size()
                 arrived = torch.cuda.Event() if cuda else None
                 if cuda:
@@ -205,7 +209,7 @@ class OffloadAdamW(Optimizer):
                     self._d2h_stream.wait_stream(compute)  # after the update
                 for (p, a, b), piece in zip(chunk, views):
                     for name, view in piece.items():
-                        _piece(self.state[p][name], p, a, b).copy_(view, non_blocking=True)
+                        _piece(self.state[p][name], _local(p), a, b).copy_(view, non_blocking=True)
                         self.stats["bytes_d2h"] += view.numel() * view.element_size()
                 if cuda:
                     gone[slot] = torch.cuda.Event()
@@ -227,6 +231,12 @@ _ALIGN = 512  # bytes between the views of one buffer
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's (or gradient's) own elements: its rank's shard where it is a DTensor
+    (FSDP2's ``fully_shard``), whose in-place updates are the parameter's."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _piece(t: torch.Tensor, p: torch.Tensor, a: int, b: int) -> torch.Tensor:
