@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -58,39 +59,38 @@ class ExpertReads:
     bytes: int = 0
 
 
-_recorder: dict[str, ExpertReads] | None = None
+# What the running Module gives its kernels: where to count reads, and its expert caches. Per
+# thread: two Modules running at once in two threads (a server's workers) must not see each
+# other's, and block names repeat between models.
+_context = threading.local()
 
 
 @contextlib.contextmanager
+def _setting(name: str, value):
+    outer = getattr(_context, name, None)
+    setattr(_context, name, value)
+    try:
+        yield value
+    finally:
+        setattr(_context, name, outer)
+
+
 def recording_reads(into: dict[str, ExpertReads]):
     """Count the experts each block reads while the body runs, into ``into`` (block -> reads)."""
-    global _recorder
-    outer, _recorder = _recorder, into
-    try:
-        yield into
-    finally:
-        _recorder = outer
+    return _setting("recorder", into)
 
 
-_caches: dict | None = None
-
-
-@contextlib.contextmanager
 def using_caches(caches: dict):
     """While the body runs, a decode step of a block in ``caches`` (block -> an expert cache
     with ``lookup(ids, tables)`` and ``tables``: runtime/expert_cache.py) reads its experts
     from the cache's slots, which it fills from the tables on a miss."""
-    global _caches
-    outer, _caches = _caches, caches
-    try:
-        yield caches
-    finally:
-        _caches = outer
+    return _setting("caches", caches)
 
 
 def _record(block: str, experts: int, unit_bytes: int) -> None:
-    if _recorder is not None:
-        reads = _recorder.setdefault(block, ExpertReads())
+    recorder = getattr(_context, "recorder", None)
+    if recorder is not None:
+        reads = recorder.setdefault(block, ExpertReads())
         reads.calls += 1
         reads.experts += experts
         reads.bytes += experts * unit_bytes
@@ -188,7 +188,8 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
     tables = (gate_up, down, gate_up_bias, down_bias)
     if top_k_index.shape[0] == 1:  # one token: its top-k, gathered (k experts of scratch)
         _record(block, top_k_index.numel(), unit_bytes(*tables))
-        cache = _caches.get(block) if _caches else None
+        caches = getattr(_context, "caches", None)
+        cache = caches.get(block) if caches else None
         if cache is not None:  # the picks' slots, the missed ones filled first
             slots = cache.lookup(top_k_index, tables).view_as(top_k_index)
             return _pairs(hidden, slots, top_k_weights, *cache.tables, gate_of, transposed)

@@ -393,3 +393,45 @@ def test_the_three_ways_through_agree():
         assert read == len(torch.unique(ids))
         torch.testing.assert_close(grouped, pairs, atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(dense, pairs, atol=1e-4, rtol=1e-5)
+
+
+def test_two_modules_in_two_threads_read_their_own_expert_caches(tmp_path_factory):
+    """The kernel finds its Module's caches and read counters per thread: two MoE models whose
+    blocks have the same names, decoding at once in two threads, each give the tokens they
+    give alone and count only their own reads."""
+    import threading
+
+    models = [_get(name, tmp_path_factory) for name in ("Qwen3-MoE", "OLMoE")]
+    assert {b.block for b in models[0].schedules["decode"].expert_blocks} == {b.block for b in models[1].schedules["decode"].expert_blocks}
+    prompt = _prompt(5)
+    generators = [llm.Generator(m.pte, m.ptd, weight_offload_budget_mb=m.cached / MB, device="cpu") for m in models]
+    try:
+        def reads(g):
+            return sum(r["experts"] for r in g.stats["expert_reads"].values())
+
+        alone = [g.generate(prompt, 10, eos_token_id=[]) for g in generators]  # the first call reads a little more (warm-up)
+        first = [reads(g) for g in generators]
+        assert all(torch.equal(g.generate(prompt, 10, eos_token_id=[]), out) for g, out in zip(generators, alone))
+        per_call = [reads(g) - f for g, f in zip(generators, first)]
+        results, errors = [None, None], []
+        barrier = threading.Barrier(2)
+
+        def run(i):
+            try:
+                barrier.wait()
+                results[i] = [generators[i].generate(prompt, 10, eos_token_id=[]) for _ in range(3)]
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for i, g in enumerate(generators):
+            assert all(torch.equal(out, alone[i]) for out in results[i])
+            assert reads(g) == first[i] + 4 * per_call[i]
+    finally:
+        for g in generators:
+            g.close()
