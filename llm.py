@@ -627,6 +627,11 @@ class Generator:
         disk = f" ({s['bytes_from_disk_per_token'] / 2**20:.1f} MiB of it from disk)" if s["bytes_from_disk_per_token"] else ""
         if s["expert_bytes_per_token"]:
             disk += f", routed experts read in place {s['expert_bytes_per_token'] / 2**20:.1f} MiB/token"
+        cached = [r for r in s["expert_reads"].values() if r["cache_policy"]]
+        lookups = sum(r["cache_hits"] + r["cache_misses"] for r in cached)
+        if lookups:
+            disk += (f" (expert cache: {min(r['cache_slots'] for r in cached)} experts a block on the device, "
+                     f"{sum(r['cache_hits'] for r in cached) / lookups:.0%} of decode lookups hit since load)")
         once = f"load {s['load_s']:.2f} s" + (f", warm-up {s['warm_up_s']:.2f} s" if s["warm_up_s"] is not None else ", no warm-up (the first call's costs are in its times)")
         return (f"prefill {s['prefill_ms']:.1f} ms ({s['prompt_tokens']} tokens), {ms}, {s['new_tokens']} new tokens; "
                 f"streamed {per_token / 2**20 if per_token is not None else 0:.1f} MiB/token{disk}; device memory: weights "

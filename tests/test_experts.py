@@ -155,6 +155,7 @@ def test_greedy_tokens_equal_transformers(moe, budget):
                 assert r["cache_slots"] == moe.cache_slots and r["cache_policy"] == "lru" and r["hits"] > 0
                 assert r["hits"] + r["misses"] == r["experts"] and r["bytes"] == r["misses"] * blocks[0].unit_bytes
             assert 0 < s["expert_bytes_per_token"] < per_token
+            assert re.search(rf"expert cache: {moe.cache_slots} experts a block on the device, \d+% of decode lookups hit", g.summary()), g.summary()
         else:
             assert g.module.resident_experts == {b.block for b in blocks}
             assert s["expert_bytes_per_token"] == 0
