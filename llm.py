@@ -657,7 +657,7 @@ def _open_draft(draft, device: torch.device) -> "Generator":
     base = os.fspath(draft)
     base = base[:-4] if base.endswith(".pte") else base
     schedules = load_weight_schedules(base + ".pte")
-    resident = max(max(s.resident_bytes + s.expert_scratch_bytes + sum(b.table_bytes for b in s.expert_blocks), s.load_floor_bytes) for s in schedules.values())
+    resident = max(s.all_resident_budget_bytes for s in schedules.values())
     return Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=resident / 2**20, device=device)
 
 

@@ -123,6 +123,12 @@ class WeightSchedule:
         ``ALIGNMENT``, so it can exceed ``total_bytes`` by a few KiB (norm weights, biases)."""
         return sum(aligned(b) for b in self.weight_bytes)
 
+    @property
+    def all_resident_budget_bytes(self) -> int:
+        """The budget that keeps every weight on the device: the pool's aligned bytes, every
+        expert table whole and one step's gathered experts; never below the floor."""
+        return max(self.resident_bytes + sum(b.table_bytes for b in self.expert_blocks) + self.expert_scratch_bytes, self.load_floor_bytes)
+
     def bytes_by_dtype(self) -> dict[str, int]:
         """Weight bytes per dtype (quantized weights count their packed bytes)."""
         out: dict[str, int] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import bench_scripts
 
@@ -28,3 +29,39 @@ def test_serve_bench_counts_the_servers_tokens_against_the_python_api(tmp_path):
     for r in rows:
         # every completion ran to max_tokens (no end-of-sequence token) and streamed its words
         assert r["python"]["tokens_per_s"] > 0 and r["server"]["tokens_per_s"] > 0 and r["server"]["words_per_completion_min"] == 4
+
+
+def test_moe_bench_skews_the_routers_of_a_written_checkpoint_in_place(tmp_path):
+    """bench/moe.py's skewed router: column 0 of the embeddings, of each post-attention norm
+    and of each router are rewritten in the shards; every other byte stays as written."""
+    from safetensors import safe_open
+
+    moe = bench_scripts.load("moe")
+    checkpoints = bench_scripts.load("checkpoints")
+    config = moe.shape_config("tiny")
+    folder = tmp_path / "ckpt"
+    checkpoints.write_checkpoint(folder, config, sync=False)
+
+    def tensors():
+        out = {}
+        for shard in folder.glob("*.safetensors"):
+            with safe_open(str(shard), "pt") as f:
+                out.update({name: f.get_tensor(name) for name in f.keys()})
+        return out
+
+    before = tensors()
+    told = moe.skew_routers(str(folder), config, exponent=2.0)
+    after = tensors()
+    assert set(after) == set(before)
+    changed = {"model.embed_tokens.weight"} | {f"model.layers.{i}.{n}" for i in range(config.num_hidden_layers)
+                                               for n in ("post_attention_layernorm.weight", "mlp.gate.weight")}
+    for name, value in after.items():
+        if name not in changed:
+            assert torch.equal(value.view(torch.int16), before[name].view(torch.int16)), name
+            continue
+        assert torch.equal(value[..., 1:].view(torch.int16), before[name][..., 1:].view(torch.int16)), name  # only column 0
+    assert torch.all(after["model.embed_tokens.weight"][:, 0] == torch.tensor(told["channel"]).to(torch.bfloat16))
+    assert torch.all(after["model.layers.0.post_attention_layernorm.weight"][0] == 1)
+    bias = after["model.layers.1.mlp.gate.weight"][:, 0].float()
+    ranks = torch.tensor(told["popularity_rank"])
+    assert torch.equal(torch.argsort(bias, descending=True, stable=True), torch.argsort(ranks, stable=True))  # the most popular biased most

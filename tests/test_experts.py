@@ -227,6 +227,7 @@ def test_floor_is_the_non_expert_floor_plus_one_layers_picks_and_named_when_shor
     table = decode.table(budget_bytes=moe.everything)
     assert "Routed experts" in table and "model.layers.1.mlp.experts" in table
     assert "2 of 2 blocks' tables on the device; a call reads 0.00 MB" in table
+    assert max(s.all_resident_budget_bytes for s in moe.schedules.values()) == moe.everything
     cached = decode.to_dict(budget_bytes=moe.cached)["budget"]
     assert cached["resident_expert_blocks"] == [] and cached["expert_cache_slots"] == {b.block: moe.cache_slots for b in decode.expert_blocks}
     assert f"expert cache of model.layers.1.mlp.experts: {moe.cache_slots} experts' slots" in decode.table(budget_bytes=moe.cached)
