@@ -11,8 +11,8 @@ device memory a step holds is three chunks and the update's temporaries whatever
 size. The update is PyTorch's own AdamW arithmetic (``torch.optim.adamw.adamw``,
 single-tensor), and each bf16/fp16 working weight is refreshed from its fp32 master. Nothing
 stays on the device between steps. Parameters sharded by FSDP2 (``fully_shard``: DTensors)
-are updated shard by shard: each rank keeps only its shard's moments and masters. Host state is pinned on CUDA, so the copies are
-asynchronous DMA.
+are updated shard by shard: each rank keeps only its shard's moments and masters. Host state
+is pinned on CUDA, so the copies are asynchronous DMA.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class OffloadAdamW(Optimizer):
             state["exp_avg"], state["exp_avg_sq"] = host(), host()
             if self._has_master(p):
                 state["master"] = torch.empty(shape, dtype=torch.float32, pin_memory=self._pin)
-                state["master"].copy_(_local(p.detach()))
+                state["master"].copy_(_local(p).detach())
         return state
 
     def _pieces(self, p: torch.Tensor):
@@ -154,9 +154,9 @@ class OffloadAdamW(Optimizer):
         beta1, beta2 = group["betas"]
         targets, grads, avgs, avg_sqs, steps = [], [], [], [], []
         for (p, a, b), device in zip(chunk, views):
-            master = device.get("master")
-            grad = _piece(_local(p.grad), _local(p), a, b)
-            targets.append(master if master is not None else _piece(_local(p.detach()), _local(p), a, b))
+            master, local = device.get("master"), _local(p)
+            grad = _piece(_local(p.grad), local, a, b)
+            targets.append(master if master is not None else _piece(local.detach(), local, a, b))
             grads.append(grad.float() if master is not None else grad)
             avgs.append(device["exp_avg"])
             avg_sqs.append(device["exp_avg_sq"])
@@ -166,7 +166,8 @@ class OffloadAdamW(Optimizer):
         for (p, a, b), device in zip(chunk, views):
             master = device.get("master")
             if master is not None:  # the working weight from the fp32 master
-                _piece(_local(p.detach()), _local(p), a, b).copy_(master)
+                local = _local(p)
+                _piece(local.detach(), local, a, b).copy_(master)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -195,8 +196,9 @@ class OffloadAdamW(Optimizer):
                 if gone[slot] is not None:
                     self._h2d_stream.wait_event(gone[slot])
                 for (p, a, b), piece in zip(chunk, views):
+                    local = _local(p)
                     for name, view in piece.items():
-                        view.copy_(_piece(self.state[p][name], _local(p), a, b), non_blocking=True)
+                        view.copy_(_piece(self.state[p][name], local, a, b), non_blocking=True)
                         self.stats["bytes_h2d"] += view.numel() * view.element_size()
                 arrived = torch.cuda.Event() if cuda else None
                 if cuda:
@@ -208,8 +210,9 @@ class OffloadAdamW(Optimizer):
                 if cuda:
                     self._d2h_stream.wait_stream(compute)  # after the update
                 for (p, a, b), piece in zip(chunk, views):
+                    local = _local(p)
                     for name, view in piece.items():
-                        _piece(self.state[p][name], _local(p), a, b).copy_(view, non_blocking=True)
+                        _piece(self.state[p][name], local, a, b).copy_(view, non_blocking=True)
                         self.stats["bytes_d2h"] += view.numel() * view.element_size()
                 if cuda:
                     gone[slot] = torch.cuda.Event()

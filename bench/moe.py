@@ -49,7 +49,7 @@ from checkpoints import write_checkpoint  # noqa: E402
 from weights import add_row, environment, h2d_bandwidth, result_path  # noqa: E402
 
 from hostswap import llm  # noqa: E402
-from hostswap.checkpoint import export_checkpoint  # noqa: E402
+from hostswap.checkpoint import export_checkpoint, read_safetensors_header  # noqa: E402
 from hostswap.sampling import SamplingParams  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
 
@@ -74,18 +74,16 @@ WEIGHT_STD = 0.02  # bench/checkpoints.py draws every value, norms included, fro
 
 
 def _patch(folder: str, name: str, change) -> None:
-    """Rewrite tensor ``name`` (bf16) of the safetensors checkpoint in ``folder`` in place:
-    ``change`` takes its values (float32) and returns the new ones."""
+    """Rewrite tensor ``name`` of the safetensors checkpoint in ``folder`` in place: ``change``
+    takes its values (float32) and returns the new ones, stored back in the tensor's dtype."""
     with open(os.path.join(folder, "model.safetensors.index.json")) as f:
-        shard = os.path.join(folder, json.load(f)["weight_map"][name])
-    with open(shard, "r+b") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        entry = json.loads(f.read(header_len))[name]
-        start, end = entry["data_offsets"]
-        f.seek(8 + header_len + start)
-        values = torch.frombuffer(bytearray(f.read(end - start)), dtype=torch.bfloat16).view(entry["shape"]).float()
-        changed = change(values).to(torch.bfloat16).contiguous()
-        f.seek(8 + header_len + start)
+        shard = json.load(f)["weight_map"][name]
+    stored = read_safetensors_header(os.path.join(folder, shard), shard, folder)[name]
+    with open(os.path.join(folder, shard), "r+b") as f:
+        f.seek(stored.offset)
+        values = torch.frombuffer(bytearray(f.read(stored.nbytes)), dtype=stored.dtype).view(stored.shape).float()
+        changed = change(values).to(stored.dtype).contiguous()
+        f.seek(stored.offset)
         f.write(changed.view(torch.uint8).numpy().tobytes())
 
 

@@ -55,8 +55,7 @@ def _words(table: torch.Tensor) -> torch.Tensor:
     row_bytes = table[0].numel() * table.element_size()
     flat = table.reshape(table.shape[0], -1)
     for word in WORDS:
-        size = torch.empty((), dtype=word).element_size()
-        if row_bytes % size == 0 and flat.data_ptr() % size == 0:
+        if row_bytes % word.itemsize == 0 and flat.data_ptr() % word.itemsize == 0:
             return flat.view(torch.uint8).view(word) if flat.dtype != word else flat
     raise AssertionError("a byte divides every row")
 
@@ -68,7 +67,7 @@ def masked_row_copy(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor
     if src.is_cuda and triton_available():
         s, d = _words(src), _words(dst)
         if s.dtype != d.dtype:  # alignment can differ between the two; take the narrower word
-            word = min(s.dtype, d.dtype, key=lambda w: torch.empty((), dtype=w).element_size())
+            word = min(s.dtype, d.dtype, key=lambda w: w.itemsize)
             s, d = s.view(torch.uint8).view(word), d.view(torch.uint8).view(word)
         row_words = s.shape[1]
         # enough programs per row to keep the SMs busy on a few large rows

@@ -488,7 +488,7 @@ class Module:
         blocks = {b.block: b for b in self.schedule.expert_blocks}
         s["expert_reads"] = {block: expert_read_stats(blocks[block], r, block in self.resident_experts, self.expert_caches.get(block))
                              for block, r in self.expert_reads.items() if block in blocks}
-        s["expert_bytes_read"] = self.expert_bytes_read
+        s["expert_bytes_read"] = sum(r["bytes"] for r in s["expert_reads"].values())  # as expert_bytes_read, from the counts just read
         s["expert_scratch_bytes"] = self.expert_scratch_bytes
         s["policy"] = self.policy
         return s

@@ -8,9 +8,8 @@ runtime.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from hostswap.schedules.floor import StreamSequence, aligned, lru_requirement, probe_ends, ring_is_safe, ring_placement, ring_requirement
 from hostswap.schedules.schedule_facts import ScheduleFacts
@@ -298,7 +297,7 @@ def _keep_greedily(schedule: ScheduleFacts, sizes: list[int], kept: set[int], bu
     # size are taken as refused (streaming a weight is always safe; the plan may keep a little
     # less).
     added, refused_at, refusals = 0, {}, {}  # refusals: (size, added) -> weights of that size refused since
-    class_size = collections.Counter(sizes)
+    class_size = Counter(sizes)
     changed = True
     while changed:
         changed = False
