@@ -190,7 +190,7 @@ def default_prefill_chunk(max_seq_len: int) -> int:
 
 def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1,
            gather_from_host: bool = True, progress: Callable[[str], None] | None = None, max_batch_size: int | None = None,
-           speculate_k: int | None = None) -> tuple[str, str]:
+           speculate_k: int | None = None, tensor_parallel: int | None = None):
     """Write ``<path>.pte`` (methods ``prefill`` and ``decode``, their schedules, the KV cache
     as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths.
 
@@ -201,9 +201,17 @@ def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: i
     memory, read a row per token). ``max_batch_size``: write a program for that many sequences
     at once, each at its own position (run it with ``hostswap.batching.BatchGenerator``).
     ``speculate_k``: add a ``verify`` method that checks that many drafted tokens in one pass
-    (``Generator(..., draft=...)``)."""
+    (``Generator(..., draft=...)``). ``tensor_parallel``: write one program and ``.ptd`` per rank
+    of that many, each with its shard of the weights (hostswap/tensor_parallel.py); returns the
+    lists of their paths."""
     from hostswap.passes import save
 
+    if tensor_parallel is not None:
+        from hostswap.tensor_parallel import export_ranks
+
+        return export_ranks(model, path, world=tensor_parallel, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
+                            prefetch_depth=prefetch_depth, gather_from_host=gather_from_host, progress=progress,
+                            max_batch_size=max_batch_size, speculate_k=speculate_k)
     programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
                                           gather_from_host=gather_from_host, progress=progress, max_batch_size=max_batch_size,
                                           speculate_k=speculate_k)
@@ -452,6 +460,7 @@ class Generator:
                 raise GenerationError(f"{pte_path} has no method {missing[0]!r} that reads weights: write it with hostswap.llm.export")
             if MAX_BATCH_SIZE in self.module.method_names():
                 raise GenerationError(f"{pte_path} is a batched program (export with max_batch_size): run it with hostswap.batching.BatchGenerator")
+            self.tensor_parallel = self._tensor_parallel()
             self.max_seq_len = self._constant(MAX_SEQ_LEN)
             self.prefill_chunk = self._constant(PREFILL_CHUNK)
             self.vocab_size = self._constant(VOCAB_SIZE)
@@ -500,6 +509,16 @@ class Generator:
         self.module.reset_state()
         self._sync()
         return time.perf_counter() - start
+
+    def _tensor_parallel(self) -> tuple[int, int] | None:
+        """(rank, world) of a tensor-parallel program, checked against this process group."""
+        from hostswap.tensor_parallel import TENSOR_PARALLEL, check_ranks
+
+        if TENSOR_PARALLEL not in self.module.method_names():
+            return None
+        exported = self.module.run_method(TENSOR_PARALLEL, [])
+        check_ranks(exported, self.module.pte_path)
+        return int(exported[0]), int(exported[1])
 
     def _constant(self, name: str) -> int:
         if name not in self.module.method_names():

@@ -1,0 +1,224 @@
+"""Tensor-parallel streamed generation on the CPU with gloo: each rank runs its own program,
+holding its shard of the weights, with the collectives as ops of the program.
+
+Tokens must equal the single-process program's and transformers' greedy tokens, and logits
+agree within the reduction-order tolerance (a row-parallel matmul sums its pieces over the
+ranks, not in one dot product). A program on the wrong number of ranks is refused naming both
+numbers; a rank that dies mid-generation makes the others fail with a clear error, not hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+import hostswap.llm as llm
+from hostswap.tensor_parallel import TensorParallelError, plan_tensor_parallel, rank_path
+
+from real_models import VOCAB, _decoder_common
+from test_generation import transformers_greedy
+
+MAX_SEQ_LEN, CHUNK, NEW = 24, 4, 8
+LOGITS_TOLERANCE = 1e-5  # fp32, a sum over ranks instead of one dot product
+
+
+def _llama():
+    import transformers as T
+
+    return T.LlamaForCausalLM(T.LlamaConfig(**_decoder_common(num_key_value_heads=4)))
+
+
+def _qwen2():
+    import transformers as T
+
+    return T.Qwen2ForCausalLM(T.Qwen2Config(**_decoder_common(num_key_value_heads=4)))  # q/k/v biases split with their heads
+
+
+def _qwen3_moe():
+    import transformers as T
+
+    return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**_decoder_common(
+        num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)))
+
+
+def _mixtral():
+    import transformers as T
+
+    return T.MixtralForCausalLM(T.MixtralConfig(**_decoder_common(num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2)))
+
+
+def _olmoe():
+    import transformers as T
+
+    return T.OlmoeForCausalLM(T.OlmoeConfig(**_decoder_common(num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, eos_token_id=None)))
+
+
+MODELS = {"Llama": _llama, "Qwen2": _qwen2, "Qwen3-MoE": _qwen3_moe, "Mixtral": _mixtral}
+PROMPT = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    return MODELS[name]().eval()
+
+
+def _run_rank(rank: int, world: int, port: int, prefix: str, out: str, die_after_warm_up: int | None = None) -> None:
+    """One rank: its program generated greedily; rank 0 writes tokens and prefill logits."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        path = rank_path(prefix, rank)
+        with llm.Generator(path + ".pte", path + ".ptd", device="cpu") as g:
+            if rank == die_after_warm_up:
+                os._exit(3)  # a rank that stops: no goodbye to its peers
+            try:
+                tokens = g.generate(PROMPT, NEW)
+            except Exception as e:  # noqa: BLE001 - what the surviving rank reports is the test's subject
+                if rank == 0:
+                    torch.save({"error": f"{type(e).__name__}: {e}"}, out)
+                return
+            g.module.reset_state()
+            logits = g._step(llm.PREFILL, PROMPT[:, :CHUNK], 0)
+            stats = g.stats
+        if rank == 0:
+            torch.save({"tokens": tokens, "logits": logits, "stats": stats}, out)
+    finally:
+        if die_after_warm_up is None:
+            dist.destroy_process_group()
+
+
+def _spawn(world: int, prefix: str, out: str, die_after_warm_up: int | None = None, timeout: float = 240) -> list[int]:
+    """Start ``world`` ranks, wait for them; their exit codes."""
+    context = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [context.Process(target=_run_rank, args=(r, world, port, prefix, out, die_after_warm_up)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    codes = []
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+            codes.append(None)
+        else:
+            codes.append(p.exitcode)
+    return codes
+
+
+_single: dict[str, tuple] = {}
+
+
+def _single_process(name: str, tmp_path_factory) -> tuple:
+    """(tokens, prefill logits) of the one-process program of ``name``, and transformers' tokens."""
+    if name not in _single:
+        directory = tmp_path_factory.mktemp(f"single-{name}")
+        pte, ptd = llm.export(_model(name), directory / "model", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+        with llm.Generator(pte, ptd, device="cpu") as g:
+            tokens = g.generate(PROMPT, NEW)
+            g.module.reset_state()
+            logits = g._step(llm.PREFILL, PROMPT[:, :CHUNK], 0)
+        _single[name] = tokens, logits, transformers_greedy(_model(name), PROMPT, NEW, MAX_SEQ_LEN)
+    return _single[name]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tensor_parallel_tokens_equal_single_process(name, world, tmp_path, tmp_path_factory):
+    if name == "Mixtral" and world == 4:
+        pytest.skip("one MoE architecture on 4 ranks (Qwen3-MoE) keeps the test time down")
+    tokens, logits, reference = _single_process(name, tmp_path_factory)
+    prefix = str(tmp_path / "model")
+    ptes, ptds = llm.export(_model(name), prefix, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, tensor_parallel=world)
+    assert ptes == [rank_path(prefix, r) + ".pte" for r in range(world)] and all(os.path.exists(p) for p in ptds)
+    # each rank's weights are its shard: the split layers' bytes fall by the world size
+    single = os.path.getsize(str(tmp_path_factory.getbasetemp() / f"single-{name}0" / "model.ptd"))
+    assert all(os.path.getsize(p) < single * 0.75 for p in ptds)
+    out = str(tmp_path / "rank0.pt")
+    assert _spawn(world, prefix, out) == [0] * world
+    got = torch.load(out)
+    assert torch.equal(got["tokens"], tokens), (got["tokens"], tokens)
+    assert torch.equal(got["tokens"], reference)
+    torch.testing.assert_close(got["logits"], logits, rtol=LOGITS_TOLERANCE, atol=LOGITS_TOLERANCE)
+
+
+def test_a_rank_that_dies_makes_the_others_fail_clearly(tmp_path):
+    prefix = str(tmp_path / "model")
+    llm.export(_model("Llama"), prefix, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, tensor_parallel=2)
+    out = str(tmp_path / "rank0.pt")
+    started = time.monotonic()
+    codes = _spawn(2, prefix, out, die_after_warm_up=1, timeout=120)
+    assert codes[1] == 3 and codes[0] == 0, codes  # rank 0 returned with an error instead of hanging
+    assert time.monotonic() - started < 110
+    error = torch.load(out)["error"]
+    assert "CollectiveError" in error and "on rank 0 of 2" in error, error
+
+
+def test_a_program_loaded_on_another_world_size_is_refused(tmp_path):
+    import torch.distributed as dist
+
+    prefix = str(tmp_path / "model")
+    llm.export(_model("Llama"), prefix, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, tensor_parallel=2)
+    path = rank_path(prefix, 0)
+    with pytest.raises(TensorParallelError, match=r"exported for 2 tensor-parallel ranks: run it under torchrun --nproc-per-node 2"):
+        llm.Generator(path + ".pte", path + ".ptd", device="cpu")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        with pytest.raises(TensorParallelError, match=r"exported for 2 tensor-parallel ranks; this process group has 1"):
+            llm.Generator(path + ".pte", path + ".ptd", device="cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_plans_that_cannot_split_are_refused_by_name():
+    from hostswap.llm import prepare_for_export
+
+    with pytest.raises(TensorParallelError, match=r"model.layers.0.self_attn.q_proj has 64 features, which 3 ranks cannot split evenly"):
+        plan_tensor_parallel(_model("Llama"), 3)
+    olmoe = _olmoe()
+    prepare_for_export(olmoe)
+    with pytest.raises(TensorParallelError, match=r"splits 'model.layers.\*.self_attn.o_proj' as 'rowwise_split_input'"):
+        plan_tensor_parallel(olmoe, 2)
+    with pytest.raises(TensorParallelError, match="positive int"):
+        plan_tensor_parallel(_model("Llama"), 0)
+    import transformers as T
+
+    gpt2 = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4))
+    with pytest.raises(TensorParallelError, match="GPT2LMHeadModel has no tensor-parallel plan|GPT2LMHeadModel's plan"):
+        plan_tensor_parallel(gpt2, 2)
+
+
+def test_sharded_model_is_put_back_whole():
+    from hostswap.llm import prepare_for_export
+    from hostswap.tensor_parallel import sharded
+
+    model = _model("Qwen3-MoE")
+    prepare_for_export(model)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    heads = (model.config.num_attention_heads, model.config.num_key_value_heads)
+    plan = plan_tensor_parallel(model, 2)
+    with sharded(model, plan, 1):
+        assert model.model.layers[0].self_attn.q_proj.weight.shape[0] == model.model.layers[0].self_attn.q_proj.out_features // 2
+        assert model.model.layers[0].mlp.experts.down_proj.shape[-1] == 16
+        assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (heads[0] // 2, heads[1] // 2)
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[n], v) for n, v in before.items())
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == heads
+    assert not any(m._forward_hooks for m in model.modules())
