@@ -94,8 +94,11 @@ def _export_llm(args) -> int:
     if args.draft and args.quantize:
         print("hostswap export-llm: --draft quantizes a copy of the full-precision weights; export the target without --quantize", file=sys.stderr)
         return 2
+    if args.tensor_parallel is not None and (args.draft or args.max_batch_size or args.speculate_k):
+        print("hostswap export-llm: --tensor-parallel cannot be combined with --draft, --max-batch-size or --speculate-k yet", file=sys.stderr)
+        return 2
     try:
-        if has_safetensors(args.checkpoint) and not args.in_memory:
+        if has_safetensors(args.checkpoint) and not args.in_memory and args.tensor_parallel is None:
             # streamed from the shards, one tensor at a time (quantized as it is written): no model in memory
             pte, ptd = export_checkpoint(args.checkpoint, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
                                          dtype=args.dtype, progress=say, show_bar=sys.stderr.isatty(), quantize=args.quantize,
@@ -105,7 +108,8 @@ def _export_llm(args) -> int:
                 export_checkpoint(args.checkpoint, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
                                   dtype=args.dtype, progress=say, quantize=args.draft)
         else:
-            why = "--in-memory" if args.in_memory else "the checkpoint has no safetensors shards to stream"
+            why = ("--in-memory" if args.in_memory else "--tensor-parallel splits the model in memory" if args.tensor_parallel is not None
+                   else "the checkpoint has no safetensors shards to stream")
             say(f"loading {args.checkpoint} into memory ({why})")
             try:
                 model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype) if args.dtype else "auto")
@@ -122,7 +126,9 @@ def _export_llm(args) -> int:
                 draft = llm.quantize(copy.deepcopy(model), args.draft)
                 llm.export(draft, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say)
             pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say,
-                                  max_batch_size=args.max_batch_size, speculate_k=speculate_k)
+                                  max_batch_size=args.max_batch_size, speculate_k=speculate_k, tensor_parallel=args.tensor_parallel)
+            if args.tensor_parallel is not None:
+                pte, ptd = "\n".join(pte), "\n".join(ptd)
     except (llm.GenerationError, OSError) as e:  # OSError: a full disk (DiskFullError names the file), an unwritable folder
         print(f"hostswap export-llm: {e}", file=sys.stderr)
         return 2
@@ -170,6 +176,14 @@ def _generate(args) -> int:
     import hostswap.llm as llm
 
     base = args.program[:-4] if args.program.endswith(".pte") else args.program
+    from hostswap.tensor_parallel import TensorParallelError, rank_program
+
+    try:
+        program, rank, local_device = rank_program(base, args.device)
+    except (TensorParallelError, RuntimeError) as e:
+        print(f"hostswap generate: {e}", file=sys.stderr)
+        return 2
+    shown = rank == 0  # under torchrun every rank generates the same tokens; rank 0 shows them
     tokenizer = None
     if args.prompt_ids is None:
         if args.prompt is None:
@@ -189,7 +203,7 @@ def _generate(args) -> int:
         except ValueError:
             print(f"hostswap generate: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
             return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = local_device
     from hostswap.sampling import SamplingError, SamplingParams
 
     try:
@@ -202,13 +216,15 @@ def _generate(args) -> int:
         draft = args.draft
         if draft is not None and draft == "":  # --draft alone: the one export-llm --draft wrote beside the program
             draft = base + ".draft"
-        with llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=args.budget_mb, host_memory_budget_mb=args.host_budget_mb,
+        with llm.Generator(program + ".pte", program + ".ptd", weight_offload_budget_mb=args.budget_mb, host_memory_budget_mb=args.host_budget_mb,
                            device=device, policy=args.policy, draft=draft, speculate_k=args.speculate_k if draft else None) as g:
-            print(f"loaded: {g.memory_report()}", file=sys.stderr, flush=True)
-            if tokenizer is not None:
+            print(f"loaded{f' rank {rank}' if g.tensor_parallel else ''}: {g.memory_report()}", file=sys.stderr, flush=True)
+            if tokenizer is not None and shown:
                 print(args.prompt, end="", flush=True)
-            g.generate(ids, args.max_new_tokens, on_token=llm.print_tokens(tokenizer.decode if tokenizer else None, ids[0].tolist()),
-                       sampling=sampling)
+            g.generate(ids, args.max_new_tokens, sampling=sampling,
+                       on_token=llm.print_tokens(tokenizer.decode if tokenizer else None, ids[0].tolist()) if shown else None)
+            if not shown:
+                return 0
             print()
             line = g.summary()
             if g.last_speculation is not None:
@@ -282,6 +298,9 @@ def main(argv=None) -> int:
     e.add_argument("--speculate-k", type=int, default=None, help="add a verify method that checks this many drafted tokens in one pass (generate --draft)")
     e.add_argument("--draft", choices=["int8", "int4"], help="also write <out>.draft: the same checkpoint quantized, as a draft held on the device "
                    "(implies --speculate-k 4 unless given)")
+    e.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="write one program and .ptd per rank of N, each with its shard of the weights, for torchrun --nproc-per-node N "
+                        "-m hostswap.cli generate (loads the model in memory)")
     e.set_defaults(func=_export_llm)
     g = sub.add_parser("generate", help="stream greedy tokens from a program written by export-llm")
     g.add_argument("program", help="the path prefix given to export-llm (or its .pte)")

@@ -282,5 +282,30 @@ def init_from_environment(device_type: str, timeout_s: float = 300.0) -> tuple[i
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        # NCCL's communicator made now (device_id), not at the first collective: decode's CUDA graph captures collectives
+        options = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device_type == "cuda" else {}
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s), **options)
     return rank, world
+
+
+def rank_program(base: str, device: str | None) -> tuple[str, int, torch.device]:
+    """(path prefix of this process's program, its rank, its device) for ``hostswap generate``:
+    under torchrun, the process group is initialized and each rank takes its own program and
+    GPU; otherwise the program at ``base``, which must not be one rank's of several."""
+    import glob
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if world == 1:
+        ranks = glob.glob(glob.escape(os.fspath(base)) + ".rank*.pte")
+        if not os.path.exists(f"{base}.pte") and ranks:
+            raise TensorParallelError(f"{base} is a tensor-parallel program of {len(ranks)} ranks: run it with torchrun --nproc-per-node "
+                                      f"{len(ranks)} -m hostswap.cli generate {base} ...")
+        return os.fspath(base), 0, torch.device(kind)
+    rank, world = init_from_environment(torch.device(kind).type)
+    program = rank_path(base, rank)
+    if not os.path.exists(program + ".pte"):
+        raise TensorParallelError(f"{program}.pte does not exist: rank {rank} of {world} needs a program exported with --tensor-parallel {world}")
+    if torch.device(kind).type == "cuda":
+        return program, rank, torch.device("cuda", torch.cuda.current_device())
+    return program, rank, torch.device(kind)

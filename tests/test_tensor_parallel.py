@@ -158,9 +158,16 @@ def test_tensor_parallel_tokens_equal_single_process(name, world, tmp_path, tmp_
     torch.testing.assert_close(got["logits"], logits, rtol=LOGITS_TOLERANCE, atol=LOGITS_TOLERANCE)
 
 
-def test_a_rank_that_dies_makes_the_others_fail_clearly(tmp_path):
-    prefix = str(tmp_path / "model")
+@pytest.fixture(scope="module")
+def llama_tp2(tmp_path_factory) -> str:
+    """The path prefix of a Llama program for 2 ranks."""
+    prefix = str(tmp_path_factory.mktemp("llama-tp2") / "model")
     llm.export(_model("Llama"), prefix, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, tensor_parallel=2)
+    return prefix
+
+
+def test_a_rank_that_dies_makes_the_others_fail_clearly(llama_tp2, tmp_path):
+    prefix = llama_tp2
     out = str(tmp_path / "rank0.pt")
     started = time.monotonic()
     codes = _spawn(2, prefix, out, die_after_warm_up=1, timeout=120)
@@ -170,12 +177,10 @@ def test_a_rank_that_dies_makes_the_others_fail_clearly(tmp_path):
     assert "CollectiveError" in error and "on rank 0 of 2" in error, error
 
 
-def test_a_program_loaded_on_another_world_size_is_refused(tmp_path):
+def test_a_program_loaded_on_another_world_size_is_refused(llama_tp2):
     import torch.distributed as dist
 
-    prefix = str(tmp_path / "model")
-    llm.export(_model("Llama"), prefix, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, tensor_parallel=2)
-    path = rank_path(prefix, 0)
+    path = rank_path(llama_tp2, 0)
     with pytest.raises(TensorParallelError, match=r"exported for 2 tensor-parallel ranks: run it under torchrun --nproc-per-node 2"):
         llm.Generator(path + ".pte", path + ".ptd", device="cpu")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -222,3 +227,22 @@ def test_sharded_model_is_put_back_whole():
     assert set(after) == set(before) and all(torch.equal(after[n], v) for n, v in before.items())
     assert (model.config.num_attention_heads, model.config.num_key_value_heads) == heads
     assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_cli_generate_under_torchrun(llama_tp2, tmp_path_factory):
+    import subprocess
+    import sys
+
+    tokens, _, _ = _single_process("Llama", tmp_path_factory)
+    ids = ",".join(str(t) for t in PROMPT[0].tolist())
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                          "-m", "hostswap.cli", "generate", llama_tp2, "--device", "cpu", "--prompt-ids", ids, "--max-new-tokens", str(NEW)],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == [str(t) for t in tokens[0, PROMPT.shape[1]:].tolist()]  # rank 0 alone prints them
+    assert "loaded rank 0" in run.stderr and "loaded rank 1" in run.stderr
+    # the same program without torchrun: told how to run it
+    alone = subprocess.run([sys.executable, "-m", "hostswap.cli", "generate", llama_tp2, "--device", "cpu", "--prompt-ids", ids],
+                           capture_output=True, text=True, timeout=240, env=env)
+    assert alone.returncode == 2 and "tensor-parallel program of 2 ranks: run it with torchrun --nproc-per-node 2" in alone.stderr
