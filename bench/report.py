@@ -1021,12 +1021,35 @@ def serve_section(paths: list[str], plot_path: str | None) -> str:
     return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
+def tensor_parallel_section(paths: list[str], plot_path: str | None) -> str:
+    """A row per (GPUs, budget share): tokens/s, the slowest link's bound, speed-up over one GPU."""
+    r = json.load(open(paths[0]))
+    m = r["model"]
+    head = (f"Llama {m['layers']} layers (hidden {m['hidden']}, intermediate {m['intermediate']}, {m['heads']} heads, {m['kv_heads']} KV heads, "
+            f"bf16, random weights), {m['new_tokens']} greedy tokens; {_machine(r['environment'])}")
+    rows = []
+    for row in r["rows"]:
+        if "error" in row:
+            rows.append([row["gpus"], "", "failed", "", "", "", "", "", ""])
+            continue
+        links = ", ".join(f"{b:.1f}" for b in row["h2d_gb_s_per_link"] if b)
+        parts = row.get("tokens_part_from_one_gpu_at")
+        rows.append([row["gpus"], row["budget"], f"{row['budget_mib_per_rank']:.0f}", f"{row['streamed_mib_per_token_per_rank']:.0f}", links,
+                     f"{row['tokens_per_s']:.1f}", f"{row['ratio_to_bound']:.2f}" if row.get("ratio_to_bound") else "",
+                     f"{row['speedup_over_one_gpu']:.2f}" if "speedup_over_one_gpu" in row else "",
+                     "" if row["gpus"] == 1 else ("same" if parts is None else f"part at token {parts}")])
+    headers = ["GPUs", "budget share", "budget MiB per GPU", "streamed MiB/token per GPU", "H2D GB/s per link (all at once)", "tokens/s",
+               "ratio to bound", "x one GPU", "tokens vs one GPU"]
+    return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
             "export": export_section, "tiers": disk_tier_section, "load": load_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
-            "speculative": speculative_section}
+            "speculative": speculative_section, "tp": tensor_parallel_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
           "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "load": "Load time against depth", "moe": "Mixture of experts: only the routed experts",
-          "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding"}
+          "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding",
+          "tp": "Tensor-parallel streaming over several GPUs"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "generate": "Greedy decoding of a transformers `LlamaForCausalLM` (hidden 2048, GQA, bf16, random weights). Decode cells: ms per token "
@@ -1066,6 +1089,11 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "serve": "`hostswap serve` in a subprocess with concurrent streaming `/v1/completions` requests through the `openai` client, against "
              "`BatchGenerator.generate` on the same program and budget (`bench/serve.py`); both timed from the first request to the last "
              "token, prefill included.",
+    "tp": "`llm.export(..., tensor_parallel=N)`, one process per GPU under `torch.distributed.run` (`bench/tensor_parallel.py`). Each GPU "
+                       "gets the same share of its own shard as budget and streams its shard over its own link; the all-reduces run over NCCL "
+                       "inside decode's CUDA graph. The bound is the slowest GPU's streamed bytes per token over its link's pinned H2D bandwidth, "
+                       "measured with every GPU copying at once. bf16 sums over GPUs round differently from one matmul, so greedy tokens may part "
+                       "from one GPU's after a while; the last column says where.",
     "tiers": "Greedy decode of the checkpoint exported with `hostswap.llm.export_checkpoint`, at each GPU budget and host budget "
                  "(`host_memory_budget_mb`: streamed weights kept pinned; the rest read from the `.ptd` with O_DIRECT each token). "
                  "Bound: max(all-resident decode, bytes streamed per token / pinned H2D, bytes read from disk per token / the `.ptd`'s "

@@ -246,3 +246,19 @@ def test_cli_generate_under_torchrun(llama_tp2, tmp_path_factory):
     alone = subprocess.run([sys.executable, "-m", "hostswap.cli", "generate", llama_tp2, "--device", "cpu", "--prompt-ids", ids],
                            capture_output=True, text=True, timeout=240, env=env)
     assert alone.returncode == 2 and "tensor-parallel program of 2 ranks: run it with torchrun --nproc-per-node 2" in alone.stderr
+
+
+def test_bench_script_on_the_cpu(tmp_path):
+    """bench/tensor_parallel.py's paths on gloo: a row per world size and budget, tokens equal to one process's."""
+    import json
+
+    from bench_scripts import load
+
+    bench = load("tensor_parallel")
+    bench.main(["--worlds", "1,2", "--device", "cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "4", "--vocab", "128",
+                "--tokens", "3", "--out", str(tmp_path), "--workdir", str(tmp_path)])
+    (path,) = tmp_path.glob("tp_cpu.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["gpus"], r["budget"]) for r in rows] == [(1, "floor"), (1, "50%"), (2, "floor"), (2, "50%")], rows
+    assert all(r["tokens_part_from_one_gpu_at"] is None for r in rows if r["gpus"] == 2)
+    assert rows[2]["streamed_mib_per_token_per_rank"] < rows[0]["streamed_mib_per_token_per_rank"]
