@@ -239,7 +239,7 @@ class _LinearQuantizer:
 def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None,
                       dtype: torch.dtype | str | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
                       progress: Callable[[str], None] | None = None, show_bar: bool = False, quantize: str | None = None,
-                      max_batch_size: int | None = None, speculate_k: int | None = None) -> tuple[str, str]:
+                      max_batch_size: int | None = None, speculate_k: int | None = None, tensor_parallel: int | None = None):
     """Write ``<out>.pte`` and ``<out>.ptd`` for the transformers causal LM in ``folder`` (its
     config and safetensors shards) without loading the model: the same program, weight bytes
     and weights digest as ``hostswap.llm.export`` of the loaded model. ``dtype``: the weights'
@@ -248,7 +248,11 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
     ``"int4"``, as ``hostswap.llm.quantize`` applies them, each linear's weight quantized when its
     turn to be written comes (on the GPU when there is one; int4 needs one). ``max_batch_size``:
     a program for that many sequences at once (``hostswap.batching``). ``speculate_k``: a verify
-    method for speculative decoding (``hostswap.speculative``)."""
+    method for speculative decoding (``hostswap.speculative``). ``tensor_parallel``: one program
+    and ``.ptd`` per rank of that many, each tensor split as it is written
+    (hostswap/tensor_parallel.py); returns the lists of their paths."""
+    import contextlib
+
     from hostswap.passes.lowering import save_streamed
 
     folder = os.fspath(folder)
@@ -262,12 +266,22 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
     if quantize is not None:
         say(f"quantizing the linear layers to {quantize} on the meta device (shapes only; each weight is quantized as it is written)")
         quantizer = _LinearQuantizer(model, quantize)
-    programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
-                                          gather_from_host=gather_from_host, progress=progress, device="meta", max_batch_size=max_batch_size,
-                                          speculate_k=speculate_k)
-    del model
+    plan = None
+    if tensor_parallel is not None:
+        from hostswap.llm import prepare_for_export
+        from hostswap.tensor_parallel import TensorParallelError, plan_tensor_parallel
 
-    def tensor_for(entry) -> torch.Tensor:
+        if quantizer is not None or max_batch_size is not None or speculate_k is not None:
+            raise TensorParallelError("tensor_parallel cannot be combined with quantize, max_batch_size or speculate_k yet")
+        prepare_for_export(model)  # experts routed first: their tables are what the plan splits
+        plan = plan_tensor_parallel(model, tensor_parallel)
+    full_shapes = {MODEL_PREFIX + n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    shards = {MODEL_PREFIX + s.name: s for s in plan.shards} if plan else {}
+
+    def tensor_for(entry, rank: int | None = None) -> torch.Tensor:
+        shard = shards.get(entry.fqn) if rank is not None else None
+        if shard is not None:  # this rank's piece of the whole tensor
+            return shard.piece(tensor_for(PtdTensor(entry.fqn, entry.dtype, full_shapes[entry.fqn])), rank, plan.world)
         if quantizer is not None and quantizer.weight_of(entry.fqn):
             return quantizer.inner_tensor(entry.fqn, lambda fqn, shape: tensor_for(PtdTensor(fqn, dtype, shape)))
         candidates = names.get(entry.fqn, ())
@@ -306,9 +320,24 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
         if bar:
             bar[0].update(entry.nbytes)
 
-    try:
-        return save_streamed(programs, out, tensor_for, constant_methods=constants, progress=progress, on_start=start, on_written=written,
-                             values=buffer_values)
-    finally:
-        if bar:
-            bar[0].close()
+    def write(rank: int | None) -> tuple[str, str]:
+        from hostswap.tensor_parallel import TENSOR_PARALLEL, rank_path, sharded
+
+        with sharded(model, plan, rank) if plan else contextlib.nullcontext():
+            programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
+                                                  gather_from_host=gather_from_host, progress=progress, device="meta",
+                                                  max_batch_size=max_batch_size, speculate_k=speculate_k)
+        if plan:
+            say(f"rank {rank} of {plan.world}")
+            constants[TENSOR_PARALLEL] = [rank, plan.world]
+        try:
+            return save_streamed(programs, rank_path(out, rank) if plan else out, lambda entry: tensor_for(entry, rank), constant_methods=constants,
+                                 progress=progress, on_start=start, on_written=written, values=buffer_values)
+        finally:
+            if bar:
+                bar.pop().close()
+
+    if plan is None:
+        return write(None)
+    written_paths = [write(rank) for rank in range(plan.world)]
+    return [pte for pte, _ in written_paths], [ptd for _, ptd in written_paths]

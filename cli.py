@@ -98,18 +98,17 @@ def _export_llm(args) -> int:
         print("hostswap export-llm: --tensor-parallel cannot be combined with --draft, --max-batch-size or --speculate-k yet", file=sys.stderr)
         return 2
     try:
-        if has_safetensors(args.checkpoint) and not args.in_memory and args.tensor_parallel is None:
+        if has_safetensors(args.checkpoint) and not args.in_memory:
             # streamed from the shards, one tensor at a time (quantized as it is written): no model in memory
             pte, ptd = export_checkpoint(args.checkpoint, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
                                          dtype=args.dtype, progress=say, show_bar=sys.stderr.isatty(), quantize=args.quantize,
-                                         max_batch_size=args.max_batch_size, speculate_k=speculate_k)
+                                         max_batch_size=args.max_batch_size, speculate_k=speculate_k, tensor_parallel=args.tensor_parallel)
             if args.draft:
                 say(f"writing the draft: the same checkpoint quantized to {args.draft}, to {args.out}.draft")
                 export_checkpoint(args.checkpoint, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
                                   dtype=args.dtype, progress=say, quantize=args.draft)
         else:
-            why = ("--in-memory" if args.in_memory else "--tensor-parallel splits the model in memory" if args.tensor_parallel is not None
-                   else "the checkpoint has no safetensors shards to stream")
+            why = "--in-memory" if args.in_memory else "the checkpoint has no safetensors shards to stream"
             say(f"loading {args.checkpoint} into memory ({why})")
             try:
                 model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype) if args.dtype else "auto")
@@ -127,8 +126,6 @@ def _export_llm(args) -> int:
                 llm.export(draft, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say)
             pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say,
                                   max_batch_size=args.max_batch_size, speculate_k=speculate_k, tensor_parallel=args.tensor_parallel)
-            if args.tensor_parallel is not None:
-                pte, ptd = "\n".join(pte), "\n".join(ptd)
     except (llm.GenerationError, OSError) as e:  # OSError: a full disk (DiskFullError names the file), an unwritable folder
         print(f"hostswap export-llm: {e}", file=sys.stderr)
         return 2
@@ -139,7 +136,7 @@ def _export_llm(args) -> int:
         say(f"tokenizer saved to {args.out}.tokenizer")
     except (OSError, ValueError):
         say("the checkpoint has no tokenizer: give prompts with --prompt-ids")
-    print(f"{pte}\n{ptd}")
+    print("\n".join([*pte, *ptd]) if args.tensor_parallel is not None else f"{pte}\n{ptd}")
     return 0
 
 
@@ -300,7 +297,7 @@ def main(argv=None) -> int:
                    "(implies --speculate-k 4 unless given)")
     e.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="write one program and .ptd per rank of N, each with its shard of the weights, for torchrun --nproc-per-node N "
-                        "-m hostswap.cli generate (loads the model in memory)")
+                        "-m hostswap.cli generate")
     e.set_defaults(func=_export_llm)
     g = sub.add_parser("generate", help="stream greedy tokens from a program written by export-llm")
     g.add_argument("program", help="the path prefix given to export-llm (or its .pte)")

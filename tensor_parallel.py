@@ -13,9 +13,9 @@ transformers' ``_tp_plan`` (the config's ``base_model_tp_plan`` under the base m
   ``moe_tp_experts`` sums the experts module's output;
 - ``colwise_gather_output``: the head's vocabulary is split and the logits gathered
   (``hostswap::all_gather``);
-- ``replicated_with_grad_allreduce`` and every module the plan does not name: whole on each rank.
-
-The token table stays whole: it is read a row per token from host memory, never streamed. A
+- ``replicated_with_grad_allreduce``, ``embedding_rowwise`` and every module the plan does not
+  name: whole on each rank. The token table stays whole: it is read a row per token from host
+  memory, never streamed, so splitting it would save no link bytes. A
 plan style not listed, or a dimension the ranks cannot split evenly, is refused at export,
 naming the module. Each rank's program records (rank, world); ``Generator`` refuses to load it
 in a process group of another size, or on another rank, naming both numbers.
@@ -36,8 +36,10 @@ from hostswap.llm import PREFIX, GenerationError
 TENSOR_PARALLEL = PREFIX + "tensor_parallel"  # constant method: [rank, world]
 
 COLWISE, ROWWISE, PACKED_COLWISE = "colwise", "rowwise", "packed_colwise"
-MOE_EXPERTS, GATHER_OUTPUT, REPLICATED = "moe_tp_experts", "colwise_gather_output", "replicated_with_grad_allreduce"
-SUPPORTED_STYLES = (COLWISE, ROWWISE, PACKED_COLWISE, MOE_EXPERTS, GATHER_OUTPUT, REPLICATED)
+MOE_EXPERTS, GATHER_OUTPUT = "moe_tp_experts", "colwise_gather_output"
+# whole on every rank: norms, and the token table (read a row per token from host memory, never streamed)
+KEPT_WHOLE = ("replicated_with_grad_allreduce", "embedding_rowwise")
+SUPPORTED_STYLES = (COLWISE, ROWWISE, PACKED_COLWISE, MOE_EXPERTS, GATHER_OUTPUT, *KEPT_WHOLE)
 HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")  # config fields a rank sees divided by the world size
 
 
@@ -116,7 +118,7 @@ def plan_tensor_parallel(model, world: int) -> TensorParallelPlan:
         regex = _pattern(pattern)
         for name in [n for n in modules if regex.match(n)] + [n for n in params if regex.match(n)]:
             target = modules.get(name, params.get(name))
-            if style == REPLICATED:
+            if style in KEPT_WHOLE:
                 continue
             if style == MOE_EXPERTS:
                 reduce_outputs.append(name)

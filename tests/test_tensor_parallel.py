@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import hostswap.llm as llm
+from hostswap.runtime.ptd import PtdFile
 from hostswap.tensor_parallel import TensorParallelError, plan_tensor_parallel, rank_path
 
 from real_models import VOCAB, _decoder_common
@@ -262,3 +263,33 @@ def test_bench_script_on_the_cpu(tmp_path):
     assert [(r["gpus"], r["budget"]) for r in rows] == [(1, "floor"), (1, "50%"), (2, "floor"), (2, "50%")], rows
     assert all(r["tokens_part_from_one_gpu_at"] is None for r in rows if r["gpus"] == 2)
     assert rows[2]["streamed_mib_per_token_per_rank"] < rows[0]["streamed_mib_per_token_per_rank"]
+
+
+@pytest.mark.parametrize("name,tied", [("Llama", True), ("Qwen3-MoE", False)])
+def test_checkpoint_export_splits_each_tensor_as_the_model_export(name, tied, tmp_path):
+    """export_checkpoint(..., tensor_parallel=2) reads each tensor from the shards and writes each
+    rank's piece: the same weight bytes as splitting the loaded model (a tied head split apart
+    from the whole token table)."""
+    from transformers import AutoModelForCausalLM
+
+    model = _model(name)
+    model.config.tie_word_embeddings = tied
+    if tied:
+        model.tie_weights()
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    _, from_model = llm.export(loaded, tmp_path / "model", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, tensor_parallel=2)
+    ptes, from_checkpoint = llm.export_checkpoint(tmp_path / "ckpt", tmp_path / "streamed", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK,
+                                                  tensor_parallel=2)
+    assert ptes == [rank_path(tmp_path / "streamed", r) + ".pte" for r in range(2)]
+    for a, b in zip(from_model, from_checkpoint):
+        with PtdFile(a) as fa, PtdFile(b) as fb:
+            assert fa.entries.keys() == fb.entries.keys()
+            for fqn in fa.entries:
+                assert torch.equal(fa.host_tensor(fqn).reshape(-1).view(torch.uint8), fb.host_tensor(fqn).reshape(-1).view(torch.uint8)), fqn
+            assert fa.index.checksums == fb.index.checksums
+    with PtdFile(from_checkpoint[1]) as rank1:
+        head = rank1.host_tensor("model.lm_head.weight")
+        assert head.shape[0] == VOCAB // 2 and rank1.host_tensor("model.model.embed_tokens.weight").shape[0] == VOCAB
+        whole = loaded.lm_head.weight.detach()
+        assert torch.equal(head, whole[VOCAB // 2:])  # rank 1 holds the second half of the vocabulary
