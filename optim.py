@@ -13,6 +13,12 @@ single-tensor), and each bf16/fp16 working weight is refreshed from its fp32 mas
 stays on the device between steps. Parameters sharded by FSDP2 (``fully_shard``: DTensors)
 are updated shard by shard: each rank keeps only its shard's moments and masters. Host state
 is pinned on CUDA, so the copies are asynchronous DMA.
+
+``offload_grads=True`` moves each gradient to pinned host memory as soon as it is made (after
+FSDP2's reduce-scatter, for a sharded parameter: its rank's shard) and drops the device copy,
+so gradients do not pile up on the GPU through the backward; the step brings each chunk's
+gradients in with its state. The copy runs on its own stream, ordered after the stream that
+made the gradient; the step's copies wait on its event, never the host.
 """
 
 from __future__ import annotations
@@ -33,12 +39,14 @@ class OffloadAdamW(Optimizer):
     memory, updated in fp32 and written back to the working weight after each step (the
     usual mixed-precision recipe); without it they are updated in their own dtype, like
     ``torch.optim.AdamW``. ``chunk_bytes``: host state per chunk (default 64 MiB).
+    ``offload_grads``: keep gradients in host memory from the moment they are made (see the
+    module docstring); a second backward before ``step()`` adds to them on the host.
     ``stats``: steps, bytes copied each way, seconds in ``step()``, and ``host_bytes`` (the
-    state held in host memory, pinned on CUDA).
+    state and gradients held in host memory, pinned on CUDA).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, offload_master: bool = False, chunk_bytes: int = 64 * 2**20):
+                 weight_decay: float = 1e-2, *, offload_master: bool = False, offload_grads: bool = False, chunk_bytes: int = 64 * 2**20):
         for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
@@ -59,11 +67,53 @@ class OffloadAdamW(Optimizer):
         # goes out, on the link's two directions at once
         self._h2d_stream = torch.cuda.Stream(self.device) if self._pin else None
         self._d2h_stream = torch.cuda.Stream(self.device) if self._pin else None
+        self.offload_grads = bool(offload_grads)
+        self._host_grads: dict[torch.Tensor, torch.Tensor] = {}  # param -> its gradient (local shard) in host memory
+        self._grads_held: dict[torch.Tensor, torch.cuda.Event | None] = {}  # params whose host gradient is this step's -> copy's event
+        self._grad_stream = torch.cuda.Stream(self.device) if self._pin and self.offload_grads else None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_to_host)
+                       for g in self.param_groups for p in g["params"] if p.requires_grad] if self.offload_grads else []
 
     @property
     def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for state in self.state.values() for name, t in state.items()
-                   if name != "step" and isinstance(t, torch.Tensor))
+        state = sum(t.numel() * t.element_size() for state in self.state.values() for name, t in state.items()
+                    if name != "step" and isinstance(t, torch.Tensor))
+        return state + sum(t.numel() * t.element_size() for t in self._host_grads.values())
+
+    # --- gradients to the host (offload_grads) -------------------------------------------------
+    @torch.no_grad()
+    def _gradient_to_host(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: ``p``'s gradient (its local shard) to host memory, the
+        device copy dropped."""
+        grad = _local(p.grad)
+        host = self._host_grads.get(p)
+        if host is None:
+            host = self._host_grads[p] = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self._pin)
+        if p in self._grads_held:  # another backward before the step: the sum, on the host
+            event = self._grads_held[p]
+            if event is not None:
+                event.synchronize()
+            host.add_(grad.to("cpu"))
+        elif self._grad_stream is not None:
+            made = torch.cuda.current_stream(self.device)  # FSDP2 runs the hook on its reduce-scatter stream
+            self._grad_stream.wait_stream(made)
+            with torch.cuda.stream(self._grad_stream):
+                host.copy_(grad, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._grad_stream)
+            grad.record_stream(self._grad_stream)  # its memory is not reused before the copy is done
+            self._grads_held[p] = event
+            self.stats["bytes_d2h"] += grad.numel() * grad.element_size()
+        else:
+            host.copy_(grad)
+            self._grads_held[p] = None
+        p.grad = None
+
+    def remove_hooks(self) -> None:
+        """Stop moving gradients to the host (``offload_grads``): they stay on ``.grad`` again."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     # --- state ---------------------------------------------------------------------------------
     def _has_master(self, p: torch.Tensor) -> bool:
@@ -82,18 +132,26 @@ class OffloadAdamW(Optimizer):
                 state["master"].copy_(_local(p).detach())
         return state
 
+    def _moved(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The host tensors of ``p`` that a step brings to the device: its state, and its
+        gradient where it was offloaded."""
+        moved = {name: t for name, t in self.state[p].items() if name in _MOVED}
+        if p in self._grads_held:
+            moved[GRAD] = self._host_grads[p]
+        return moved
+
     def _pieces(self, p: torch.Tensor):
         """(start, stop) element ranges of ``p``, each of at most ``chunk_bytes`` of state.
         AdamW is elementwise, so a slice updates exactly as the whole; a parameter that is not
         contiguous (its slices would not be views) stays whole."""
-        moved = [t for name, t in self.state[p].items() if name in _MOVED]  # of one dtype
+        moved = list(self._moved(p).values())
         p = _local(p)
         n = p.numel()
         if not p.is_contiguous():
             yield 0, n
             return
         per_tensor = self.chunk_bytes // len(moved)
-        step = max(1, (per_tensor // _ALIGN * _ALIGN or per_tensor) // moved[0].element_size())
+        step = max(1, (per_tensor // _ALIGN * _ALIGN or per_tensor) // max(t.element_size() for t in moved))
         for a in range(0, n, step):
             yield a, min(n, a + step)
 
@@ -104,13 +162,13 @@ class OffloadAdamW(Optimizer):
         for group in self.param_groups:
             chunk, size = [], 0
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None and p not in self._grads_held:
                     continue
-                if p.grad.is_sparse:
+                if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError("OffloadAdamW does not support sparse gradients")
                 self._host_state(p)
                 for a, b in self._pieces(p):
-                    nbytes = _layout_bytes(self.state[p], b - a)
+                    nbytes = _layout_bytes(self._moved(p), b - a)
                     if chunk and size + nbytes > self.chunk_bytes:
                         chunks.append((group, chunk))
                         chunk, size = [], 0
@@ -138,8 +196,8 @@ class OffloadAdamW(Optimizer):
         """Per piece of ``chunk``, its state names -> views of ``buffer`` (aligned, packed)."""
         views, offset = [], 0
         for p, a, b in chunk:
-            state, piece = self.state[p], {}
-            for name in _MOVED:
+            state, piece = self._moved(p), {}
+            for name in _MOVED_IN:
                 if name in state:
                     t = state[name]
                     nbytes = (b - a) * t.element_size()
@@ -155,7 +213,7 @@ class OffloadAdamW(Optimizer):
         targets, grads, avgs, avg_sqs, steps = [], [], [], [], []
         for (p, a, b), device in zip(chunk, views):
             master, local = device.get("master"), _local(p)
-            grad = _piece(_local(p.grad), local, a, b)
+            grad = device[GRAD] if GRAD in device else _piece(_local(p.grad), local, a, b)
             targets.append(master if master is not None else _piece(local.detach(), local, a, b))
             grads.append(grad.float() if master is not None else grad)
             avgs.append(device["exp_avg"])
@@ -180,7 +238,7 @@ class OffloadAdamW(Optimizer):
         step_of = {p: self.state[p]["step"].clone() for _, chunk in chunks for p, _, _ in chunk}
         cuda = self._h2d_stream is not None
         compute = torch.cuda.current_stream(self.device) if cuda else None
-        capacity = max((_layout_bytes_of(self.state, chunk) for _, chunk in chunks), default=0)
+        capacity = max((sum(_layout_bytes(self._moved(p), b - a) for p, a, b in chunk) for _, chunk in chunks), default=0)
         # Three fixed buffers: chunk i+1 comes in while chunk i is updated and chunk i-1 goes
         # out; chunk i reuses the buffer of chunk i-3 once that one's copy out is done. The
         # streams wait on events, so the host never blocks, and the device memory is bounded.
@@ -196,9 +254,11 @@ class OffloadAdamW(Optimizer):
                 if gone[slot] is not None:
                     self._h2d_stream.wait_event(gone[slot])
                 for (p, a, b), piece in zip(chunk, views):
-                    local = _local(p)
+                    local, moved = _local(p), self._moved(p)
+                    if self._grads_held.get(p) is not None:
+                        self._h2d_stream.wait_event(self._grads_held[p])  # its gradient has reached the host
                     for name, view in piece.items():
-                        view.copy_(_piece(self.state[p][name], local, a, b), non_blocking=True)
+                        view.copy_(_piece(moved[name], local, a, b), non_blocking=True)
                         self.stats["bytes_h2d"] += view.numel() * view.element_size()
                 arrived = torch.cuda.Event() if cuda else None
                 if cuda:
@@ -212,6 +272,8 @@ class OffloadAdamW(Optimizer):
                 for (p, a, b), piece in zip(chunk, views):
                     local = _local(p)
                     for name, view in piece.items():
+                        if name == GRAD:
+                            continue  # read, not changed
                         _piece(self.state[p][name], local, a, b).copy_(view, non_blocking=True)
                         self.stats["bytes_d2h"] += view.numel() * view.element_size()
                 if cuda:
@@ -219,6 +281,7 @@ class OffloadAdamW(Optimizer):
                     gone[slot].record(self._d2h_stream)
         for p, step in step_of.items():
             self.state[p]["step"] = step + 1
+        self._grads_held.clear()  # the next backward's gradients overwrite the host copies
         if cuda:
             self._d2h_stream.synchronize()  # host state is the truth once step() returns; the buffers are free
         del buffers
@@ -229,6 +292,8 @@ class OffloadAdamW(Optimizer):
 
 
 _MOVED = ("exp_avg", "exp_avg_sq", "master")  # the state that goes to the device and back
+GRAD = "grad"  # an offloaded gradient: to the device only
+_MOVED_IN = (*_MOVED, GRAD)
 _ALIGN = 512  # bytes between the views of one buffer
 
 
@@ -249,9 +314,5 @@ def _piece(t: torch.Tensor, p: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return t if not p.is_contiguous() else t.reshape(-1)[a:b]
 
 
-def _layout_bytes(state: dict, elements: int) -> int:
-    return sum(_aligned(elements * state[name].element_size()) for name in _MOVED if name in state)
-
-
-def _layout_bytes_of(states, chunk: list[tuple]) -> int:
-    return sum(_layout_bytes(states[p], b - a) for p, a, b in chunk)
+def _layout_bytes(moved: dict, elements: int) -> int:
+    return sum(_aligned(elements * moved[name].element_size()) for name in _MOVED_IN if name in moved)

@@ -1,6 +1,7 @@
 """OffloadAdamW on parameters sharded by FSDP2 (``fully_shard``), on the CPU with gloo.
 
-Each rank holds its shards' moments in host memory and updates its shards; the run must match
+Each rank holds its shards' moments in host memory and updates its shards (with
+``offload_grads``, its reduce-scattered gradient shards too); the run must match
 plain FSDP2 with ``torch.optim.AdamW`` step for step (the same reduce-scatter feeds both, and
 the update is PyTorch's AdamW arithmetic), on a transformers Llama from a tiny config.
 """
@@ -44,18 +45,20 @@ def _train(rank: int, world: int, port: int, optimizer: str, out: str) -> None:
         fully_shard(model, mesh=mesh)
         params = list(model.parameters())
         assert all(type(p).__name__ == "DTensor" for p in params)
-        opt = (OffloadAdamW(params, lr=1e-2, weight_decay=0.1, chunk_bytes=4096) if optimizer == "offload"
-               else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False))
+        opt = (OffloadAdamW(params, lr=1e-2, weight_decay=0.1, chunk_bytes=4096, offload_grads=optimizer == "offload_grads")
+               if optimizer.startswith("offload") else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False))
         ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 + rank))  # each rank its own batch
         losses = []
         for _ in range(STEPS):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
+            if optimizer == "offload_grads":  # the reduce-scattered shards went to host memory
+                assert all(p.grad is None for p in params) and len(opt._grads_held) == len(params)
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
         full = {name: p.full_tensor() for name, p in model.named_parameters()}
-        if optimizer == "offload":
+        if optimizer.startswith("offload"):
             shard_elements = sum(p.to_local().numel() for p in params)
             state_elements = sum(s["exp_avg"].numel() for s in opt.state.values())
             assert state_elements == shard_elements < sum(p.numel() for p in params)  # its shards' moments only
@@ -68,13 +71,14 @@ def _train(rank: int, world: int, port: int, optimizer: str, out: str) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_offload_adamw_on_fsdp2_shards_equals_adamw(world, tmp_path):
     runs = {}
-    for optimizer in ("adamw", "offload"):
+    for optimizer in ("adamw", "offload", "offload_grads"):
         out = str(tmp_path / f"{optimizer}.pt")
         mp.spawn(_train, args=(world, _free_port(), optimizer, out), nprocs=world, join=True)
         runs[optimizer] = torch.load(out)
-    expected, got = runs["adamw"], runs["offload"]
-    torch.testing.assert_close(got["losses"], expected["losses"], rtol=1e-6, atol=1e-6)
-    assert got["losses"][-1] < got["losses"][0]  # it trains
-    assert set(got["params"]) == set(expected["params"])
-    for name, value in expected["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-6, atol=1e-6, msg=name)
+    expected = runs["adamw"]
+    for got in (runs["offload"], runs["offload_grads"]):
+        torch.testing.assert_close(got["losses"], expected["losses"], rtol=1e-6, atol=1e-6)
+        assert got["losses"][-1] < got["losses"][0]  # it trains
+        assert set(got["params"]) == set(expected["params"])
+        for name, value in expected["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=1e-6, atol=1e-6, msg=name)
