@@ -1043,13 +1043,29 @@ def tensor_parallel_section(paths: list[str], plot_path: str | None) -> str:
     return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
+def fsdp_section(paths: list[str], plot_path: str | None) -> str:
+    """A row per configuration: tokens/s, against CPUOffloadPolicy, and the GPU memory it holds."""
+    r = json.load(open(paths[0]))
+    m = r["model"]
+    first = r["rows"][0]
+    head = (f"Llama {m['layers']} layers, hidden {m['hidden']} ({first['parameters'] / 1e9:.2f} B parameters), bf16 compute, batch {m['batch']} x "
+            f"{m['seq']} tokens per GPU, {first['gpus']} GPUs; median of {m['steps']} steps; {_machine(r['environment'])}")
+    rows = [[row["configuration"], f"{row['tokens_per_s']:.0f}", f"{row['speedup_over_cpu_offload_policy']:.1f}",
+             f"{row['peak_gib_max']:.2f}", f"{row['after_backward_gib_rank0']:.2f}", f"{row['host_gib']:.2f}",
+             f"{row['max_loss_diff_vs_adamw']:.1e}"] for row in r["rows"] if "error" not in row]
+    headers = ["configuration", "tokens/s", "x CPUOffloadPolicy", "peak GiB per GPU", "GiB held after backward", "host GiB (hostswap's)",
+               "loss vs AdamW (max abs)"]
+    return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
             "export": export_section, "tiers": disk_tier_section, "load": load_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
-            "speculative": speculative_section, "tp": tensor_parallel_section}
+            "speculative": speculative_section, "tp": tensor_parallel_section,
+            "fsdp": fsdp_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
           "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "load": "Load time against depth", "moe": "Mixture of experts: only the routed experts",
           "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding",
-          "tp": "Tensor-parallel streaming over several GPUs"}
+          "tp": "Tensor-parallel streaming over several GPUs", "fsdp": "Sharded training (FSDP2) with host offloads"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "generate": "Greedy decoding of a transformers `LlamaForCausalLM` (hidden 2048, GQA, bf16, random weights). Decode cells: ms per token "
@@ -1094,6 +1110,13 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
                        "inside decode's CUDA graph. The bound is the slowest GPU's streamed bytes per token over its link's pinned H2D bandwidth, "
                        "measured with every GPU copying at once. bf16 sums over GPUs round differently from one matmul, so greedy tokens may part "
                        "from one GPU's after a while; the last column says where.",
+    "fsdp": "FSDP2 (`fully_shard` per decoder layer, fp32 shards, bf16 compute) on a transformers Llama, every configuration in the same "
+            "processes (`bench/fsdp.py`). `CPUOffloadPolicy` is FSDP2's own: shards, gradients and the AdamW step on the host. `OffloadAdamW` "
+            "keeps the moments in pinned host memory and updates on the GPU chunk by chunk; `offload_grads` moves each reduce-scattered "
+            "gradient shard to the host as it is made; the last row keeps bf16 shards on the GPU and their fp32 masters on the host. "
+            "Memory is rank 0's above what was allocated before the configuration's model; the backward and the step are separated by a "
+            "synchronization in every row, to read the memory held after the backward. The batch repeats, so the loss falls fast; the last "
+            "column is the largest difference from the AdamW row's losses.",
     "tiers": "Greedy decode of the checkpoint exported with `hostswap.llm.export_checkpoint`, at each GPU budget and host budget "
                  "(`host_memory_budget_mb`: streamed weights kept pinned; the rest read from the `.ptd` with O_DIRECT each token). "
                  "Bound: max(all-resident decode, bytes streamed per token / pinned H2D, bytes read from disk per token / the `.ptd`'s "

@@ -82,3 +82,17 @@ def test_offload_adamw_on_fsdp2_shards_equals_adamw(world, tmp_path):
         assert set(got["params"]) == set(expected["params"])
         for name, value in expected["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_bench_script_on_the_cpu(tmp_path):
+    """bench/fsdp.py's paths on gloo: a row per configuration, each training as the AdamW row does."""
+    import json
+
+    from bench_scripts import load
+
+    bench = load("fsdp")
+    assert bench.main(["--gpus", "2", "--device", "cpu", "--layers", "1", "--hidden", "128", "--vocab", "256", "--batch", "2", "--seq", "16",
+                       "--steps", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "fsdp_cpu.json").read_text())["rows"]
+    assert [r["configuration"] for r in rows] == list(bench.CONFIGS)
+    assert all(r["max_loss_diff_vs_adamw"] < 1e-4 for r in rows[:4]), rows  # fp32 on the CPU; the last row trains bf16 shards
