@@ -584,11 +584,29 @@ def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", h
         raise ValueError(f"port must be 0..65535, got {port}")
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
         raise ValueError(f"max_queue must be a positive int, got {max_queue!r}")
+    from hostswap import tensor_parallel
+
     tokenizer_dir = base + ".tokenizer"
     if not os.path.isdir(tokenizer_dir):
         raise FileNotFoundError(f"no tokenizer at {tokenizer_dir}: export-llm saves the checkpoint's tokenizer there; the server needs it to read prompts")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if batching.is_batched(base + ".pte"):  # continuous batching over the program's slots
+    program, rank, device = tensor_parallel.rank_program(base, device)  # under torchrun: this rank's program and GPU
+    if program != base:  # tensor parallel: rank 0 serves, the others generate what it sends them
+        generator = llm.Generator(program + ".pte", program + ".ptd", weight_offload_budget_mb=budget_mb, device=device)
+        group = tensor_parallel.control_group()
+        if rank != 0:
+            # rank 0 ends the service (it drains its requests first) and then tells the others:
+            # a signal here would break a collective rank 0 still runs
+            if threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, signal.SIG_IGN)
+            try:
+                tensor_parallel.follow(generator, group)
+            finally:
+                generator.close()
+            return
+        generator = tensor_parallel.LeadGenerator(generator, group)
+    elif batching.is_batched(base + ".pte"):  # continuous batching over the program's slots
         generator = batching.BatchGenerator(base + ".pte", base + ".ptd", weight_offload_budget_mb=budget_mb, device=device)
     else:
         generator = llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=budget_mb, device=device)

@@ -311,3 +311,97 @@ def rank_program(base: str, device: str | None) -> tuple[str, int, torch.device]
     if torch.device(kind).type == "cuda":
         return program, rank, torch.device("cuda", torch.cuda.current_device())
     return program, rank, torch.device(kind)
+
+
+# --- serving: rank 0 takes the requests, every rank generates -----------------------------------
+class _Halted(Exception):
+    """Rank 0 stopped the generation (a stop string, a cancelled request): the others stop at the same token."""
+
+
+def control_group():
+    """A gloo group beside the process group, for requests and stop decisions: on the host, and
+    with a timeout long enough for a server that waits idle between requests."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+
+
+def _agree_to_stop(stop: bool, group) -> bool:
+    """Whether any rank stops after this token; every rank calls it once per token."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if stop else 0])
+    dist.all_reduce(flag, group=group)
+    return bool(flag.item())
+
+
+class LeadGenerator:
+    """Rank 0's ``Generator`` in a tensor-parallel server: each ``generate`` is first sent to
+    the other ranks (``follow``), which run the same call on their programs. Tokens are the same
+    on every rank (the logits are gathered), so the ranks stay in step; after each token they
+    agree whether rank 0 stops (its ``on_token`` raised), so all stop at the same token. A
+    sampled request without a seed gets one here, so every rank draws the same tokens."""
+
+    def __init__(self, generator, group):
+        self._generator, self._group = generator, group
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, on_token=None, sampling=None, **options):
+        import dataclasses
+        import random
+
+        import torch.distributed as dist
+
+        if options:
+            raise TensorParallelError(f"a tensor-parallel server passes only on_token and sampling to generate, not {sorted(options)}")
+        if sampling is not None and getattr(sampling, "seed", None) is None and getattr(sampling, "temperature", 0) > 0:
+            sampling = dataclasses.replace(sampling, seed=random.randrange(2**31))
+        dist.broadcast_object_list([(input_ids.tolist(), max_new_tokens, sampling)], src=0, group=self._group)
+
+        def on_each(token: int) -> None:
+            error = None
+            try:
+                if on_token is not None:
+                    on_token(token)
+            except BaseException as e:  # noqa: BLE001 - raised again once the others know
+                error = e
+            if _agree_to_stop(error is not None, self._group) and error is not None:
+                raise error
+
+        return self._generator.generate(input_ids, max_new_tokens, on_token=on_each, sampling=sampling)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            dist.broadcast_object_list([None], src=0, group=self._group)  # the others leave follow()
+        except RuntimeError:
+            pass  # they are gone already
+        self._generator.close()
+
+
+def follow(generator, group) -> None:
+    """A rank other than 0 in a tensor-parallel server: run each request rank 0 sends, until it
+    sends none."""
+    import torch.distributed as dist
+
+    def on_token(token: int) -> None:
+        if _agree_to_stop(False, group):
+            raise _Halted
+
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        if box[0] is None:
+            return
+        ids, max_new_tokens, sampling = box[0]
+        try:
+            generator.generate(torch.tensor(ids), max_new_tokens, on_token=on_token, sampling=sampling)
+        except _Halted:
+            pass
+        except ValueError:  # a request refused before any collective (GenerationError, SamplingError): rank 0 refuses it too
+            pass

@@ -96,7 +96,7 @@ def auto_budget(*, free_bytes: int, total_bytes: int, state_bytes: int, activati
                 device="cuda") -> AutoBudget:
     """The largest budget that leaves the program's state, its activations and a margin free
     (``AUTO_MARGIN_SHARE`` of the device's ``total_bytes``, at least ``AUTO_MARGIN_MIN_BYTES``),
-    capped at ``weight_bytes``. Raises ``BudgetError`` naming both the room and the floor
+    capped at ``weight_bytes`` (or the floor, where that is more). Raises ``BudgetError`` naming both the room and the floor
     where the room is below the floor."""
     margin = auto_margin(total_bytes)
     room = free_bytes - state_bytes - activation_bytes - margin
@@ -107,7 +107,10 @@ def auto_budget(*, free_bytes: int, total_bytes: int, state_bytes: int, activati
             f"{_mib(max(room, 0))} is left for weights, below this program's floor of {floor_bytes} bytes ({mb_ceil(floor_bytes)} MB). "
             "Free GPU memory, export with a shorter max_seq_len (a smaller KV cache), or give a budget in MB"
         )
-    budget = min(room, weight_bytes)
+    # every weight resident, but never below the floor: where the two largest kernels and the
+    # prefetch headroom come to more than all the weights (a small model with a large head),
+    # the floor is what loads
+    budget = min(room, max(weight_bytes, floor_bytes))
     return AutoBudget(budget_bytes=int(budget), free_bytes=free_bytes, state_bytes=state_bytes, activation_bytes=activation_bytes,
                       margin_bytes=margin, weight_bytes=weight_bytes, floor_bytes=floor_bytes)
 

@@ -31,6 +31,13 @@ def test_auto_is_capped_at_the_weights_and_keeps_a_least_margin():
     assert "every weight resident" in auto.explain("cuda:0")
 
 
+def test_auto_is_at_least_the_floor_where_the_floor_exceeds_the_weights():
+    """A small model with a large head: its two largest kernels and the prefetch headroom come to
+    more than all its weights, and "auto" takes the floor (it loaded nothing before)."""
+    auto = auto_budget(free_bytes=3 * GiB, total_bytes=4 * GiB, state_bytes=0, activation_bytes=0, weight_bytes=GiB // 4, floor_bytes=GiB // 3)
+    assert auto.budget_bytes == GiB // 3 and auto.all_resident
+
+
 def test_auto_below_the_floor_fails_with_both_numbers():
     with pytest.raises(BudgetError) as e:
         auto_budget(free_bytes=2 * GiB, total_bytes=16 * GiB, state_bytes=GiB, activation_bytes=100 * MiB, weight_bytes=8 * GiB,

@@ -293,3 +293,83 @@ def test_checkpoint_export_splits_each_tensor_as_the_model_export(name, tied, tm
         assert head.shape[0] == VOCAB // 2 and rank1.host_tensor("model.model.embed_tokens.weight").shape[0] == VOCAB
         whole = loaded.lm_head.weight.detach()
         assert torch.equal(head, whole[VOCAB // 2:])  # rank 1 holds the second half of the vocabulary
+
+
+def test_serve_under_torchrun(tmp_path):
+    """``hostswap serve`` on 2 ranks: rank 0 answers over HTTP with the one-process program's
+    text; a stop string ends a generation early on every rank, and the next request still runs;
+    SIGTERM ends every rank."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from transformers import AutoTokenizer
+
+    from hostswap.demo import GGUF_FILE, smollm2_folder
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=GGUF_FILE)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"the tokenizer's package is missing: {e}")
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                             tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=None)).eval()
+    single = str(tmp_path / "single")
+    llm.export(model, single, max_seq_len=64, prefill_chunk=8)
+    prefix = str(tmp_path / "tp")
+    llm.export(model, prefix, max_seq_len=64, prefill_chunk=8, tensor_parallel=2)
+    tokenizer.save_pretrained(prefix + ".tokenizer")
+    prompts = ["The capital of France is", "Once upon a time"]
+    with llm.Generator(single + ".pte", single + ".ptd", device="cpu") as g:
+        expected = []
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            expected.append(tokenizer.decode(g.generate(ids, 12)[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+    port = _free_port()
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+                                "-m", "hostswap.cli", "serve", prefix, "--device", "cpu", "--port", str(port), "--model-id", "tp"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def complete(prompt: str, **extra) -> str:
+        body = json.dumps({"model": "tp", "prompt": prompt, "max_tokens": 12, "temperature": 0, **extra}).encode()
+        request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())["choices"][0]
+
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert process.poll() is None, process.stderr.read()[-3000:]
+            try:
+                if json.loads(urllib.request.urlopen(url + "/health", timeout=1).read())["status"] == "ok":
+                    break
+            except (OSError, ValueError):
+                assert time.time() < deadline, "the server did not start"
+                time.sleep(0.5)
+        for prompt, text in zip(prompts, expected):
+            assert complete(prompt)["text"] == text
+        stop = expected[0][len(expected[0]) // 2:][:3]
+        stopped = complete(prompts[0], stop=[stop])
+        assert stopped["finish_reason"] == "stop" and stopped["text"] == expected[0][: expected[0].index(stop)]
+        assert complete(prompts[1])["text"] == expected[1]  # the ranks are still in step
+        assert complete(prompts[1], temperature=0.8)["finish_reason"] == "length"  # sampled: rank 0 gives every rank its seed
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    errors = process.stderr.read()
+    # torchrun reports the signal it was stopped with; the ranks themselves end without an error
+    assert not any(e in errors for e in ("Connection closed", "CollectiveError", "generation failed")), errors[-3000:]
+    assert "Traceback" not in errors.split("Received 15 death signal")[0], errors[-3000:]
