@@ -43,10 +43,15 @@ def _train(rank: int, world: int, port: int, optimizer: str, out: str) -> None:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if optimizer == "offload_context":  # activations of layer 0 of 2 to the host, on FSDP2's layers
+            from hostswap.activations import OffloadContext
+
+            offload = OffloadContext(model_layers=2, num_layers=1, min_offload_bytes=1024)
+            offload.attach(model.model.layers)
         params = list(model.parameters())
         assert all(type(p).__name__ == "DTensor" for p in params)
         opt = (OffloadAdamW(params, lr=1e-2, weight_decay=0.1, chunk_bytes=4096, offload_grads=optimizer == "offload_grads")
-               if optimizer.startswith("offload") else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False))
+               if optimizer in ("offload", "offload_grads") else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False))
         ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 + rank))  # each rank its own batch
         losses = []
         for _ in range(STEPS):
@@ -57,8 +62,10 @@ def _train(rank: int, world: int, port: int, optimizer: str, out: str) -> None:
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
+        if optimizer == "offload_context":
+            assert offload.stats["bytes_offloaded"] > 0, offload.stats
         full = {name: p.full_tensor() for name, p in model.named_parameters()}
-        if optimizer.startswith("offload"):
+        if optimizer in ("offload", "offload_grads"):
             shard_elements = sum(p.to_local().numel() for p in params)
             state_elements = sum(s["exp_avg"].numel() for s in opt.state.values())
             assert state_elements == shard_elements < sum(p.numel() for p in params)  # its shards' moments only
@@ -82,6 +89,19 @@ def test_offload_adamw_on_fsdp2_shards_equals_adamw(world, tmp_path):
         assert set(got["params"]) == set(expected["params"])
         for name, value in expected["params"].items():
             torch.testing.assert_close(got["params"][name], value, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_offload_context_on_fsdp2_layers_changes_nothing(tmp_path):
+    """OffloadContext attached to fully_shard'ed decoder layers: their saved activations go to
+    the host and back, and the run is bitwise the run without it."""
+    runs = {}
+    for optimizer in ("adamw", "offload_context"):
+        out = str(tmp_path / f"{optimizer}.pt")
+        mp.spawn(_train, args=(2, _free_port(), optimizer, out), nprocs=2, join=True)
+        runs[optimizer] = torch.load(out)
+    assert torch.equal(runs["offload_context"]["losses"], runs["adamw"]["losses"])
+    for name, value in runs["adamw"]["params"].items():
+        assert torch.equal(runs["offload_context"]["params"][name], value), name
 
 
 def test_bench_script_on_the_cpu(tmp_path):
