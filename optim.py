@@ -17,9 +17,9 @@ is pinned on CUDA, so the copies are asynchronous DMA.
 ``offload_grads=True`` moves each gradient to pinned host memory as soon as it is made (after
 FSDP2's reduce-scatter, for a sharded parameter: its rank's shard) and drops the device copy,
 so gradients do not pile up on the GPU through the backward; the step brings each chunk's
-gradients in with its state. The copy runs on the stream that made the gradient (FSDP2's
-reduce-scatter stream), so the gradient's memory is reused only after it; the step's copies
-wait on its event, never the host.
+gradients in with its state. The copy runs on a stream of its own, after the stream that made
+the gradient (FSDP2's reduce-scatter stream); the gradient's memory is reused only after the
+copy has read it, and the step's copies wait on its event, never the host.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class OffloadAdamW(Optimizer):
         self._d2h_stream = torch.cuda.Stream(self.device) if self._pin else None
         self.offload_grads = bool(offload_grads)
         self._host_grads: dict[torch.Tensor, torch.Tensor] = {}  # param -> its gradient (local shard) in host memory
+        self._grad_stream = torch.cuda.Stream(self.device) if self._pin and self.offload_grads else None
         self._grads_held: dict[torch.Tensor, torch.cuda.Event | None] = {}  # params whose host gradient is this step's -> copy's event
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_to_host)
                        for g in self.param_groups for p in g["params"] if p.requires_grad] if self.offload_grads else []
@@ -94,14 +95,14 @@ class OffloadAdamW(Optimizer):
             if event is not None:
                 event.synchronize()
             host.add_(grad.to("cpu"))
-        elif self._pin:
-            # On the stream that made the gradient (FSDP2 runs the hook on its reduce-scatter
-            # stream, autograd on the backward's): the gradient's memory goes back to that
-            # stream's pool, so nothing reuses it before the copy has read it.
-            made = torch.cuda.current_stream(self.device)
-            host.copy_(grad, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(made)
+        elif self._grad_stream is not None:
+            made = torch.cuda.current_stream(self.device)  # FSDP2 runs the hook on its reduce-scatter stream
+            self._grad_stream.wait_stream(made)
+            with torch.cuda.stream(self._grad_stream):
+                host.copy_(grad, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._grad_stream)
+            grad.record_stream(self._grad_stream)  # its memory is not reused before the copy has read it
             self._grads_held[p] = event
             self.stats["bytes_d2h"] += grad.numel() * grad.element_size()
         else:
