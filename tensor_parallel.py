@@ -11,8 +11,11 @@ transformers' ``_tp_plan`` (the config's ``base_model_tp_plan`` under the base m
 - ``packed_colwise``: a stacked gate|up table, each half split alike;
 - ``rowwise`` on an experts module's down table splits its input features, and
   ``moe_tp_experts`` sums the experts module's output;
-- ``colwise_gather_output``: the head's vocabulary is split and the logits gathered
-  (``hostswap::all_gather``);
+- ``colwise_gather_output``: output features split and gathered back whole
+  (``hostswap::all_gather``): the head's vocabulary, or Phi-3's and OLMoE's attention, whose
+  heads then run whole on every rank;
+- ``rowwise_split_input``: ``rowwise`` for a linear that gets its input whole: each rank takes
+  its slice of the input first;
 - ``replicated_with_grad_allreduce``, ``embedding_rowwise`` and every module the plan does not
   name: whole on each rank. The token table stays whole: it is read a row per token from host
   memory, never streamed, so splitting it would save no link bytes. A
@@ -36,10 +39,11 @@ from hostswap.llm import PREFIX, GenerationError
 TENSOR_PARALLEL = PREFIX + "tensor_parallel"  # constant method: [rank, world]
 
 COLWISE, ROWWISE, PACKED_COLWISE = "colwise", "rowwise", "packed_colwise"
-MOE_EXPERTS, GATHER_OUTPUT = "moe_tp_experts", "colwise_gather_output"
+MOE_EXPERTS, GATHER_OUTPUT, SPLIT_INPUT = "moe_tp_experts", "colwise_gather_output", "rowwise_split_input"
 # whole on every rank: norms, and the token table (read a row per token from host memory, never streamed)
 KEPT_WHOLE = ("replicated_with_grad_allreduce", "embedding_rowwise")
-SUPPORTED_STYLES = (COLWISE, ROWWISE, PACKED_COLWISE, MOE_EXPERTS, GATHER_OUTPUT, *KEPT_WHOLE)
+SUPPORTED_STYLES = (COLWISE, ROWWISE, PACKED_COLWISE, MOE_EXPERTS, GATHER_OUTPUT, SPLIT_INPUT, *KEPT_WHOLE)
+ATTENTION_MODULES = ("attn", "attention")  # a module path holding one of these: its colwise linears split the heads
 HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")  # config fields a rank sees divided by the world size
 
 
@@ -75,6 +79,7 @@ class TensorParallelPlan:
     reduce_outputs: tuple[str, ...]
     gather_outputs: tuple[str, ...]
     config: dict[str, int]
+    split_inputs: tuple[str, ...] = ()  # modules that take their rank's slice of a whole input
 
 
 def rank_path(path: str | os.PathLike, rank: int) -> str:
@@ -110,7 +115,8 @@ def plan_tensor_parallel(model, world: int) -> TensorParallelPlan:
     if not plan:
         raise TensorParallelError(f"{type(model).__name__} has no tensor-parallel plan (its config's base_model_tp_plan is empty)")
     modules, params = dict(model.named_modules()), dict(model.named_parameters(remove_duplicate=False))
-    shards, reduce_outputs, gather_outputs, down_tables = [], [], [], []
+    shards, reduce_outputs, gather_outputs, down_tables, split_inputs = [], [], [], [], []
+    splits_heads = False
     for pattern, style in plan.items():
         if style not in SUPPORTED_STYLES:
             raise TensorParallelError(f"{type(model).__name__}'s plan splits '{pattern}' as '{style}', which hostswap does not split "
@@ -125,17 +131,20 @@ def plan_tensor_parallel(model, world: int) -> TensorParallelPlan:
                 continue
             if isinstance(target, torch.nn.Linear):
                 weight, bias = f"{name}.weight", f"{name}.bias" if target.bias is not None else None
-                if style == ROWWISE:
+                if style in (ROWWISE, SPLIT_INPUT):
                     _split(name, target.in_features, 1, world)
                     shards.append(Shard(weight, 1))
                     shards += [Shard(bias, None)] if bias else []
                     reduce_outputs.append(name)
+                    split_inputs += [name] if style == SPLIT_INPUT else []
                 else:
                     halves = 2 if style == PACKED_COLWISE else 1
                     _split(name, target.out_features, halves, world)
                     shards += [Shard(weight, 0, halves)] + ([Shard(bias, 0, halves)] if bias else [])
                     if style == GATHER_OUTPUT:
                         gather_outputs.append(name)
+                    elif any(part in name.rpartition(".")[0].rpartition(".")[2] for part in ATTENTION_MODULES):
+                        splits_heads = True  # this rank runs its share of the heads
                 continue
             if isinstance(target, torch.Tensor) and target.dim() == 3 and style in (ROWWISE, PACKED_COLWISE):
                 owner, _, table = name.rpartition(".")
@@ -164,7 +173,7 @@ def plan_tensor_parallel(model, world: int) -> TensorParallelPlan:
     if not shards:
         raise TensorParallelError(f"{type(model).__name__}'s tensor-parallel plan matches none of its modules")
     config = {}
-    if any(s.name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) for s in shards):
+    if splits_heads:
         for field in HEAD_COUNTS:
             count = getattr(model.config, field, None)
             if count is None:
@@ -172,7 +181,7 @@ def plan_tensor_parallel(model, world: int) -> TensorParallelPlan:
             if count % world:
                 raise TensorParallelError(f"config.{field} = {count}: {world} ranks cannot split the attention heads evenly")
             config[field] = count // world
-    return TensorParallelPlan(world, tuple(shards), tuple(reduce_outputs), tuple(gather_outputs), config)
+    return TensorParallelPlan(world, tuple(shards), tuple(reduce_outputs), tuple(gather_outputs), config, tuple(split_inputs))
 
 
 def _reduce_hook(world: int) -> Callable:
@@ -182,6 +191,15 @@ def _reduce_hook(world: int) -> Callable:
         if isinstance(output, tuple):
             return (all_reduce(output[0], world), *output[1:])
         return all_reduce(output, world)
+
+    return hook
+
+
+def _split_input_hook(rank: int, world: int) -> Callable:
+    def hook(module, args):
+        x = args[0]
+        width = x.shape[-1] // world
+        return (x.narrow(-1, rank * width, width), *args[1:])
 
     return hook
 
@@ -216,6 +234,7 @@ def sharded(model, plan: TensorParallelPlan, rank: int):
             setattr(module, attr, torch.nn.Parameter(shard.piece(full.detach(), rank, plan.world), requires_grad=False))
         hooks += [model.get_submodule(name).register_forward_hook(_reduce_hook(plan.world)) for name in plan.reduce_outputs]
         hooks += [model.get_submodule(name).register_forward_hook(_gather_hook(plan.world)) for name in plan.gather_outputs]
+        hooks += [model.get_submodule(name).register_forward_pre_hook(_split_input_hook(rank, plan.world)) for name in plan.split_inputs]
         for field, value in plan.config.items():
             setattr(config, field, value)
         yield model

@@ -60,7 +60,21 @@ def _olmoe():
     return T.OlmoeForCausalLM(T.OlmoeConfig(**_decoder_common(num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, eos_token_id=None)))
 
 
-MODELS = {"Llama": _llama, "Qwen2": _qwen2, "Qwen3-MoE": _qwen3_moe, "Mixtral": _mixtral}
+def _phi3():
+    import transformers as T
+
+    # fused qkv and gate|up gathered whole, o and down split on their input (rowwise_split_input)
+    return T.Phi3ForCausalLM(T.Phi3Config(**_decoder_common(num_key_value_heads=4, pad_token_id=0)))
+
+
+def _gpt_neox():
+    import transformers as T
+
+    return T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**_decoder_common()))  # fused per-head qkv; no KV head count in its config
+
+
+MODELS = {"Llama": _llama, "Qwen2": _qwen2, "Qwen3-MoE": _qwen3_moe, "Mixtral": _mixtral, "Phi-3": _phi3, "GPT-NeoX": _gpt_neox, "OLMoE": _olmoe}
+ON_TWO_RANKS_ONLY = {"Mixtral", "Phi-3", "GPT-NeoX", "OLMoE"}  # 4 ranks: Llama, Qwen2 and one MoE (Qwen3-MoE) keep the test time down
 PROMPT = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
 
 
@@ -142,8 +156,8 @@ def _single_process(name: str, tmp_path_factory) -> tuple:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_tensor_parallel_tokens_equal_single_process(name, world, tmp_path, tmp_path_factory):
-    if name == "Mixtral" and world == 4:
-        pytest.skip("one MoE architecture on 4 ranks (Qwen3-MoE) keeps the test time down")
+    if name in ON_TWO_RANKS_ONLY and world == 4:
+        pytest.skip("on 2 ranks only: Llama, Qwen2 and Qwen3-MoE run on 4")
     tokens, logits, reference = _single_process(name, tmp_path_factory)
     prefix = str(tmp_path / "model")
     ptes, ptds = llm.export(_model(name), prefix, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, tensor_parallel=world)
@@ -194,14 +208,12 @@ def test_a_program_loaded_on_another_world_size_is_refused(llama_tp2):
 
 
 def test_plans_that_cannot_split_are_refused_by_name():
-    from hostswap.llm import prepare_for_export
-
     with pytest.raises(TensorParallelError, match=r"model.layers.0.self_attn.q_proj has 64 features, which 3 ranks cannot split evenly"):
         plan_tensor_parallel(_model("Llama"), 3)
-    olmoe = _olmoe()
-    prepare_for_export(olmoe)
-    with pytest.raises(TensorParallelError, match=r"splits 'model.layers.\*.self_attn.o_proj' as 'rowwise_split_input'"):
-        plan_tensor_parallel(olmoe, 2)
+    llama = _model("Llama")
+    llama._tp_plan = {**llama._tp_plan, "model.layers.*.self_attn.o_proj": "local_rowwise"}
+    with pytest.raises(TensorParallelError, match=r"splits 'model.layers.\*.self_attn.o_proj' as 'local_rowwise', which hostswap does not split"):
+        plan_tensor_parallel(llama, 2)
     with pytest.raises(TensorParallelError, match="positive int"):
         plan_tensor_parallel(_model("Llama"), 0)
     import transformers as T
