@@ -109,6 +109,8 @@ def _split(what: str, size: int, parts: int, world: int) -> None:
 
 def plan_tensor_parallel(model, world: int) -> TensorParallelPlan:
     """The plan of ``model`` split over ``world`` ranks, from its own tensor-parallel plan."""
+    from hostswap.passes.quantized_linear import QuantizedLinear
+
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise TensorParallelError(f"tensor_parallel must be a positive int, got {world!r}")
     plan = model_plan(model)
@@ -129,6 +131,12 @@ def plan_tensor_parallel(model, world: int) -> TensorParallelPlan:
             if style == MOE_EXPERTS:
                 reduce_outputs.append(name)
                 continue
+            weight_data = getattr(getattr(target, "weight", None), "data", None)
+            quantized = (type(weight_data).__name__ if weight_data is not None and type(weight_data) is not torch.Tensor  # torchao's
+                         else type(target).__name__ if isinstance(target, QuantizedLinear) else None)  # hostswap's kernel for one
+            if quantized is not None:
+                raise TensorParallelError(f"'{name}' holds a quantized weight ({quantized}), which hostswap "
+                                          "cannot split yet: export the full-precision model with tensor_parallel")
             if isinstance(target, torch.nn.Linear):
                 weight, bias = f"{name}.weight", f"{name}.bias" if target.bias is not None else None
                 if style in (ROWWISE, SPLIT_INPUT):

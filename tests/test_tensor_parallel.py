@@ -214,6 +214,11 @@ def test_plans_that_cannot_split_are_refused_by_name():
     llama._tp_plan = {**llama._tp_plan, "model.layers.*.self_attn.o_proj": "local_rowwise"}
     with pytest.raises(TensorParallelError, match=r"splits 'model.layers.\*.self_attn.o_proj' as 'local_rowwise', which hostswap does not split"):
         plan_tensor_parallel(llama, 2)
+    quantized = llm.quantize(_model("Llama"), "int8")
+    with pytest.raises(TensorParallelError, match=r"'model.layers.0.self_attn.q_proj' holds a quantized weight .* cannot split yet"):
+        plan_tensor_parallel(quantized, 2)
+    with pytest.raises(TensorParallelError, match=r"'model.layers.0.self_attn.q_proj' holds a quantized weight"):
+        llm.export(quantized, "unused", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, tensor_parallel=2)  # its linears swapped for hostswap's kernel
     with pytest.raises(TensorParallelError, match="positive int"):
         plan_tensor_parallel(_model("Llama"), 0)
     import transformers as T
