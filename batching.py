@@ -211,6 +211,13 @@ class BatchGenerator:
         if constants[MAX_BATCH_SIZE] is None:
             self.module.close()
             raise GenerationError(f"{pte_path} is not a batched program: write it with hostswap.batching.export(..., max_batch_size=B), or run it with hostswap.llm.Generator")
+        try:
+            from hostswap.tensor_parallel import program_ranks
+
+            self.tensor_parallel = program_ranks(self.module)  # (rank, world), checked against this process group
+        except BaseException:
+            self.module.close()
+            raise
         self.max_batch_size = constants[MAX_BATCH_SIZE][0]
         self.max_seq_len = constants[llm.MAX_SEQ_LEN][0]
         self.prefill_chunk = constants[llm.PREFILL_CHUNK][0]

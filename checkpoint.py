@@ -271,8 +271,8 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
         from hostswap.llm import prepare_for_export
         from hostswap.tensor_parallel import TensorParallelError, plan_tensor_parallel
 
-        if quantizer is not None or max_batch_size is not None or speculate_k is not None:
-            raise TensorParallelError("tensor_parallel cannot be combined with quantize, max_batch_size or speculate_k yet")
+        if quantizer is not None or speculate_k is not None:
+            raise TensorParallelError("tensor_parallel cannot be combined with quantize or speculate_k yet")
         prepare_for_export(model)  # experts routed first: their tables are what the plan splits
         plan = plan_tensor_parallel(model, tensor_parallel)
     full_shapes = {MODEL_PREFIX + n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}

@@ -94,8 +94,8 @@ def _export_llm(args) -> int:
     if args.draft and args.quantize:
         print("hostswap export-llm: --draft quantizes a copy of the full-precision weights; export the target without --quantize", file=sys.stderr)
         return 2
-    if args.tensor_parallel is not None and (args.draft or args.max_batch_size or args.speculate_k):
-        print("hostswap export-llm: --tensor-parallel cannot be combined with --draft, --max-batch-size or --speculate-k yet", file=sys.stderr)
+    if args.tensor_parallel is not None and (args.draft or args.speculate_k):
+        print("hostswap export-llm: --tensor-parallel cannot be combined with --draft or --speculate-k yet", file=sys.stderr)
         return 2
     try:
         if has_safetensors(args.checkpoint) and not args.in_memory:

@@ -460,7 +460,9 @@ class Generator:
                 raise GenerationError(f"{pte_path} has no method {missing[0]!r} that reads weights: write it with hostswap.llm.export")
             if MAX_BATCH_SIZE in self.module.method_names():
                 raise GenerationError(f"{pte_path} is a batched program (export with max_batch_size): run it with hostswap.batching.BatchGenerator")
-            self.tensor_parallel = self._tensor_parallel()
+            from hostswap.tensor_parallel import program_ranks
+
+            self.tensor_parallel = program_ranks(self.module)  # (rank, world), checked against this process group
             self.max_seq_len = self._constant(MAX_SEQ_LEN)
             self.prefill_chunk = self._constant(PREFILL_CHUNK)
             self.vocab_size = self._constant(VOCAB_SIZE)
@@ -509,16 +511,6 @@ class Generator:
         self.module.reset_state()
         self._sync()
         return time.perf_counter() - start
-
-    def _tensor_parallel(self) -> tuple[int, int] | None:
-        """(rank, world) of a tensor-parallel program, checked against this process group."""
-        from hostswap.tensor_parallel import TENSOR_PARALLEL, check_ranks
-
-        if TENSOR_PARALLEL not in self.module.method_names():
-            return None
-        exported = self.module.run_method(TENSOR_PARALLEL, [])
-        check_ranks(exported, self.module.pte_path)
-        return int(exported[0]), int(exported[1])
 
     def _constant(self, name: str) -> int:
         if name not in self.module.method_names():

@@ -592,7 +592,9 @@ def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", h
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     program, rank, device = tensor_parallel.rank_program(base, device)  # under torchrun: this rank's program and GPU
     if program != base:  # tensor parallel: rank 0 serves, the others generate what it sends them
-        generator = llm.Generator(program + ".pte", program + ".ptd", weight_offload_budget_mb=budget_mb, device=device)
+        batched = batching.is_batched(program + ".pte")
+        generator = (batching.BatchGenerator if batched else llm.Generator)(program + ".pte", program + ".ptd", weight_offload_budget_mb=budget_mb,
+                                                                            device=device)
         group = tensor_parallel.control_group()
         if rank != 0:
             # rank 0 ends the service (it drains its requests first) and then tells the others:
@@ -601,11 +603,11 @@ def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", h
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_IGN)
             try:
-                tensor_parallel.follow(generator, group)
+                (tensor_parallel.follow_batch if batched else tensor_parallel.follow)(generator, group)
             finally:
                 generator.close()
             return
-        generator = tensor_parallel.LeadGenerator(generator, group)
+        generator = (tensor_parallel.LeadBatchGenerator if batched else tensor_parallel.LeadGenerator)(generator, group)
     elif batching.is_batched(base + ".pte"):  # continuous batching over the program's slots
         generator = batching.BatchGenerator(base + ".pte", base + ".ptd", weight_offload_budget_mb=budget_mb, device=device)
     else:

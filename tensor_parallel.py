@@ -265,8 +265,8 @@ def export_ranks(model, path: str | os.PathLike, *, world: int, progress: Callab
     from hostswap.llm import export_programs, prepare_for_export
     from hostswap.passes import save
 
-    if options.get("max_batch_size") is not None or options.get("speculate_k") is not None:
-        raise TensorParallelError("tensor_parallel cannot be combined with max_batch_size or speculate_k yet")
+    if options.get("speculate_k") is not None:
+        raise TensorParallelError("tensor_parallel cannot be combined with speculate_k yet")
     prepare_for_export(model)  # experts routed first: their tables are what the plan splits
     plan = plan_tensor_parallel(model, world)
     say = progress or (lambda _msg: None)
@@ -280,6 +280,16 @@ def export_ranks(model, path: str | os.PathLike, *, world: int, progress: Callab
         ptes.append(pte)
         ptds.append(ptd)
     return ptes, ptds
+
+
+def program_ranks(module) -> tuple[int, int] | None:
+    """(rank, world) of a loaded tensor-parallel program, checked against this process group;
+    None for a program of one process."""
+    if TENSOR_PARALLEL not in module.method_names():
+        return None
+    exported = module.run_method(TENSOR_PARALLEL, [])
+    check_ranks(exported, module.pte_path)
+    return int(exported[0]), int(exported[1])
 
 
 def check_ranks(exported: list[int], program: str) -> None:
@@ -378,15 +388,11 @@ class LeadGenerator:
         return getattr(self._generator, name)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, on_token=None, sampling=None, **options):
-        import dataclasses
-        import random
-
         import torch.distributed as dist
 
         if options:
             raise TensorParallelError(f"a tensor-parallel server passes only on_token and sampling to generate, not {sorted(options)}")
-        if sampling is not None and getattr(sampling, "seed", None) is None and getattr(sampling, "temperature", 0) > 0:
-            sampling = dataclasses.replace(sampling, seed=random.randrange(2**31))
+        sampling = _seeded(sampling)
         dist.broadcast_object_list([(input_ids.tolist(), max_new_tokens, sampling)], src=0, group=self._group)
 
         def on_each(token: int) -> None:
@@ -411,6 +417,16 @@ class LeadGenerator:
         self._generator.close()
 
 
+def _seeded(sampling):
+    """``sampling`` with a seed where it samples without one, so that every rank draws alike."""
+    import dataclasses
+    import random
+
+    if sampling is not None and getattr(sampling, "seed", None) is None and getattr(sampling, "temperature", 0) > 0:
+        return dataclasses.replace(sampling, seed=random.randrange(2**31))
+    return sampling
+
+
 def follow(generator, group) -> None:
     """A rank other than 0 in a tensor-parallel server: run each request rank 0 sends, until it
     sends none."""
@@ -432,3 +448,73 @@ def follow(generator, group) -> None:
             pass
         except ValueError:  # a request refused before any collective (GenerationError, SamplingError): rank 0 refuses it too
             pass
+
+
+class LeadBatchGenerator:
+    """Rank 0's ``BatchGenerator`` in a tensor-parallel server with continuous batching: every
+    call that changes the batch (``begin``, ``prefill_next``, ``step``, ``release``) is first
+    sent to the other ranks (``follow_batch``), which make the same call on theirs, so the slots,
+    positions and tokens agree on every rank. A sampled sequence without a seed gets one here."""
+
+    def __init__(self, generator, group):
+        self._generator, self._group = generator, group
+
+    def __getattr__(self, name):
+        return getattr(self._generator, name)
+
+    def _send(self, command) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([command], src=0, group=self._group)
+
+    def begin(self, prompt: list[int], max_new_tokens: int, *, eos_token_id=None, sampling=None):
+        self._generator.check_prompt(prompt, max_new_tokens)  # a refused request stays on rank 0
+        sampling = _seeded(sampling)
+        self._send(("begin", list(prompt), max_new_tokens, eos_token_id, sampling))
+        return self._generator.begin(prompt, max_new_tokens, eos_token_id=eos_token_id, sampling=sampling)
+
+    def prefill_next(self, sequence) -> bool:
+        self._send(("prefill_next", sequence.slot))
+        return self._generator.prefill_next(sequence)
+
+    def step(self):
+        self._send(("step",))
+        return self._generator.step()
+
+    def release(self, sequence) -> None:
+        self._send(("release", sequence.slot))
+        self._generator.release(sequence)
+
+    def close(self) -> None:
+        try:
+            self._send(None)  # the others leave follow_batch()
+        except RuntimeError:
+            pass  # they are gone already
+        self._generator.close()
+
+
+def follow_batch(generator, group) -> None:
+    """A rank other than 0 in a tensor-parallel server with continuous batching: make each call
+    rank 0 sends on this rank's ``BatchGenerator``, until it sends none."""
+    import torch.distributed as dist
+
+    sequences = {}  # slot -> this rank's sequence in it
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        command = box[0]
+        if command is None:
+            return
+        kind = command[0]
+        if kind == "begin":
+            _, prompt, max_new_tokens, eos_token_id, sampling = command
+            sequence = generator.begin(prompt, max_new_tokens, eos_token_id=eos_token_id, sampling=sampling)
+            sequences[sequence.slot] = sequence
+        elif kind == "prefill_next":
+            generator.prefill_next(sequences[command[1]])
+        elif kind == "step":
+            generator.step()
+        elif kind == "release":
+            generator.release(sequences.pop(command[1]))
+        else:
+            raise TensorParallelError(f"rank 0 sent a command this rank does not know: {kind!r}")

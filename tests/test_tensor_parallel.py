@@ -173,6 +173,51 @@ def test_tensor_parallel_tokens_equal_single_process(name, world, tmp_path, tmp_
     torch.testing.assert_close(got["logits"], logits, rtol=LOGITS_TOLERANCE, atol=LOGITS_TOLERANCE)
 
 
+BATCH_PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8, 2], [11]]
+
+
+def _run_batched_rank(rank: int, world: int, port: int, prefix: str, out: str) -> None:
+    """One rank of a batched program: three prompts decoded together; rank 0 writes the tokens."""
+    import torch.distributed as dist
+
+    from hostswap.batching import BatchGenerator
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        path = rank_path(prefix, rank)
+        with BatchGenerator(path + ".pte", path + ".ptd", device="cpu") as g:
+            assert g.tensor_parallel == (rank, world)
+            tokens = g.generate(BATCH_PROMPTS, NEW)
+        if rank == 0:
+            torch.save(tokens, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_batched_program_on_two_ranks_equals_one_process(tmp_path):
+    """A program with slots for several sequences, split over 2 ranks: the sequences decoded
+    together get the one-process program's tokens."""
+    from hostswap.batching import BatchGenerator
+
+    single = str(tmp_path / "single")
+    llm.export(_model("Qwen3-MoE"), single, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, max_batch_size=3)
+    with BatchGenerator(single + ".pte", single + ".ptd", device="cpu") as g:
+        expected = g.generate(BATCH_PROMPTS, NEW)
+    prefix = str(tmp_path / "tp")
+    llm.export(_model("Qwen3-MoE"), prefix, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, max_batch_size=3, tensor_parallel=2)
+    out = str(tmp_path / "rank0.pt")
+    context = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [context.Process(target=_run_batched_rank, args=(r, 2, port, prefix, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert torch.load(out) == expected
+
+
 @pytest.fixture(scope="module")
 def llama_tp2(tmp_path_factory) -> str:
     """The path prefix of a Llama program for 2 ranks."""
@@ -312,10 +357,14 @@ def test_checkpoint_export_splits_each_tensor_as_the_model_export(name, tied, tm
         assert torch.equal(head, whole[VOCAB // 2:])  # rank 1 holds the second half of the vocabulary
 
 
-def test_serve_under_torchrun(tmp_path):
+@pytest.mark.parametrize("batched", [False, True], ids=["one sequence", "continuous batching"])
+def test_serve_under_torchrun(batched, tmp_path):
     """``hostswap serve`` on 2 ranks: rank 0 answers over HTTP with the one-process program's
     text; a stop string ends a generation early on every rank, and the next request still runs;
-    SIGTERM ends every rank."""
+    SIGTERM ends every rank. With a batched program, the requests run at once, joining and
+    leaving the batch on every rank alike."""
+    import concurrent.futures
+
     import json
     import signal
     import subprocess
@@ -341,7 +390,7 @@ def test_serve_under_torchrun(tmp_path):
     single = str(tmp_path / "single")
     llm.export(model, single, max_seq_len=64, prefill_chunk=8)
     prefix = str(tmp_path / "tp")
-    llm.export(model, prefix, max_seq_len=64, prefill_chunk=8, tensor_parallel=2)
+    llm.export(model, prefix, max_seq_len=64, prefill_chunk=8, tensor_parallel=2, **({"max_batch_size": 4} if batched else {}))
     tokenizer.save_pretrained(prefix + ".tokenizer")
     prompts = ["The capital of France is", "Once upon a time"]
     with llm.Generator(single + ".pte", single + ".ptd", device="cpu") as g:
@@ -372,13 +421,14 @@ def test_serve_under_torchrun(tmp_path):
             except (OSError, ValueError):
                 assert time.time() < deadline, "the server did not start"
                 time.sleep(0.5)
-        for prompt, text in zip(prompts, expected):
-            assert complete(prompt)["text"] == text
         stop = expected[0][len(expected[0]) // 2:][:3]
-        stopped = complete(prompts[0], stop=[stop])
-        assert stopped["finish_reason"] == "stop" and stopped["text"] == expected[0][: expected[0].index(stop)]
+        requests = [(prompts[0], {}), (prompts[1], {}), (prompts[0], {"stop": [stop]}), (prompts[1], {"temperature": 0.8})]
+        with concurrent.futures.ThreadPoolExecutor(len(requests) if batched else 1) as pool:
+            answers = list(pool.map(lambda r: complete(r[0], **r[1]), requests))
+        assert [a["text"] for a in answers[:2]] == expected
+        assert answers[2]["finish_reason"] == "stop" and answers[2]["text"] == expected[0][: expected[0].index(stop)]
+        assert answers[3]["finish_reason"] == "length"  # sampled: rank 0 gives every rank its seed
         assert complete(prompts[1])["text"] == expected[1]  # the ranks are still in step
-        assert complete(prompts[1], temperature=0.8)["finish_reason"] == "length"  # sampled: rank 0 gives every rank its seed
     finally:
         process.send_signal(signal.SIGTERM)
         try:
