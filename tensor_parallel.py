@@ -508,7 +508,10 @@ def follow_batch(generator, group) -> None:
         kind = command[0]
         if kind == "begin":
             _, prompt, max_new_tokens, eos_token_id, sampling = command
-            sequence = generator.begin(prompt, max_new_tokens, eos_token_id=eos_token_id, sampling=sampling)
+            try:
+                sequence = generator.begin(prompt, max_new_tokens, eos_token_id=eos_token_id, sampling=sampling)
+            except ValueError:  # refused before any collective (GenerationError, SamplingError): rank 0 refuses it too
+                continue
             sequences[sequence.slot] = sequence
         elif kind == "prefill_next":
             generator.prefill_next(sequences[command[1]])
