@@ -176,7 +176,7 @@ def _generate(args) -> int:
     from hostswap.tensor_parallel import TensorParallelError, rank_program
 
     try:
-        program, rank, local_device = rank_program(base, args.device)
+        program, rank, device = rank_program(base, args.device)
     except (TensorParallelError, RuntimeError) as e:
         print(f"hostswap generate: {e}", file=sys.stderr)
         return 2
@@ -200,7 +200,6 @@ def _generate(args) -> int:
         except ValueError:
             print(f"hostswap generate: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
             return 2
-    device = local_device
     from hostswap.sampling import SamplingError, SamplingParams
 
     try:

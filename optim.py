@@ -168,8 +168,9 @@ class OffloadAdamW(Optimizer):
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError("OffloadAdamW does not support sparse gradients")
                 self._host_state(p)
+                moved = self._moved(p)
                 for a, b in self._pieces(p):
-                    nbytes = _layout_bytes(self._moved(p), b - a)
+                    nbytes = _layout_bytes(moved, b - a)
                     if chunk and size + nbytes > self.chunk_bytes:
                         chunks.append((group, chunk))
                         chunk, size = [], 0

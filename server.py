@@ -591,10 +591,10 @@ def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", h
         raise FileNotFoundError(f"no tokenizer at {tokenizer_dir}: export-llm saves the checkpoint's tokenizer there; the server needs it to read prompts")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     program, rank, device = tensor_parallel.rank_program(base, device)  # under torchrun: this rank's program and GPU
+    batched = batching.is_batched(program + ".pte")  # continuous batching over the program's slots
+    generator = (batching.BatchGenerator if batched else llm.Generator)(program + ".pte", program + ".ptd", weight_offload_budget_mb=budget_mb,
+                                                                        device=device)
     if program != base:  # tensor parallel: rank 0 serves, the others generate what it sends them
-        batched = batching.is_batched(program + ".pte")
-        generator = (batching.BatchGenerator if batched else llm.Generator)(program + ".pte", program + ".ptd", weight_offload_budget_mb=budget_mb,
-                                                                            device=device)
         group = tensor_parallel.control_group()
         if rank != 0:
             # rank 0 ends the service (it drains its requests first) and then tells the others:
@@ -608,10 +608,6 @@ def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", h
                 generator.close()
             return
         generator = (tensor_parallel.LeadBatchGenerator if batched else tensor_parallel.LeadGenerator)(generator, group)
-    elif batching.is_batched(base + ".pte"):  # continuous batching over the program's slots
-        generator = batching.BatchGenerator(base + ".pte", base + ".ptd", weight_offload_budget_mb=budget_mb, device=device)
-    else:
-        generator = llm.Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=budget_mb, device=device)
     engine = Engine(generator, tokenizer, max_queue=max_queue)
     model_id = model_id or os.path.basename(base)
     app = create_app(engine, model_id, api_key=api_key)

@@ -334,20 +334,18 @@ def rank_program(base: str, device: str | None) -> tuple[str, int, torch.device]
     import glob
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if world == 1:
         ranks = glob.glob(glob.escape(os.fspath(base)) + ".rank*.pte")
         if not os.path.exists(f"{base}.pte") and ranks:
             raise TensorParallelError(f"{base} is a tensor-parallel program of {len(ranks)} ranks: run it with torchrun --nproc-per-node "
                                       f"{len(ranks)} -m hostswap.cli generate {base} ...")
-        return os.fspath(base), 0, torch.device(kind)
-    rank, world = init_from_environment(torch.device(kind).type)
+        return os.fspath(base), 0, device
+    rank, world = init_from_environment(device.type)
     program = rank_path(base, rank)
     if not os.path.exists(program + ".pte"):
         raise TensorParallelError(f"{program}.pte does not exist: rank {rank} of {world} needs a program exported with --tensor-parallel {world}")
-    if torch.device(kind).type == "cuda":
-        return program, rank, torch.device("cuda", torch.cuda.current_device())
-    return program, rank, torch.device(kind)
+    return program, rank, torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
 
 
 # --- serving: rank 0 takes the requests, every rank generates -----------------------------------
@@ -374,12 +372,9 @@ def _agree_to_stop(stop: bool, group) -> bool:
     return bool(flag.item())
 
 
-class LeadGenerator:
-    """Rank 0's ``Generator`` in a tensor-parallel server: each ``generate`` is first sent to
-    the other ranks (``follow``), which run the same call on their programs. Tokens are the same
-    on every rank (the logits are gathered), so the ranks stay in step; after each token they
-    agree whether rank 0 stops (its ``on_token`` raised), so all stop at the same token. A
-    sampled request without a seed gets one here, so every rank draws the same tokens."""
+class _Lead:
+    """Rank 0's generator in a tensor-parallel server: it sends the other ranks what to run
+    (``_send``; they read it with ``_commands``) and otherwise reads as the generator it wraps."""
 
     def __init__(self, generator, group):
         self._generator, self._group = generator, group
@@ -387,13 +382,43 @@ class LeadGenerator:
     def __getattr__(self, name):
         return getattr(self._generator, name)
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, on_token=None, sampling=None, **options):
+    def _send(self, command) -> None:
         import torch.distributed as dist
 
+        dist.broadcast_object_list([command], src=0, group=self._group)
+
+    def close(self) -> None:
+        try:
+            self._send(None)  # the others leave their loop
+        except RuntimeError:
+            pass  # they are gone already
+        self._generator.close()
+
+
+def _commands(group):
+    """What rank 0 sends the other ranks (``_Lead._send``), one at a time, until it sends none."""
+    import torch.distributed as dist
+
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        if box[0] is None:
+            return
+        yield box[0]
+
+
+class LeadGenerator(_Lead):
+    """Rank 0's ``Generator`` in a tensor-parallel server: each ``generate`` is first sent to
+    the other ranks (``follow``), which run the same call on their programs. Tokens are the same
+    on every rank (the logits are gathered), so the ranks stay in step; after each token they
+    agree whether rank 0 stops (its ``on_token`` raised), so all stop at the same token. A
+    sampled request without a seed gets one here, so every rank draws the same tokens."""
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, on_token=None, sampling=None, **options):
         if options:
             raise TensorParallelError(f"a tensor-parallel server passes only on_token and sampling to generate, not {sorted(options)}")
         sampling = _seeded(sampling)
-        dist.broadcast_object_list([(input_ids.tolist(), max_new_tokens, sampling)], src=0, group=self._group)
+        self._send((input_ids.tolist(), max_new_tokens, sampling))
 
         def on_each(token: int) -> None:
             error = None
@@ -406,15 +431,6 @@ class LeadGenerator:
                 raise error
 
         return self._generator.generate(input_ids, max_new_tokens, on_token=on_each, sampling=sampling)
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        try:
-            dist.broadcast_object_list([None], src=0, group=self._group)  # the others leave follow()
-        except RuntimeError:
-            pass  # they are gone already
-        self._generator.close()
 
 
 def _seeded(sampling):
@@ -430,18 +446,12 @@ def _seeded(sampling):
 def follow(generator, group) -> None:
     """A rank other than 0 in a tensor-parallel server: run each request rank 0 sends, until it
     sends none."""
-    import torch.distributed as dist
 
     def on_token(token: int) -> None:
         if _agree_to_stop(False, group):
             raise _Halted
 
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=group)
-        if box[0] is None:
-            return
-        ids, max_new_tokens, sampling = box[0]
+    for ids, max_new_tokens, sampling in _commands(group):
         try:
             generator.generate(torch.tensor(ids), max_new_tokens, on_token=on_token, sampling=sampling)
         except _Halted:
@@ -450,22 +460,11 @@ def follow(generator, group) -> None:
             pass
 
 
-class LeadBatchGenerator:
+class LeadBatchGenerator(_Lead):
     """Rank 0's ``BatchGenerator`` in a tensor-parallel server with continuous batching: every
     call that changes the batch (``begin``, ``prefill_next``, ``step``, ``release``) is first
     sent to the other ranks (``follow_batch``), which make the same call on theirs, so the slots,
     positions and tokens agree on every rank. A sampled sequence without a seed gets one here."""
-
-    def __init__(self, generator, group):
-        self._generator, self._group = generator, group
-
-    def __getattr__(self, name):
-        return getattr(self._generator, name)
-
-    def _send(self, command) -> None:
-        import torch.distributed as dist
-
-        dist.broadcast_object_list([command], src=0, group=self._group)
 
     def begin(self, prompt: list[int], max_new_tokens: int, *, eos_token_id=None, sampling=None):
         self._generator.check_prompt(prompt, max_new_tokens)  # a refused request stays on rank 0
@@ -485,26 +484,12 @@ class LeadBatchGenerator:
         self._send(("release", sequence.slot))
         self._generator.release(sequence)
 
-    def close(self) -> None:
-        try:
-            self._send(None)  # the others leave follow_batch()
-        except RuntimeError:
-            pass  # they are gone already
-        self._generator.close()
-
 
 def follow_batch(generator, group) -> None:
     """A rank other than 0 in a tensor-parallel server with continuous batching: make each call
     rank 0 sends on this rank's ``BatchGenerator``, until it sends none."""
-    import torch.distributed as dist
-
     sequences = {}  # slot -> this rank's sequence in it
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=group)
-        command = box[0]
-        if command is None:
-            return
+    for command in _commands(group):
         kind = command[0]
         if kind == "begin":
             _, prompt, max_new_tokens, eos_token_id, sampling = command

@@ -19,7 +19,7 @@ class CollectiveError(RuntimeError):
     """A collective of a tensor-parallel program that cannot run, or failed, on this process."""
 
 
-def _group_size(op: str, world: int) -> int:
+def _check_group(op: str, world: int) -> None:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -28,7 +28,6 @@ def _group_size(op: str, world: int) -> int:
     size = dist.get_world_size()
     if size != world:
         raise CollectiveError(f"{NAMESPACE}::{op}: the program was exported for {world} tensor-parallel ranks; this process group has {size}")
-    return size
 
 
 def _run(op: str, collective) -> None:
@@ -44,7 +43,7 @@ def _run(op: str, collective) -> None:
 def _all_reduce_out(x: torch.Tensor, world: int, *, out: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
-    _group_size("all_reduce", world)
+    _check_group("all_reduce", world)
     if out.data_ptr() != x.data_ptr():
         out.copy_(x)
     _run("all_reduce", lambda: dist.all_reduce(out))
@@ -64,7 +63,7 @@ def _gathered_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
 def _all_gather_out(x: torch.Tensor, dim: int, world: int, *, out: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
-    _group_size("all_gather", world)
+    _check_group("all_gather", world)
     pieces = [torch.empty_like(x) for _ in range(world)]
     _run("all_gather", lambda: dist.all_gather(pieces, x.contiguous()))
     torch.cat(pieces, dim=dim, out=out)
