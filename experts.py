@@ -7,6 +7,14 @@ call the routed-experts kernel (passes/routed_experts.py), so the exported progr
 the experts the router picks; the weight pass then keeps the tables in host memory and a
 kernel reads the picked rows in place.
 
+Each routed block also scores the next routed block's experts a layer early, for the runtime to
+prefetch them (runtime/expert_cache.py): the next block's router applied, through the next
+block's own input norm, to this block's residual stream (the input of this layer's norm before
+the experts, stashed as that norm runs). That is the next block's routing with this layer's
+experts and the next attention left out. Where a block's router (the one child of its MoE
+block scoring [experts, hidden]) or its input norm (``MOE_INPUT_NORMS`` of its decoder layer)
+cannot be found, the block before it makes no guess (``RoutedExperts.unguessed`` says why).
+
 A module is routed only when the kernel computes what it computes: its tables have the
 shapes above, and its activation (or gate) gives bit for bit the results of one of the
 kernel's, on a probe of values. Any other is left as it is, with ``UnroutedExpertsWarning``
@@ -20,9 +28,21 @@ import types
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 from hostswap.kernels.routed_experts import ACTIVATIONS, CLAMPED_SWIGLU, gate
 from hostswap.passes.routed_experts import routed_experts
+
+
+# the norm a transformers decoder layer applies to its residual stream before the MoE block
+MOE_INPUT_NORMS = ("post_attention_layernorm",)
+
+
+class _Stash:
+    """Where a layer's input norm leaves its input (the residual stream) for the layer's
+    routed block to read: a plain object, whose attribute writes torch.export traces."""
+
+    residual: torch.Tensor | None = None
 
 
 class UnroutedExpertsWarning(UserWarning):
@@ -49,6 +69,7 @@ class RoutedExperts:
 
     routed: dict[str, ExpertsSpec]
     kept: dict[str, str]
+    unguessed: dict[str, str] = dataclasses.field(default_factory=dict)  # routed blocks whose experts no block guesses, and why
 
 
 def _probe(dtype: torch.dtype) -> torch.Tensor:
@@ -108,14 +129,86 @@ def _is_experts_module(module: torch.nn.Module) -> bool:
     return hasattr(module, "down_proj") and isinstance(getattr(module, "down_proj"), torch.Tensor) and getattr(module, "down_proj").dim() == 3
 
 
+@dataclasses.dataclass(frozen=True)
+class _Guess:
+    """How a routed block scores the next routed block's experts: that block's input norm and
+    router, applied to the residual stream this block's own input norm saw."""
+
+    norm: torch.nn.Module  # this block's input norm, which stashes its input
+    next_norm: torch.nn.Module
+    next_router: torch.nn.Module
+    next_block: str
+
+    def logits(self, tokens: int) -> torch.Tensor | None:
+        stash: _Stash = self.norm._hostswap_stash
+        residual, stash.residual = stash.residual, None
+        if residual is None or residual.numel() != tokens * residual.shape[-1]:
+            return None
+        x = type(self.next_norm).forward(self.next_norm, residual.reshape(tokens, -1))  # the class's: no stash
+        return F.linear(x, self.next_router.weight, getattr(self.next_router, "bias", None))
+
+
+def _stashing_forward(self, x: torch.Tensor) -> torch.Tensor:
+    self._hostswap_stash.residual = x
+    return type(self).forward(self, x)
+
+
 def _routed_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     spec: ExpertsSpec = self._hostswap_experts
     first = self.gate_up_proj if spec.gated else self.up_proj
     bias = "gate_up_proj_bias" if spec.gated else "up_proj_bias"
     has_bias = bool(getattr(self, "has_bias", False))
+    guess: _Guess | None = getattr(self, "_hostswap_guess", None)
+    next_logits = guess.logits(hidden_states.shape[0]) if guess is not None else None
     return routed_experts(hidden_states, top_k_index, top_k_weights, first, self.down_proj,
                           getattr(self, bias) if has_bias else None, self.down_proj_bias if has_bias else None,
-                          spec.activation, spec.gated, spec.interleaved, spec.transposed, spec.alpha, spec.limit, spec.block)
+                          spec.activation, spec.gated, spec.interleaved, spec.transposed, spec.alpha, spec.limit, spec.block,
+                          next_logits, guess.next_block if next_logits is not None else "")
+
+
+def _input_norm(model: torch.nn.Module, block: str) -> torch.nn.Module | None:
+    """The norm the decoder layer holding ``block`` applies before its MoE block."""
+    parts = block.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        owner = model.get_submodule(".".join(parts[:end]))
+        for name in MOE_INPUT_NORMS:
+            if isinstance(getattr(owner, name, None), torch.nn.Module):
+                return getattr(owner, name)
+    return None
+
+
+def _router(model: torch.nn.Module, block: str, spec: ExpertsSpec, hidden: int) -> torch.nn.Module | None:
+    """The module beside the experts that scores them: the one child of the MoE block with a
+    [experts, hidden] weight."""
+    parent = model.get_submodule(block.rpartition(".")[0]) if "." in block else model
+    found = [m for n, m in parent.named_children() if n != block.rpartition(".")[2]
+             and isinstance(getattr(m, "weight", None), torch.Tensor) and tuple(m.weight.shape) == (spec.num_experts, hidden)]
+    return found[0] if len(found) == 1 else None
+
+
+def _link_guesses(model: torch.nn.Module, routed: dict[str, ExpertsSpec]) -> dict[str, str]:
+    """Give each routed block but the last a guess at the next one's experts; the blocks no
+    guess reaches, and why."""
+    unguessed = {}
+    names = list(routed)
+    for block, following in zip(names, names[1:] + [None]):
+        module = model.get_submodule(block)
+        module._hostswap_guess = None  # not a module: nn.Module keeps it as a plain attribute
+        if following is None:
+            continue
+        hidden = (module.gate_up_proj if routed[block].gated else module.up_proj).shape[1 if routed[block].transposed else 2]
+        norm, next_norm = _input_norm(model, block), _input_norm(model, following)
+        next_router = _router(model, following, routed[following], hidden)
+        if norm is None or next_norm is None or norm is next_norm:
+            unguessed[following] = f"no input norm ({' or '.join(MOE_INPUT_NORMS)}) found for its layer or the one before"
+        elif next_router is None:
+            unguessed[following] = f"no single module beside it scores its {routed[following].num_experts} experts"
+        else:
+            if not isinstance(getattr(norm, "_hostswap_stash", None), _Stash):
+                norm._hostswap_stash = _Stash()  # a plain object: nn.Module keeps it as no buffer, no state
+            norm.forward = types.MethodType(_stashing_forward, norm)
+            module._hostswap_guess = _Guess(norm, next_norm, next_router, following)
+    return unguessed
 
 
 def route_experts(model: torch.nn.Module, *, warn: bool = True) -> RoutedExperts:
@@ -135,4 +228,4 @@ def route_experts(model: torch.nn.Module, *, warn: bool = True) -> RoutedExperts
         module._hostswap_experts = spec
         module.forward = types.MethodType(_routed_forward, module)
         routed[name] = spec
-    return RoutedExperts(routed, kept)
+    return RoutedExperts(routed, kept, _link_guesses(model, routed))

@@ -15,7 +15,16 @@ a row records ms/token, bytes streamed per token, expert bytes read in place per
 the routed bound: (streamed + expert bytes per token) / pinned H2D bandwidth measured in the
 same run, or the all-resident decode where that is slower. Where the budget leaves room
 beyond the streamed weights, experts take it (whole tables, or a device cache per block), and
-a row records the decode steps' cache hit rate.
+a row records the decode steps' cache hit rate. Where a row has a cache it is measured twice:
+as it is by default, and with each block's guess at the next block's experts prefetched
+(``expert_prefetch=True``); the row records how many prefetched experts a lookup then read. The routed bound counts the
+experts a token needed over the bus (its misses, prefetched or not), not wrong guesses.
+
+Peers, on the same checkpoint and budgets (``--peers``, on a GPU): accelerate
+(``from_pretrained`` with ``device_map`` for ``max_memory`` = the budget, its offloaded layers
+moved to the GPU by its hooks at every forward) and AirLLM (bench/airllm_peer.py in a
+subprocess: one decoder layer's file at a time from the page cache). Both read every expert
+of every layer for every token; they decode greedily, which costs them the same as sampling.
 
 Routing is measured twice. **Uniform**: the random router of random weights, which spreads the
 picks nearly evenly. **Skewed** (``skew_routers``): the same checkpoint with its routers biased
@@ -112,17 +121,62 @@ def skew_routers(folder: str, config, exponent: float, seed: int = 0) -> dict:
     return {"exponent": exponent, "channel": channel, "noise": noise, "popularity_rank": rank.tolist()}
 
 
-def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_tokens: int, device: torch.device, temperature: float = 0.0) -> dict:
-    with llm.Generator(pte, ptd, weight_offload_budget_mb=budget_bytes / 2**20, device=device) as g:
+def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_tokens: int, device: torch.device, temperature: float = 0.0,
+             expert_prefetch: bool = False) -> dict:
+    with llm.Generator(pte, ptd, weight_offload_budget_mb=budget_bytes / 2**20, device=device, expert_prefetch=expert_prefetch) as g:
         out = g.generate(prompt, new_tokens, eos_token_id=[], sampling=SamplingParams(temperature=temperature, seed=0) if temperature else None)
         s = g.stats
         reads = s["expert_reads"].values()
         lookups = sum(r["cache_hits"] + r["cache_misses"] for r in reads)
+        prefetched = sum(r["prefetched"] for r in reads)
+        # over the bus since load: misses and prefetches; of those, a token needed the misses and the prefetches it read
+        moved = sum(r["misses"] + r["prefetched"] for r in reads)
+        needed = sum(r["misses"] + r["prefetch_hits"] for r in reads)
+        per_token = s["expert_bytes_per_token"] or 0
         return {"ms_per_token": s["ms_per_token"], "bytes_streamed_per_token": s["bytes_streamed_per_token"],
-                "expert_bytes_per_token": s["expert_bytes_per_token"] or 0, "graphed": g.module.cuda_graph,
+                "expert_bytes_per_token": per_token, "needed_expert_bytes_per_token": per_token * needed / moved if moved else 0,
+                "graphed": g.module.cuda_graph,
                 "resident_blocks": sum(r["resident"] for r in reads), "cache_slots": max((r["cache_slots"] for r in reads if not r["resident"]), default=0),
                 "cache_hit_rate": sum(r["cache_hits"] for r in reads) / lookups if lookups else None,
+                "prefetched_per_lookup": prefetched / lookups if lookups else None,
+                "prefetch_used_rate": sum(r["prefetch_hits"] for r in reads) / prefetched if prefetched else None,
                 "tokens": out[0, prompt.shape[1]:].tolist()}
+
+
+def accelerate_peer(checkpoint: str, budget_bytes: int, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """accelerate's offload: ``max_memory`` = the budget on GPU 0, the rest on the CPU, moved
+    by its hooks at every forward (every expert of an offloaded layer)."""
+    import gc
+
+    from generate import transformers_generate
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device_map="auto",
+                                                 max_memory={0: budget_bytes, "cpu": 2**40}).eval()
+    try:
+        on_gpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
+        prefill_s, per_token_s, tokens = transformers_generate(model, prompt.to("cuda"), new_tokens)
+        return {"config": "accelerate device_map", "budget_bytes": budget_bytes, "weights_on_gpu_bytes": on_gpu,
+                "ms_per_token": per_token_s * 1e3, "prefill_ms": prefill_s * 1e3, "new_tokens": new_tokens}
+    finally:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def airllm_peer(checkpoint: str, work: str, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """AirLLM in its own process (bench/airllm_peer.py): one decoder layer on the GPU at a time."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "airllm_peer.py")
+    done = subprocess.run([sys.executable, script, checkpoint, "--work", work, "--new-tokens", str(new_tokens),
+                           "--prompt-ids", ",".join(map(str, prompt[0].tolist()))], capture_output=True, text=True, timeout=900)
+    try:
+        result = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        return {"config": "AirLLM", "error": f"exit {done.returncode}: {done.stderr[-2000:]}"}
+    keep = ("ms_per_token", "first_token_s", "split_seconds", "gpu_peak_bytes", "error", "timing")
+    return {"config": "AirLLM", **{k: result[k] for k in keep if k in result}}
 
 
 def main(argv=None) -> int:
@@ -134,6 +188,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--skew", type=float, default=1.0, help="the skewed router's exponent, in units of the logit noise (0: no skewed rows)")
     parser.add_argument("--work", default=None, help="folder for the checkpoint and programs (default: a temporary one)")
+    parser.add_argument("--peers", default="accelerate,airllm", help="peers to measure on a GPU (comma-separated; empty: none)")
+    parser.add_argument("--peer-tokens", type=int, default=6, help="new tokens per peer measurement")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -166,7 +222,7 @@ def main(argv=None) -> int:
 
         def bound(row, r):
             if bandwidth:
-                transfer = (r["bytes_streamed_per_token"] + r["expert_bytes_per_token"]) / bandwidth * 1e3
+                transfer = (r["bytes_streamed_per_token"] + r["needed_expert_bytes_per_token"]) / bandwidth * 1e3
                 row["routed_bound_ms_per_token"] = max(transfer, resident["ms_per_token"])
                 row["routed_ratio_to_bound"] = r["ms_per_token"] / row["routed_bound_ms_per_token"]
 
@@ -176,10 +232,28 @@ def main(argv=None) -> int:
                 measured = generate(*programs[name], max(budget, floor, whole_floor if name == "all experts" else 0), prompt, args.new_tokens, device, args.temperature)
                 row[name] = measured
             r = row["routed"]
+            if r["cache_slots"] and not r["resident_blocks"]:  # a cache, so a guess to prefetch: measured without it too
+                row["routed, guess prefetched"] = generate(*programs["routed"], max(budget, floor), prompt, args.new_tokens, device, args.temperature, expert_prefetch=True)
+                row["prefetch_speedup"] = r["ms_per_token"] / row["routed, guess prefetched"]["ms_per_token"]
             bound(row, r)
             row["speedup_over_all_experts"] = row["all experts"]["ms_per_token"] / r["ms_per_token"]
-            row["same_tokens"] = r["tokens"] == row["all experts"]["tokens"]
-            add_row(result, row, path, shown={k: v for k, v in row.items() if k not in programs} | {n: {k: v for k, v in row[n].items() if k != "tokens"} for n in programs})
+            row["same_tokens"] = all(row[n]["tokens"] == row["all experts"]["tokens"] for n in row if isinstance(row[n], dict) and "tokens" in row[n])
+            measured = [n for n in row if isinstance(row[n], dict)]
+            add_row(result, row, path, shown={k: v for k, v in row.items() if k not in measured} | {n: {k: v for k, v in row[n].items() if k != "tokens"} for n in measured})
+        peers = [p for p in args.peers.split(",") if p] if device.type == "cuda" else []
+        routed_ms = {row["budget"]: row["routed"]["ms_per_token"] for row in result["rows"] if row["routing"] == "uniform"}
+        for peer in peers:
+            for budget_name, budget in budgets if peer == "accelerate" else (("one layer", floor),):
+                t = time.perf_counter()
+                if peer == "accelerate":
+                    row = accelerate_peer(os.path.join(work, "ckpt"), max(budget, floor), prompt, args.peer_tokens)
+                else:
+                    row = airllm_peer(os.path.join(work, "ckpt"), os.path.join(work, "airllm"), prompt, args.peer_tokens)
+                row |= {"routing": "peer", "budget": budget_name, "seconds": time.perf_counter() - t}
+                against = routed_ms.get(budget_name if peer == "accelerate" else "floor")
+                if against and row.get("ms_per_token"):
+                    row["hostswap_speedup"] = row["ms_per_token"] / against  # hostswap's routed row at that budget (AirLLM: at the floor)
+                add_row(result, row, path)
         if args.skew:
             t = time.perf_counter()
             result["skewed_router"] = skew_routers(os.path.join(work, "ckpt"), config, args.skew)
@@ -187,8 +261,12 @@ def main(argv=None) -> int:
             result["export_skewed_s"] = time.perf_counter() - t
             for budget_name, budget in budgets:
                 row = {"routing": "skewed", "budget": budget_name, "budget_bytes": max(budget, floor), "routed": generate(*skewed, max(budget, floor), prompt, args.new_tokens, device, args.temperature)}
+                if row["routed"]["cache_slots"] and not row["routed"]["resident_blocks"]:
+                    row["routed, guess prefetched"] = generate(*skewed, max(budget, floor), prompt, args.new_tokens, device, args.temperature, expert_prefetch=True)
+                    row["prefetch_speedup"] = row["routed"]["ms_per_token"] / row["routed, guess prefetched"]["ms_per_token"]
                 bound(row, row["routed"])
-                add_row(result, row, path, shown={k: v for k, v in row.items() if k != "routed"} | {"routed": {k: v for k, v in row["routed"].items() if k != "tokens"}})
+                measured = [n for n in row if isinstance(row[n], dict)]
+                add_row(result, row, path, shown={k: v for k, v in row.items() if k not in measured} | {n: {k: v for k, v in row[n].items() if k != "tokens"} for n in measured})
     print(f"wrote {path}")
     return 0
 

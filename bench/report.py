@@ -951,28 +951,45 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
                 f"{r['checkpoint']['bytes'] / 2**30:.2f} GiB bf16 checkpoint; {_machine(r['environment'])}; pinned H2D {r['pinned_h2d_bytes_per_s'] / 1e9:.1f} GB/s, "
                 f"all-resident routed decode {r['all_resident_ms_per_token']:.2f} ms/token; "
                 + (f"decode sampled at temperature {r['temperature']:g}, seeded" if r.get("temperature") else "greedy decode"))
-        rows, skewed = [], []
+        rows, skewed, peers = [], [], []
         for row in r["rows"]:
+            if row.get("routing") == "peer":
+                on_gpu = row.get("weights_on_gpu_bytes", row.get("gpu_peak_bytes"))
+                peers.append([row["config"], row["budget"], "-" if on_gpu is None else f"{on_gpu / 2**30:.2f}",
+                              f"{row['ms_per_token']:.0f}" if row.get("ms_per_token") else "failed: " + row.get("error", "")[:80],
+                              f"{row['hostswap_speedup']:.1f}" if row.get("hostswap_speedup") else "-"])
+                continue
             routed = row["routed"]
             hit = f"{routed['cache_hit_rate']:.0%}" if routed.get("cache_hit_rate") is not None else "-"
             on_device = (f"{routed['resident_blocks']} whole" if routed.get("resident_blocks") else
                          f"{routed['cache_slots']} of {experts}" if routed.get("cache_slots") else "none") if "cache_slots" in routed else "-"
+            guessed = row.get("routed, guess prefetched")
+            used = f"{guessed['prefetch_used_rate']:.0%}" if guessed and guessed.get("prefetch_used_rate") is not None else "-"
             common = [row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", f"{routed['bytes_streamed_per_token'] / 2**30:.2f}", on_device, hit,
-                      f"{routed['expert_bytes_per_token'] / 2**30:.2f}", f"{routed['ms_per_token']:.1f}", f"{row['routed_bound_ms_per_token']:.1f}", f"{row['routed_ratio_to_bound']:.2f}"]
+                      f"{routed['expert_bytes_per_token'] / 2**30:.2f}", f"{routed['ms_per_token']:.1f}", f"{row['routed_bound_ms_per_token']:.1f}",
+                      f"{row['routed_ratio_to_bound']:.2f}",
+                      f"{guessed['ms_per_token']:.1f} ({guessed['cache_hit_rate']:.0%} hits, {guessed['expert_bytes_per_token'] / 2**30:.2f} GiB)" if guessed else "-", used]
             if row.get("routing", "uniform") == "skewed":
                 skewed.append(common)
                 continue
             whole = row["all experts"]
             rows.append(common + [f"{whole['bytes_streamed_per_token'] / 2**30:.2f}", f"{whole['ms_per_token']:.1f}", f"{row['speedup_over_all_experts']:.2f}",
                                   "yes" if row["same_tokens"] else "NO"])
-        headers = ["budget", "GiB", "routed: streamed GiB/token", "experts on the device (per block)", "decode cache hits", "experts read over the bus GiB/token",
-                   "ms/token", "bound ms", "ratio"]
+        headers = ["budget", "GiB", "routed: streamed GiB/token", "experts on the device (per block)", "decode cache hits",
+                   "experts over the bus GiB/token", "ms/token", "bound ms", "ratio", "guess prefetched: ms/token (hits, experts over the bus)", "guesses used"]
         parts.append(head + "\n\nUniform routing (the random router):\n\n"
                      + tabulate(rows, headers=headers + ["all experts: streamed GiB/token", "ms/token", "speed-up", "same tokens"], tablefmt="github", disable_numparse=True))
         if skewed:
             z = r["skewed_router"]
             parts.append(f"Skewed routing (routers biased to a Zipf-like popularity, exponent {z['exponent']:g} in units of the logit noise; `bench/moe.py`):\n\n"
                          + tabulate(skewed, headers=headers, tablefmt="github", disable_numparse=True))
+        if peers:
+            parts.append("Peers on the same checkpoint, greedy decode. hostswap speed-up: the peer's ms/token over hostswap's routed row at that "
+                         "budget (AirLLM: at hostswap's floor). Where accelerate's `device_map=\"auto\"` puts no weight on the GPU (0.00 GiB), "
+                         "transformers runs the whole model on the host's CPU cores, which read only the routed experts from RAM; where it puts "
+                         "some, the offloaded layers' weights, every expert, are copied to the GPU at each forward. AirLLM loads one decoder "
+                         "layer at a time, every expert (GiB: its peak allocation):\n\n"
+                         + tabulate(peers, headers=["peer", "budget", "weights on the GPU GiB", "ms/token", "hostswap speed-up"], tablefmt="github", disable_numparse=True))
     return "\n\n".join(parts)
 
 
@@ -980,9 +997,10 @@ def moe_headline(paths: list[str]) -> str:
     runs = [json.load(open(p)) for p in paths]
     parts = []
     for r in runs:
-        floor = next(row for row in r["rows"] if row["budget"] == "floor")
+        floor = next(row for row in r["rows"] if row["budget"] == "floor" and row.get("routing", "uniform") == "uniform")
+        airllm = next((row for row in r["rows"] if row.get("config") == "AirLLM" and row.get("ms_per_token")), None)
         parts.append(f"{r['shape']} shape {floor['routed']['ms_per_token']:.0f} ms/token, {floor['speedup_over_all_experts']:.1f} x the all-experts schedule, "
-                     f"{floor['routed_ratio_to_bound']:.2f} x its bound")
+                     f"{floor['routed_ratio_to_bound']:.2f} x its bound" + (f", AirLLM {airllm['ms_per_token'] / 1e3:.1f} s/token" if airllm else ""))
     return ("MoE decode at the GPU floor, reading only the routed experts: " + "; ".join(parts) + f" ({runs[0]['environment'].get('gpu')}).")
 
 
@@ -1096,9 +1114,11 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
            "read in place from the mapped `.ptd` by `hostswap::routed_experts`) and all experts (the same kernel, its expert tables streamed "
            "whole like any weight). Decode is sampled with a fixed seed (greedy decode of random weights soon repeats a few tokens, which "
            "route alike and would flatter the cache); the routed bound is max(all-resident decode, (streamed + expert bytes read over the bus "
-           "per token) / pinned H2D of the same run). Budget beyond the streamed weights holds experts: whole tables where they fit, else a "
-           "device cache of the same number of slots per block, least recently used evicted; the hit rate counts decode steps' lookups. "
-           "Skewed rows: the same checkpoint with its routers biased (the script's docstring says how) and exported again.",
+           "per token that the token needed: its misses, prefetched or not) / pinned H2D of the same run). Budget beyond the streamed weights "
+           "holds experts: whole tables where they fit, else a device cache of the same number of slots per block, least recently used evicted; "
+           "the hit rate counts decode steps' lookups. Rows with a cache are measured again with `expert_prefetch=True`: each block guesses "
+           "the next block's experts a layer early (the next norm and router on this layer's residual stream) and prefetches them on a side "
+           "stream; guesses used counts the prefetched experts a lookup then read. Skewed rows: the same checkpoint with its routers biased (the script's docstring says how) and exported again.",
     "batch": "`hostswap.batching.BatchGenerator` on a program exported with `max_batch_size` = the row's sequences (`bench/batch.py`); the bound "
              "is max(bytes streamed per step / pinned H2D, the all-resident step at that batch). transformers' `generate` runs batched with "
              "every weight on the GPU, in the same process.",

@@ -20,6 +20,12 @@ Three ways through, chosen by the call's tokens (and whether a CUDA graph is bei
 - **dense** (several tokens while a CUDA graph is captured: a batched decode step): every expert applied to every token, weighted by its routing weight (zero
   where not picked); each expert read once, with no host sync and no gathered copies.
 
+A decode step also gives the cache of the next routed block (``next_block``) a guess at its
+experts: the top-k of ``next_logits``, that block's router applied to this layer's residual
+stream (experts.py), prefetched while this block and the next attention run
+(runtime/expert_cache.py). The guess never decides what is computed: the next block looks
+its own router's picks up, and only its misses wait for the bus.
+
 An expert id outside ``0..E-1`` stops the call with ``ExpertIndexError`` naming the block
 (on the GPU without a host sync: a device-side assertion), never a read of other bytes.
 """
@@ -181,19 +187,31 @@ def _dense(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activat
     return out.to(hidden.dtype)
 
 
-def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, activation, gated, interleaved, transposed, alpha, limit, block):
+def _prefetch_next(caches, next_block: str, next_logits: torch.Tensor | None) -> None:
+    """Queue the next routed block's guessed experts into its cache (when it has one)."""
+    cache = caches.get(next_block) if caches and next_block and next_logits is not None else None
+    if cache is not None and cache.prefetching:
+        cache.prefetch(torch.topk(next_logits.reshape(-1), cache.top_k).indices)
+
+
+def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, activation, gated, interleaved, transposed, alpha, limit, block,
+                   next_logits=None, next_block=""):
     num_experts = gate_up.shape[0]
     _check_ids(top_k_index, num_experts, block)
     gate_of = lambda x: gate(x, activation, gated, interleaved, alpha, limit)  # noqa: E731
     tables = (gate_up, down, gate_up_bias, down_bias)
+    caches = getattr(_context, "caches", None)
+    cache = caches.get(block) if caches else None
     if top_k_index.shape[0] == 1:  # one token: its top-k, gathered (k experts of scratch)
         _record(block, top_k_index.numel(), unit_bytes(*tables))
-        caches = getattr(_context, "caches", None)
-        cache = caches.get(block) if caches else None
         if cache is not None:  # the picks' slots, the missed ones filled first
             slots = cache.lookup(top_k_index, tables).view_as(top_k_index)
+            _prefetch_next(caches, next_block, next_logits)  # behind this block's misses on the bus
             return _pairs(hidden, slots, top_k_weights, *cache.tables, gate_of, transposed)
+        _prefetch_next(caches, next_block, next_logits)
         return _pairs(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
+    if cache is not None:
+        cache.settle()  # no prefetch is left unjoined (a CUDA graph's capture must end on one stream)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot learn the union
         _record(block, num_experts, unit_bytes(*tables))
         return _dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)

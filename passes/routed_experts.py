@@ -15,7 +15,8 @@ from hostswap.passes.probe_op import NAMESPACE
 
 # the stacked tables (schedules.custom_ops.ROUTED_EXPERTS_TABLES): an expert is one row (dim 0) of each
 _ARGS = ("Tensor hidden, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, Tensor? gate_up_bias, "
-         "Tensor? down_bias, str activation, bool gated, bool interleaved, bool transposed, float alpha, float limit, str block")
+         "Tensor? down_bias, str activation, bool gated, bool interleaved, bool transposed, float alpha, float limit, str block, "
+         "Tensor? next_logits=None, str next_block=\"\"")
 
 
 def _routed_experts_out(*args, out):

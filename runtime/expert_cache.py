@@ -15,6 +15,16 @@ same step holds, and its rows are copied from the tables in mapped host memory b
 that skips the hits (kernels/row_copy.py): a hit reads no host byte. The step's experts are
 then read from the slots. Index ``num_experts`` of ``slot_of`` is a sink: writes that a hit
 must not make go there, so no step branches on the host.
+
+A block's misses are on the decode step's critical path: nothing after the block can run
+until its rows are in. So the block before it guesses them (``prefetch``): the routed-experts
+kernel of block L scores block L+1's experts with L+1's own router on L's residual stream
+(a layer early), and the cache brings the guessed experts in on a side stream while L's
+experts and L+1's attention run. L+1's lookup waits for that copy (``settle``) and then
+misses only where the guess was wrong. A guessed expert takes the least recently used slot
+and counts as never used until a lookup reads it, so a wrong guess is evicted first;
+``fresh`` marks the slots a prefetch filled until a lookup reads them, so ``stats`` can say
+how many guesses were used (``prefetch_hits``) against those made (``prefetched``).
 """
 
 from __future__ import annotations
@@ -25,21 +35,32 @@ from hostswap.kernels.row_copy import masked_row_copy
 from hostswap.schedules.experts import plan_expert_cache, resident_blocks
 
 POLICY = "lru"
+GUESSED = -(2**62)  # added to a guessed expert's stamp until a lookup reads it: it goes first, oldest guess first
+PREFETCH = "next-layer router on the residual stream"
 
 
 class ExpertCache:
     """``slots`` experts of one block's stacked tables on the device, least recently used
     evicted, looked up and filled by device ops only."""
 
-    def __init__(self, block: str, num_experts: int, unit_bytes: int, slots: int, top_k: int, device: torch.device):
+    def __init__(self, block: str, num_experts: int, unit_bytes: int, slots: int, top_k: int, device: torch.device, prefetch: bool = False):
         if not top_k <= slots < num_experts:
             raise ValueError(f"an expert cache of {block} needs top_k ({top_k}) to {num_experts - 1} slots, not {slots}")
         self.block, self.slots, self.top_k, self.num_experts = block, slots, top_k, num_experts
         self.nbytes = slots * unit_bytes
         self.tables: tuple[torch.Tensor | None, ...] | None = None  # made at the first lookup, in the kernel's order of tables
+        self.sources: tuple[torch.Tensor | None, ...] | None = None  # the block's tables, as the first lookup gave them
+        self.prefetching = prefetch
+        # a prefetch runs beside the compute on the GPU; on the CPU in line (the same bookkeeping)
+        self.stream = torch.cuda.Stream(device) if prefetch and device.type == "cuda" else None
+        self._pending = False  # a prefetch was queued that no lookup has waited for yet
+        self.fresh = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.prefetched = torch.zeros((), dtype=torch.int64, device=device)
+        self.prefetch_hits = torch.zeros((), dtype=torch.int64, device=device)
         self.slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64, device=device)
         self.expert_of = torch.full((slots,), num_experts, dtype=torch.int64, device=device)
-        self.last_use = torch.zeros(slots, dtype=torch.int64, device=device)
+        # stamps: an empty slot's is the lowest, a guess's below any lookup's (GUESSED + time)
+        self.last_use = torch.full((slots,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=device)
         self.clock = torch.zeros((), dtype=torch.int64, device=device)
         self.hits = torch.zeros((), dtype=torch.int64, device=device)
         self.misses = torch.zeros((), dtype=torch.int64, device=device)
@@ -53,6 +74,49 @@ class ExpertCache:
             self.tables = tuple(None if t is None else torch.empty((self.slots, *t.shape[1:]), dtype=t.dtype, device=ids.device) for t in sources)
             if sum(t.numel() * t.element_size() for t in self.tables if t is not None) != self.nbytes:
                 raise ValueError(f"the expert cache of {self.block} was sized for {self.nbytes} bytes; its tables' rows take another size")
+            self.sources = tuple(sources)
+        self.settle()
+        target, hit = self._place(ids, sources)
+        fresh = self.fresh[target]
+        self.prefetch_hits += (hit & fresh).sum()
+        self.fresh.index_put_((target,), torch.zeros_like(fresh))
+        self.hits += hit.sum()
+        self.misses += (~hit).sum()
+        return target
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Bring ``ids`` (a guess at the next lookup's experts) into slots ahead of that lookup:
+        on the side stream after what the current stream has queued, which the next
+        ``lookup`` (or ``settle``) waits for. Nothing before the first lookup made the slots."""
+        if self.sources is None or not self.prefetching:
+            return
+        ids = ids.reshape(-1)
+        if self.stream is None:
+            self._prefetch(ids)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(ids.device))
+        with torch.cuda.stream(self.stream):
+            self._prefetch(ids)
+        ids.record_stream(self.stream)  # made on the current stream, read on this one
+        self._pending = True
+
+    def _prefetch(self, ids: torch.Tensor) -> None:
+        target, hit = self._place(ids, self.sources, used=False)
+        self.fresh.index_put_((target,), hit.logical_not() | self.fresh[target])
+        self.prefetched += (~hit).sum()
+
+    def settle(self) -> None:
+        """Make the current stream wait for a queued prefetch (before the slots are read)."""
+        if self._pending:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self._pending = False
+
+    def _place(self, ids: torch.Tensor, sources, used: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give each of ``ids`` a slot (its own on a hit; else the least recently used slot
+        no hit of these ids holds), copy the missed rows in, and stamp the slots as used now:
+        (slot per id, hit per id). A guess (``used=False``) stamps nothing it found, and its
+        misses below every expert a lookup read: a wrong guess is the first to go, so
+        guesses evict mostly earlier guesses, not what lookups keep reading."""
         self.clock += 1
         slot = self.slot_of[ids]
         hit = slot >= 0
@@ -71,25 +135,24 @@ class ExpertCache:
         # a step's hits count as used before its misses, each in pick order: an order with no ties
         k = ids.numel()
         order = torch.arange(k, device=ids.device) + torch.where(miss, k, 0)
-        self.last_use.index_put_((target,), self.clock * (2 * k) + order)
+        stamp = self.clock * (2 * k) + order
+        self.last_use.index_put_((target,), stamp if used else torch.where(miss, stamp + GUESSED, self.last_use[target]))
         copy = miss.to(torch.int32)
         for source, table in zip(sources, self.tables):
             if table is not None:
                 masked_row_copy(source, table, ids, target, copy)
-        self.hits += hit.sum()
-        self.misses += miss.sum()
-        return target
+        return target, hit
 
-    def counts(self) -> tuple[int, int]:
-        """(hits, misses) since load: a host sync."""
-        return int(self.hits), int(self.misses)
+    def counts(self) -> tuple[int, int, int, int]:
+        """(hits, misses, prefetched, prefetch hits) since load: a host sync."""
+        return tuple(int(c) for c in torch.stack([self.hits, self.misses, self.prefetched, self.prefetch_hits]).tolist())
 
 
-def place_experts(blocks, room_bytes: int, device: torch.device) -> tuple[frozenset[str], dict[str, ExpertCache]]:
+def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: bool = False) -> tuple[frozenset[str], dict[str, ExpertCache]]:
     """The blocks kept whole on the device, and a cache for each block given fewer slots than
-    it has experts (``plan_expert_cache`` over ``room_bytes``)."""
+    it has experts (``plan_expert_cache`` over ``room_bytes``), prefetching where ``prefetch``."""
     slots = plan_expert_cache(blocks, room_bytes)
-    caches = {b.block: ExpertCache(b.block, b.num_experts, b.unit_bytes, slots[b.block], b.top_k, device)
+    caches = {b.block: ExpertCache(b.block, b.num_experts, b.unit_bytes, slots[b.block], b.top_k, device, prefetch)
               for b in blocks if 0 < slots[b.block] < b.num_experts}
     return resident_blocks(slots, blocks), caches
 
@@ -97,11 +160,15 @@ def place_experts(blocks, room_bytes: int, device: torch.device) -> tuple[frozen
 def expert_read_stats(block, reads, resident: bool, cache: ExpertCache | None) -> dict:
     """One block's reads for ``stats``: experts read from the device (resident tables, cache
     hits) and over the bus (misses), and the cache behind them."""
-    cache_hits, cache_misses = cache.counts() if cache is not None else (0, 0)
+    cache_hits, cache_misses, prefetched, prefetch_hits = cache.counts() if cache is not None else (0, 0, 0, 0)
     hits = reads.experts if resident else cache_hits
     return {"calls": reads.calls, "experts": reads.experts, "hits": hits, "misses": reads.experts - hits,
-            "bytes": (reads.experts - hits) * block.unit_bytes, "resident": resident,
+            # over the bus: every miss, and every expert a prefetch brought in (used or not)
+            "bytes": (reads.experts - hits + prefetched) * block.unit_bytes, "resident": resident,
             "cache_slots": block.num_experts if resident else cache.slots if cache is not None else 0,
             "cache_policy": POLICY if cache is not None else None,
+            "prefetch": PREFETCH if cache is not None and cache.prefetching else None,
             # the decode steps' lookups alone (a prefill chunk reads its union in place)
-            "cache_hits": cache_hits, "cache_misses": cache_misses}
+            "cache_hits": cache_hits, "cache_misses": cache_misses,
+            # experts a guess brought in, and those of them a lookup then read (counted among cache_hits)
+            "prefetched": prefetched, "prefetch_hits": prefetch_hits}

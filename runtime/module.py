@@ -142,6 +142,10 @@ class Module:
     ``cuda_graph`` then fails unless ``cuda_graph_where_possible``). The lru policy keeps every
     streamed weight pinned.
 
+    ``expert_prefetch=True`` has each MoE block with a device cache prefetch the experts the
+    block before it guesses, a layer early (runtime/expert_cache.py). Off by default: on the
+    benchmark's random routers the wrong guesses cost more bus time than the overlap saves.
+
     At load the ``.ptd`` index is validated and both files are checked to be the pair
     ``hostswap.save`` wrote, without reading a weight (docs/weight-offload.md, "Trusting the
     files"); ``verify=True`` also hashes every weight byte against its checksum. A bad file
@@ -151,7 +155,7 @@ class Module:
     """
 
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False,
-                 host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False):
+                 host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False, expert_prefetch: bool = False):
         t0 = time.perf_counter()
         self._closed = True  # until loaded
         check_budget_argument(weight_offload_budget_mb)
@@ -165,6 +169,9 @@ class Module:
             raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
         if not isinstance(verify, bool):
             raise ValueError(f"verify must be True or False, got {verify!r}")
+        if not isinstance(expert_prefetch, bool):
+            raise ValueError(f"expert_prefetch must be True or False, got {expert_prefetch!r}")
+        self._expert_prefetch = expert_prefetch
         self.pte_path = os.fspath(pte_path)
         if data_path is None:
             data_path = os.path.splitext(self.pte_path)[0] + ".ptd"
@@ -233,7 +240,8 @@ class Module:
             self.ptd.lock(host_tier if self.tiers.disk else None)
         # MoE experts take the budget left once every streamed weight is resident: whole
         # tables where they fit, else a device cache per block; the rest are read in place
-        self.resident_experts, self.expert_caches = place_experts(self.schedule.expert_blocks, self.budget_bytes - self.schedule.resident_bytes, self.device)
+        self.resident_experts, self.expert_caches = place_experts(self.schedule.expert_blocks, self.budget_bytes - self.schedule.resident_bytes, self.device,
+                                                                    prefetch=self._expert_prefetch)
         on_device = {t for b in self.schedule.expert_blocks if b.block in self.resident_experts for t in b.tables}
         state_sizes, activations = self._arena_sizes()
         weights_on_device = (min(self.budget_bytes, self.schedule.resident_bytes) + sum(c.nbytes for c in self.expert_caches.values())

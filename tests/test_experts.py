@@ -23,6 +23,7 @@ import hostswap.llm as llm
 from hostswap.experts import UnroutedExpertsWarning, route_experts
 from hostswap.kernels.routed_experts import ExpertIndexError
 from hostswap.passes.routed_experts import routed_experts
+from hostswap.runtime.expert_cache import PREFETCH
 from hostswap.schedules.experts import ExpertBlock, bytes_read_per_call, plan_expert_cache, resident_blocks
 from hostswap.schedules.policies import BudgetError
 from hostswap.schedules.serialization import load_weight_schedules
@@ -154,12 +155,28 @@ def test_greedy_tokens_equal_transformers(moe, budget):
             for r in s["expert_reads"].values():
                 assert r["cache_slots"] == moe.cache_slots and r["cache_policy"] == "lru" and r["hits"] > 0
                 assert r["hits"] + r["misses"] == r["experts"] and r["bytes"] == r["misses"] * blocks[0].unit_bytes
+                assert r["prefetch"] is None and r["prefetched"] == r["prefetch_hits"] == 0  # no guess unless asked for
             assert 0 < s["expert_bytes_per_token"] < per_token
             assert re.search(rf"expert cache: {moe.cache_slots} experts a block on the device, \d+% of decode lookups hit", g.summary()), g.summary()
         else:
             assert g.module.resident_experts == {b.block for b in blocks}
             assert s["expert_bytes_per_token"] == 0
             assert all(r["hits"] == r["experts"] > 0 and r["misses"] == 0 for r in s["expert_reads"].values())
+
+
+def test_with_the_guess_each_block_prefetches_the_next_and_the_tokens_stay(moe):
+    prompt = _prompt(7)
+    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.cached / MB, device="cpu", expert_prefetch=True) as g:
+        assert torch.equal(g.generate(prompt, 12, eos_token_id=[]), moe.transformers_tokens(prompt, 12))
+        for i, (block, r) in enumerate(g.stats["expert_reads"].items()):
+            assert r["hits"] + r["misses"] == r["experts"]
+            # over the bus: the misses and every guessed expert brought in
+            assert r["bytes"] == (r["misses"] + r["prefetched"]) * moe.schedules["decode"].expert_blocks[0].unit_bytes
+            # the block before guesses every block but the first; a guess a lookup read is a hit
+            assert r["prefetch"] == PREFETCH and (r["prefetched"] > 0) == (i > 0), (block, r)
+            assert 0 <= r["prefetch_hits"] <= min(r["prefetched"], r["cache_hits"])
+    with pytest.raises(ValueError, match="expert_prefetch must be True or False, got 'yes'"):
+        llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.cached / MB, device="cpu", expert_prefetch="yes")
 
 
 def test_logits_bitwise_equal_to_the_exported_program_and_the_all_experts_schedule(moe, tmp_path_factory):
@@ -249,8 +266,9 @@ def test_experts_take_the_same_slots_in_every_block_up_to_whole_tables():
 
 def test_expert_cache_evicts_the_least_recently_used_and_holds_the_experts_rows():
     """The device-side cache against a plain LRU, step by step over random picks (skewed, so
-    that hits and evictions both happen): same hits, same experts held, and each slot's rows
-    the expert's rows of the tables."""
+    that hits and evictions both happen), with a guess prefetched before most steps (part
+    right, part wrong): same hits, same experts held, each slot's rows the expert's rows of
+    the tables, and the guesses counted (brought in, then read or not)."""
     import collections
 
     from hostswap.runtime.expert_cache import ExpertCache
@@ -259,30 +277,98 @@ def test_expert_cache_evicts_the_least_recently_used_and_holds_the_experts_rows(
     gen = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(experts, 6, 3, generator=gen), torch.randn(experts, 3, 3, generator=gen)
     unit = (6 * 3 + 3 * 3) * 4
-    cache = ExpertCache("block", experts, unit, slots, k, torch.device("cpu"))
+    cache = ExpertCache("block", experts, unit, slots, k, torch.device("cpu"), prefetch=True)
     lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+    fresh: set[int] = set()  # experts a guess brought in that no lookup has read yet
     popularity = torch.tensor([1.0 / (e + 1) for e in range(experts)])
-    hits = 0
+    hits = prefetched = prefetch_hits = 0
+
+    def use(ids, guess=False):  # the reference; returns the misses
+        for e in ids:  # a lookup's hits are refreshed; a guess refreshes nothing
+            if e in lru and not guess:
+                lru.move_to_end(e)
+                fresh.discard(e)
+        missed = [e for e in ids if e not in lru]
+        for e in missed:
+            if len(lru) == slots:  # unread guesses go first (oldest first), then the least recently used
+                victim = next(v for v in [*(v for v in lru if v in fresh), *(v for v in lru if v not in fresh)] if v not in ids)
+                fresh.discard(victim)
+                del lru[victim]
+            lru[e] = None
+            if guess:
+                fresh.add(e)
+        return missed
+
     for step in range(200):
         ids = torch.multinomial(popularity, k, generator=gen)
+        if step % 4 != 3 and step > 0:  # a guess: two of the picks and two others
+            others = [e for e in torch.randperm(experts, generator=gen).tolist() if e not in ids.tolist()][:2]
+            guess = ids.tolist()[:2] + others
+            cache.prefetch(torch.tensor(guess))
+            prefetched += len(use(guess, guess=True))
         target = cache.lookup(ids.view(1, k), (gate_up, down, None))
-        for e in ids.tolist():  # the reference: hits first refreshed, then misses in pick order
-            hits += e in lru
-        for e in ids.tolist():
-            if e in lru:
-                lru.move_to_end(e)
-        for e in ids.tolist():
-            if e not in lru:
-                if len(lru) == slots:
-                    lru.popitem(last=False)
-                lru[e] = None
+        hits += sum(e in lru for e in ids.tolist())
+        prefetch_hits += sum(e in fresh for e in ids.tolist())
+        use(ids.tolist())
         assert sorted(e for e in cache.expert_of.tolist() if e < experts) == sorted(lru), step
         assert torch.equal(cache.tables[0][target], gate_up[ids]) and torch.equal(cache.tables[1][target], down[ids])
         held = cache.expert_of.tolist()
         assert all(cache.slot_of[e].item() == (held.index(e) if e in held else -1) for e in range(experts))
-    assert cache.counts() == (hits, 200 * k - hits) and 0 < hits < 200 * k
+        assert {held[s] for s in range(slots) if cache.fresh[s]} == fresh, step
+    assert cache.counts() == (hits, 200 * k - hits, prefetched, prefetch_hits) and 0 < hits < 200 * k and 0 < prefetch_hits < prefetched
     with pytest.raises(ValueError, match="needs top_k \\(4\\) to 15 slots, not 3"):
         ExpertCache("block", experts, unit, 3, k, torch.device("cpu"))
+
+
+def test_each_block_guesses_the_next_blocks_experts_with_its_norm_and_router():
+    """The guess a routed block hands the kernel is the next block's router, through the next
+    block's input norm, applied to this layer's residual stream, for every architecture."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):  # the routed-experts calls: (block, next_logits, next_block)
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is routed_experts:
+                a = list(args) + [None, ""][len(args) - 14:]
+                self.seen.append((a[13], a[14], a[15]))
+            return func(*args, **(kwargs or {}))
+
+    for name, make in MOE.items():
+        torch.manual_seed(0)
+        model = make().eval()
+        routed = route_experts(model)
+        assert routed.unguessed == {}, (name, routed.unguessed)
+        layers = model.model.layers
+        residuals = {}
+        for i, layer in enumerate(layers):
+            layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a, i=i: residuals.__setitem__(i, a[0].detach().clone()))
+        with torch.no_grad(), Calls() as calls:
+            model(_prompt(5))
+        assert [c[0] for c in calls.seen] == list(routed.routed), name
+        for i, (block, logits, following) in enumerate(calls.seen):
+            if i == len(calls.seen) - 1:
+                assert logits is None and following == "", name  # the last block guesses nothing
+                continue
+            nxt = layers[i + 1]
+            router = getattr(nxt.mlp, "gate", None) or nxt.mlp.router
+            x = type(nxt.post_attention_layernorm).forward(nxt.post_attention_layernorm, residuals[i].reshape(5, -1))
+            expected = torch.nn.functional.linear(x, router.weight, getattr(router, "bias", None))
+            assert following == f"model.layers.{i + 1}.mlp.experts" and torch.equal(logits, expected), name
+
+
+def test_a_block_whose_router_cannot_be_found_is_not_guessed():
+    model = _mixtral().eval()
+    layer = model.model.layers[1]
+    layer.mlp.score = torch.nn.Linear(layer.mlp.gate.weight.shape[1], layer.mlp.gate.weight.shape[0], bias=False)  # two candidates
+    routed = route_experts(model)
+    assert routed.unguessed == {"model.layers.1.mlp.experts": "no single module beside it scores its 4 experts"}
+    model = _mixtral().eval()
+    del model.model.layers[0].post_attention_layernorm
+    assert route_experts(model).unguessed == {
+        "model.layers.1.mlp.experts": "no input norm (post_attention_layernorm) found for its layer or the one before"}
 
 
 def test_an_expert_index_out_of_range_is_refused_naming_the_block():

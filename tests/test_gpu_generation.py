@@ -173,16 +173,21 @@ def test_routed_experts_decode_graphed_on_the_device(name, tmp_path):
     runs = {}
     per_token = sum(b.top_k * b.unit_bytes for b in moe.schedules["decode"].expert_blocks)
     for label, budget, graphed in (("floor graphed", moe.floor, True), ("floor eager", moe.floor, False), ("resident graphed", moe.everything, True),
-                                   ("cache graphed", moe.cached, True), ("cache eager", moe.cached, False)):
-        with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=budget / MB, device="cuda", cuda_graph=graphed) as g:
+                                   ("cache graphed", moe.cached, True), ("cache eager", moe.cached, False), ("cache graphed, guess prefetched", moe.cached, True)):
+        prefetch = label.endswith("prefetched")
+        with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=budget / MB, device="cuda", cuda_graph=graphed, expert_prefetch=prefetch) as g:
             runs[label] = g.generate(prompt, 12, eos_token_id=[]).cpu()
             assert g.module.cuda_graph == graphed
             if label == "floor graphed":
                 assert g.stats["expert_bytes_per_token"] == per_token
-            if label.startswith("cache"):  # the device cache, looked up and filled inside the graph
+            if label.startswith("cache"):  # the device cache, looked up, filled and prefetched into inside the graph
                 reads = g.stats["expert_reads"]
                 assert all(r["cache_slots"] == moe.cache_slots and r["hits"] > 0 and r["hits"] + r["misses"] == r["experts"] for r in reads.values()), reads
-                assert 0 < g.stats["expert_bytes_per_token"] < per_token
+                # every block but the first is guessed by the one before, on a side stream
+                assert [r["prefetched"] > 0 for r in reads.values()] == [False] + [prefetch] * (len(reads) - 1), reads
+                assert all(r["prefetch_hits"] <= r["prefetched"] for r in reads.values()), reads
+                if not prefetch:
+                    assert 0 < g.stats["expert_bytes_per_token"] < per_token
     for label, tokens in runs.items():
         assert torch.equal(tokens, runs["floor eager"]), label
     # transformers' greedy tokens, fp32 on the CPU: a tiny model's margins exceed the kernels' rounding
