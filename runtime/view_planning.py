@@ -108,8 +108,11 @@ def replan_with_views(m: LoadedMethod) -> int | None:
     root: dict[int, int] = {}
     contiguous = dict(m.contiguous)
     views: dict[int, object] = {}  # pc -> the view op its copy runs as
+    # program state (a KV cache) may be viewed too (a layer's cache unsqueezed and expanded for
+    # its attention) while no instruction writes its bytes until the views' last read
+    state = {v for v in m.regions if v in m.meta and m.regions[v][0] in m.state_ids}
     for pc, x, y, view_op, keeps_contiguity, needs_contiguous in _copies_viewable(m):
-        if x not in is_planned or y not in is_planned or y in inputs or write_pcs.get(y) != [pc] or y in folded_of:
+        if (x not in is_planned and x not in state) or y not in is_planned or y in inputs or write_pcs.get(y) != [pc] or y in folded_of:
             continue
         if needs_contiguous and not contiguous.get(x, False):
             continue
@@ -117,11 +120,12 @@ def replan_with_views(m: LoadedMethod) -> int | None:
         # between a projection and its transpose) reads its base's bytes
         r = root.get(x, x)
         r = folded_base.get(r, r)
-        if any(p > pc for p in write_pcs.get(r, [])):
+        if r not in state and any(p > pc for p in write_pcs.get(r, [])):
             continue  # the buffer is written again later: a view would see the new bytes
         root[y] = r
         contiguous[y] = keeps_contiguity and contiguous.get(x, False)
         views[pc] = view_op
+    _drop_views_of_rewritten_state(m, state, root, views, read_pcs, outputs, n)
     # Lifetimes of the buffers that remain: first write (inputs: the start) to the last read
     # of the buffer, of the views ExecuTorch folded into it and of the views made here.
     owner = {v: root.get(v, v) for v in planned}
@@ -129,7 +133,7 @@ def replan_with_views(m: LoadedMethod) -> int | None:
     life: dict[int, list[int]] = {}
     for v in planned:
         o = owner[v]
-        if o in folded_base or o in root:
+        if o in folded_base or o in root or o in state:
             continue
         span = life.setdefault(o, [n, -1])
         pcs = write_pcs.get(v, []) + read_pcs.get(v, [])
@@ -178,11 +182,33 @@ def replan_with_views(m: LoadedMethod) -> int | None:
         m.values[v] = tensor_from_arena(m.meta[v], m.arenas, at=(0, start))
         new_regions[v] = (0, start, start + m.regions[v][2] - m.regions[v][1])
     for v in root:
-        new_regions[v] = new_regions[root[v]]
+        new_regions[v] = m.regions[root[v]] if root[v] in state else new_regions[root[v]]
+    for v in state:
+        new_regions[v] = m.regions[v]
     m.regions = new_regions
     for pc, view_op in views.items():
         _run_as_view(m, pc, view_op)
     return len(views)
+
+
+def _drop_views_of_rewritten_state(m: LoadedMethod, state: set[int], root: dict, views: dict, read_pcs: dict, outputs: set, n: int) -> None:
+    """Keep as copies the views of a state value whose bytes an instruction writes between
+    the view and the last read of anything viewing them (program outputs count as read at
+    the end): such a view would read the new bytes."""
+    by_root: dict[int, list[int]] = {}
+    for v, r in root.items():
+        if r in state:
+            by_root.setdefault(r, []).append(v)
+    for r, viewing in by_root.items():
+        made = {pc for pc in views if m.instructions[pc].keyword.get("out") in viewing}
+        first = min(made)
+        last = max(max(read_pcs.get(v, [first])) if v not in outputs else n for v in viewing)
+        region = m.regions[r]
+        if any(_regions_overlap(region, m.regions.get(w)) for p in range(first + 1, min(last, n - 1) + 1) for w in m.writes[p]):
+            for v in viewing:
+                del root[v]
+            for pc in made:
+                del views[pc]
 
 
 def elide_copies(m: LoadedMethod) -> int:

@@ -527,6 +527,50 @@ def test_copy_elision_on_a_llama_decoder_changes_no_bit(tmp_path):
     m.close()
 
 
+def test_a_kv_caches_views_read_the_cache_in_place(tmp_path):
+    """A GQA decoder's decode step reads each layer's KV cache (program state) through views
+    (unsqueeze, expand), as eager PyTorch does, instead of copying the whole cache each step."""
+    import transformers as T
+
+    import hostswap.llm as llm
+
+    torch.manual_seed(0)
+    config = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=32)
+    pte, ptd = llm.export(T.LlamaForCausalLM(config).eval(), tmp_path / "m", max_seq_len=16, prefill_chunk=4)
+    with Module(pte, ptd, weight_offload_budget_mb=10, device="cpu") as m:
+        kept = [ins[1]._schema.name for ins in m._executors["decode"].instructions
+                if ins[0] == "kernel" and ins[5] is None and getattr(ins[1], "_schema", None) is not None]
+        assert "aten::unsqueeze_copy" not in kept, kept  # before: two whole-cache copies per layer
+
+
+class _ClonesItsState(torch.nn.Module):
+    """Returns a copy of its state taken before it updates the state: the copy must keep the
+    old bytes though the program writes the state back before the output is read."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("s", torch.zeros(2, 3))
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        before = self.s.clone().unsqueeze(0)
+        self.s.add_(x)
+        return before, self.lin(self.s)
+
+
+def test_a_view_of_state_written_before_its_last_read_stays_a_copy(tmp_path):
+    torch.manual_seed(0)
+    model, x = _ClonesItsState(), torch.randn(2, 3)
+    reference = _ClonesItsState()
+    reference.load_state_dict(model.state_dict())
+    pte, ptd = hostswap.save(hostswap.apply_weight_offload(torch.export.export(model, (x,))), tmp_path / "m")
+    with Module(pte, ptd, weight_offload_budget_mb=1, device="cpu") as m:
+        for _ in range(3):  # the state grows each call; each output holds the state before it
+            got, expected = m(x), reference(x)
+            assert all(torch.equal(g, e) for g, e in zip(got, expected)), (got, expected)
+
+
 class FirstFitArena:
     """A real first-fit allocator over exactly ``max_bytes`` (as the capped driver pool, it
     fragments): blocks of other sizes freed around live ones need not leave a large enough hole."""
