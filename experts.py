@@ -59,6 +59,7 @@ class ExpertsSpec:
     gated: bool
     interleaved: bool
     transposed: bool
+    hidden: int  # the width of the tokens it takes
     alpha: float = 0.0
     limit: float = 0.0
 
@@ -121,7 +122,7 @@ def describe_experts(name: str, module: torch.nn.Module) -> ExpertsSpec | str:
     if found is None:
         return f"its {'gate' if gated else 'activation'} matches none of the kernel's ({', '.join([*ACTIVATIONS, CLAMPED_SWIGLU])}) on a probe"
     activation, interleaved, alpha, limit = found
-    return ExpertsSpec(name, experts, activation, gated, interleaved, transposed, alpha, limit)
+    return ExpertsSpec(name, experts, activation, gated, interleaved, transposed, hidden, alpha, limit)
 
 
 def _is_experts_module(module: torch.nn.Module) -> bool:
@@ -177,12 +178,13 @@ def _input_norm(model: torch.nn.Module, block: str) -> torch.nn.Module | None:
     return None
 
 
-def _router(model: torch.nn.Module, block: str, spec: ExpertsSpec, hidden: int) -> torch.nn.Module | None:
+def _router(model: torch.nn.Module, spec: ExpertsSpec) -> torch.nn.Module | None:
     """The module beside the experts that scores them: the one child of the MoE block with a
     [experts, hidden] weight."""
-    parent = model.get_submodule(block.rpartition(".")[0]) if "." in block else model
-    found = [m for n, m in parent.named_children() if n != block.rpartition(".")[2]
-             and isinstance(getattr(m, "weight", None), torch.Tensor) and tuple(m.weight.shape) == (spec.num_experts, hidden)]
+    owner, _, name = spec.block.rpartition(".")
+    parent = model.get_submodule(owner)
+    found = [m for n, m in parent.named_children() if n != name
+             and isinstance(getattr(m, "weight", None), torch.Tensor) and tuple(m.weight.shape) == (spec.num_experts, spec.hidden)]
     return found[0] if len(found) == 1 else None
 
 
@@ -196,9 +198,8 @@ def _link_guesses(model: torch.nn.Module, routed: dict[str, ExpertsSpec]) -> dic
         module._hostswap_guess = None  # not a module: nn.Module keeps it as a plain attribute
         if following is None:
             continue
-        hidden = (module.gate_up_proj if routed[block].gated else module.up_proj).shape[1 if routed[block].transposed else 2]
         norm, next_norm = _input_norm(model, block), _input_norm(model, following)
-        next_router = _router(model, following, routed[following], hidden)
+        next_router = _router(model, routed[following])
         if norm is None or next_norm is None or norm is next_norm:
             unguessed[following] = f"no input norm ({' or '.join(MOE_INPUT_NORMS)}) found for its layer or the one before"
         elif next_router is None:

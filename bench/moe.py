@@ -220,6 +220,18 @@ def main(argv=None) -> int:
         budgets = (("floor", floor), ("25%", total // 4), ("50%", total // 2))
         bandwidth = result["pinned_h2d_bytes_per_s"]
 
+        def with_guess(row, program, budget):
+            """A row with a cache is measured again with the next-layer guess prefetching."""
+            r = row["routed"]
+            if r["cache_slots"] and not r["resident_blocks"]:
+                row["routed, guess prefetched"] = generate(*program, budget, prompt, args.new_tokens, device, args.temperature, expert_prefetch=True)
+                row["prefetch_speedup"] = r["ms_per_token"] / row["routed, guess prefetched"]["ms_per_token"]
+
+        def add(row):
+            """Record the row, printed without the token lists."""
+            measured = [n for n in row if isinstance(row[n], dict)]
+            add_row(result, row, path, shown={k: v for k, v in row.items() if k not in measured} | {n: {k: v for k, v in row[n].items() if k != "tokens"} for n in measured})
+
         def bound(row, r):
             if bandwidth:
                 transfer = (r["bytes_streamed_per_token"] + r["needed_expert_bytes_per_token"]) / bandwidth * 1e3
@@ -232,14 +244,11 @@ def main(argv=None) -> int:
                 measured = generate(*programs[name], max(budget, floor, whole_floor if name == "all experts" else 0), prompt, args.new_tokens, device, args.temperature)
                 row[name] = measured
             r = row["routed"]
-            if r["cache_slots"] and not r["resident_blocks"]:  # a cache, so a guess to prefetch: measured without it too
-                row["routed, guess prefetched"] = generate(*programs["routed"], max(budget, floor), prompt, args.new_tokens, device, args.temperature, expert_prefetch=True)
-                row["prefetch_speedup"] = r["ms_per_token"] / row["routed, guess prefetched"]["ms_per_token"]
+            with_guess(row, programs["routed"], max(budget, floor))
             bound(row, r)
             row["speedup_over_all_experts"] = row["all experts"]["ms_per_token"] / r["ms_per_token"]
             row["same_tokens"] = all(row[n]["tokens"] == row["all experts"]["tokens"] for n in row if isinstance(row[n], dict) and "tokens" in row[n])
-            measured = [n for n in row if isinstance(row[n], dict)]
-            add_row(result, row, path, shown={k: v for k, v in row.items() if k not in measured} | {n: {k: v for k, v in row[n].items() if k != "tokens"} for n in measured})
+            add(row)
         peers = [p for p in args.peers.split(",") if p] if device.type == "cuda" else []
         routed_ms = {row["budget"]: row["routed"]["ms_per_token"] for row in result["rows"] if row["routing"] == "uniform"}
         for peer in peers:
@@ -261,12 +270,9 @@ def main(argv=None) -> int:
             result["export_skewed_s"] = time.perf_counter() - t
             for budget_name, budget in budgets:
                 row = {"routing": "skewed", "budget": budget_name, "budget_bytes": max(budget, floor), "routed": generate(*skewed, max(budget, floor), prompt, args.new_tokens, device, args.temperature)}
-                if row["routed"]["cache_slots"] and not row["routed"]["resident_blocks"]:
-                    row["routed, guess prefetched"] = generate(*skewed, max(budget, floor), prompt, args.new_tokens, device, args.temperature, expert_prefetch=True)
-                    row["prefetch_speedup"] = row["routed"]["ms_per_token"] / row["routed, guess prefetched"]["ms_per_token"]
+                with_guess(row, skewed, max(budget, floor))
                 bound(row, row["routed"])
-                measured = [n for n in row if isinstance(row[n], dict)]
-                add_row(result, row, path, shown={k: v for k, v in row.items() if k not in measured} | {n: {k: v for k, v in row[n].items() if k != "tokens"} for n in measured})
+                add(row)
     print(f"wrote {path}")
     return 0
 

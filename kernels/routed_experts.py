@@ -204,12 +204,11 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
     cache = caches.get(block) if caches else None
     if top_k_index.shape[0] == 1:  # one token: its top-k, gathered (k experts of scratch)
         _record(block, top_k_index.numel(), unit_bytes(*tables))
+        rows, read = top_k_index, tables
         if cache is not None:  # the picks' slots, the missed ones filled first
-            slots = cache.lookup(top_k_index, tables).view_as(top_k_index)
-            _prefetch_next(caches, next_block, next_logits)  # behind this block's misses on the bus
-            return _pairs(hidden, slots, top_k_weights, *cache.tables, gate_of, transposed)
-        _prefetch_next(caches, next_block, next_logits)
-        return _pairs(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
+            rows, read = cache.lookup(top_k_index, tables).view_as(top_k_index), cache.tables
+        _prefetch_next(caches, next_block, next_logits)  # behind this block's misses on the bus
+        return _pairs(hidden, rows, top_k_weights, *read, gate_of, transposed)
     if cache is not None:
         cache.settle()  # no prefetch is left unjoined (a CUDA graph's capture must end on one stream)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot learn the union

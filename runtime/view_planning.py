@@ -199,8 +199,9 @@ def _drop_views_of_rewritten_state(m: LoadedMethod, state: set[int], root: dict,
     for v, r in root.items():
         if r in state:
             by_root.setdefault(r, []).append(v)
+    pc_of = {m.instructions[pc].keyword.get("out"): pc for pc in views}  # a view's value -> the copy it replaces
     for r, viewing in by_root.items():
-        made = {pc for pc in views if m.instructions[pc].keyword.get("out") in viewing}
+        made = {pc_of[v] for v in viewing}
         first = min(made)
         last = max(max(read_pcs.get(v, [first])) if v not in outputs else n for v in viewing)
         region = m.regions[r]
