@@ -26,6 +26,7 @@ in a process group of another size, or on another rank, naming both numbers.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -324,7 +325,17 @@ def init_from_environment(device_type: str, timeout_s: float = 300.0) -> tuple[i
         # NCCL's communicator made now (device_id), not at the first collective: decode's CUDA graph captures collectives
         options = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device_type == "cuda" else {}
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s), **options)
+        # torn down while the interpreter is whole: gloo's worker threads still holding tensors
+        # at interpreter exit abort the process (SIGABRT, "terminate called without an active exception")
+        atexit.register(_destroy_process_group)
     return rank, world
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank_program(base: str, device: str | None) -> tuple[str, int, torch.device]:

@@ -8,6 +8,7 @@ the update is PyTorch's AdamW arithmetic), on a transformers Llama from a tiny c
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 
@@ -71,6 +72,11 @@ def _train(rank: int, world: int, port: int, optimizer: str, out: str) -> None:
             assert state_elements == shard_elements < sum(p.numel() for p in params)  # its shards' moments only
         if rank == 0:
             torch.save({"losses": torch.stack(losses), "params": full}, out)
+        # nothing of FSDP's (pending work, its collectives' tensors) outlives the process group,
+        # and no rank tears it down while another still uses it
+        del model, opt, params
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
