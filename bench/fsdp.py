@@ -15,7 +15,11 @@ after another in the same processes:
 - ``OffloadAdamW + offload_grads``: the reduce-scattered gradient shards go to pinned host
   memory as they are made;
 - the same with bf16 shards on the GPU and their fp32 masters in host memory
-  (``offload_master``): the GPU keeps only the bf16 working weights.
+  (``offload_master``): the GPU keeps only the bf16 working weights;
+- ``CPUOffloadPolicy + offload_quants``: FSDP2's offload, each Linear shard with a persistent
+  int8 (or float8) copy in pinned host memory that its all-gathers send instead of the fp32
+  master (hostswap/fsdp_quants.py): a quarter of the bytes over the link, half of bf16's
+  between the ranks.
 
 Each row: the median step time (forward, backward and optimizer step) of ``--steps`` steps after
 two warm-up steps, tokens/s over all GPUs, and the peak GPU memory of a step on rank 0 (and the
@@ -43,7 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from weights import add_row, environment, result_path  # noqa: E402
 
 MASTERS = "OffloadAdamW, bf16 shards, fp32 masters on the host + offload_grads"
-CONFIGS = ("AdamW", "CPUOffloadPolicy", "OffloadAdamW", "OffloadAdamW + offload_grads", MASTERS)
+QUANTS = {"CPUOffloadPolicy + offload_quants int8": "int8", "CPUOffloadPolicy + offload_quants float8": "float8"}
+CONFIGS = ("AdamW", "CPUOffloadPolicy", "OffloadAdamW", "OffloadAdamW + offload_grads", MASTERS, *QUANTS)
 
 
 def build(args, config: str, device: torch.device):
@@ -66,7 +71,12 @@ def build(args, config: str, device: torch.device):
     options = {"mesh": mesh}
     if device.type == "cuda":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if config == "CPUOffloadPolicy":
+    quants = None
+    if config in QUANTS:  # each Linear shard's int8/float8 copy on the host is what goes to the GPU and between ranks
+        from hostswap.fsdp_quants import offload_quants
+
+        quants = offload_quants(model, QUANTS[config])
+    if config.startswith("CPUOffloadPolicy"):
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for layer in model.model.layers:
         fully_shard(layer, **options)
@@ -76,7 +86,7 @@ def build(args, config: str, device: torch.device):
         opt = OffloadAdamW(params, lr=1e-4, weight_decay=0.1, offload_grads=config.endswith("offload_grads"), offload_master=config == MASTERS)
     else:
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=True)
-    return model, opt, sum(p.numel() for p in params)
+    return model, opt, sum(p.numel() for p in params), quants
 
 
 def run_rank(args) -> None:
@@ -94,7 +104,7 @@ def run_rank(args) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # whatever outlived it
-        model, opt, params = build(args, config, device)
+        model, opt, params, quants = build(args, config, device)
         losses, times, memory = [], [], []
         cuda = device.type == "cuda"
         for step in range(args.steps + 2):
@@ -126,7 +136,9 @@ def run_rank(args) -> None:
                      "tokens_per_s": args.batch * args.seq * world / seconds,
                      "peak_gib_rank0": peak / 2**30 if peak else None, "peak_gib_max": max(everyone) / 2**30 if peak else None,
                      "backward_peak_gib_rank0": gib(0), "after_backward_gib_rank0": gib(1), "gradients_on_gpu_gib_rank0": gib(3),
-                     "host_gib": getattr(opt, "host_bytes", 0) / 2**30, "losses": losses})
+                     "host_gib": (getattr(opt, "host_bytes", 0) + (quants.host_bytes if quants else 0)) / 2**30, "losses": losses,
+                     **({"quantized_gib_to_gpu_per_step": quants.bytes_h2d / (args.steps + 2) / 2**30,
+                         "quantizations_per_step": quants.quantizations / (args.steps + 2)} if quants else {})})
         del model, opt
     if rank == 0:
         with open(args.rows, "w") as f:

@@ -121,4 +121,6 @@ def test_bench_script_on_the_cpu(tmp_path):
                        "--steps", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "fsdp_cpu.json").read_text())["rows"]
     assert [r["configuration"] for r in rows] == list(bench.CONFIGS)
-    assert all(r["max_loss_diff_vs_adamw"] < 1e-4 for r in rows[:4]), rows  # fp32 on the CPU; the last row trains bf16 shards
+    assert all(r["max_loss_diff_vs_adamw"] < 1e-4 for r in rows[:4]), rows  # fp32 on the CPU; the next row trains bf16 shards
+    quantized = [r for r in rows if r["configuration"] in bench.QUANTS]
+    assert len(quantized) == 2 and all(0 < r["max_loss_diff_vs_adamw"] < 0.05 and r["quantizations_per_step"] > 0 for r in quantized), quantized

@@ -1,0 +1,284 @@
+"""Persistent quantized weight copies for FSDP2's all-gathers, kept in host memory
+(``offload_quants``).
+
+FSDP2 (``fully_shard``) gathers each sharded weight before a layer's forward and again before
+its backward. With ``offload_quants`` a Linear weight's shard keeps a quantized copy (int8 or
+float8 e4m3, one scale per row) beside its master; the gather sends that copy instead of the
+master: over the host-to-device link where the master lives in host memory (FSDP2's
+``CPUOffloadPolicy``), and between ranks in the all-gather. After the gather each rank
+dequantizes the full weight to the compute dtype (``MixedPrecisionPolicy.param_dtype``, else the
+master's); gradients flow to the master as if the dequantized weight were the weight (the
+straight-through rule), and FSDP2 reduce-scatters them as usual.
+
+The copy is persistent and version-tracked: it is made from the master once, and made again
+only after the master changed in place (an optimizer step bumps the tensor's version counter),
+never per gather. With ``host=True`` (the default) it lives in host memory, pinned where CUDA is
+there, so the GPU holds no weight between gathers but the gather's own transient buffers.
+
+The mechanism is FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather`` on the shard's local tensor, as torchao's float8 training uses it):
+``offload_quants(model)`` swaps each Linear weight for a ``QuantizedShard`` before
+``fully_shard``; the tensor behaves as its master for every other operation. A weight whose
+rows do not split evenly over the ranks is gathered as its master (FSDP2 pads such shards,
+and per-row scales cannot be padded with them); ``stats["plain"]`` names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.utils._pytree import tree_map
+
+SCHEMES = {"int8": torch.int8, "float8": torch.float8_e4m3fn}
+INT8_MAX = 127.0
+FLOAT8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+# Operators whose result views the shard's elements: a shard again, its changes counted with the source's.
+_VIEW_OPS = {
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.as_strided.default, torch.ops.aten.narrow.default,
+    torch.ops.aten.slice.Tensor, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.chunk.default,
+}
+# Operators that make new elements of the shard's kind (FSDP2 pads and pins through these): a new shard.
+_NEW_OPS = {
+    torch.ops.aten.clone.default, torch.ops.aten.new_zeros.default, torch.ops.aten.new_empty.default, torch.ops.aten.empty_like.default,
+    torch.ops.aten.zeros_like.default, torch.ops.aten._pin_memory.default,
+}
+# Same elements, same shape: the result shares the copy with the source.
+_ALIAS_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+
+class QuantsError(ValueError):
+    """``offload_quants`` cannot apply to this model as asked; the message says why."""
+
+
+def quantize_rows(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales [rows, 1] fp32) of a 2-D weight, one scale per row: int8 rounds
+    ``w / scale`` with ``scale = max|row| / 127``; float8 casts it to e4m3 with
+    ``scale = max|row| / 448``."""
+    w = weight.detach().float()
+    top = INT8_MAX if scheme == "int8" else FLOAT8_MAX
+    scale = (w.abs().amax(dim=1, keepdim=True) / top).clamp(min=torch.finfo(torch.float32).tiny)
+    scaled = w / scale
+    if scheme == "int8":
+        return scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    return scaled.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (the compute dtype) = codes * scale, row by row; every int8 and e4m3 value is
+    exact in bf16, fp16 and fp32, so only the product rounds."""
+    out.copy_(codes)
+    return out.mul_(scale.to(out.dtype))
+
+
+@dataclasses.dataclass
+class QuantStats:
+    """What the quantized gathers of one model did, summed over its weights on this rank."""
+
+    quantizations: int = 0  # copies made from a master: once, then after each in-place change
+    gathers: int = 0  # all-gathers that sent a quantized copy
+    bytes_gathered: int = 0  # this rank's all-gather inputs (codes and scales)
+    bytes_h2d: int = 0  # of those, brought from host memory to the device
+    host_bytes: int = 0  # the copies held in host memory
+    plain: list[str] = dataclasses.field(default_factory=list)  # weights gathered as their master (uneven rows)
+
+
+class _Changes:
+    """How many times the elements of one master's storage were written in place: shared by
+    every shard that views that storage. (Version counters cannot serve: a wrapper subclass's
+    operators run below autograd, where in-place writes to its master bump no version.)"""
+
+    count = 0
+
+
+class _Copy:
+    """The persistent quantized copy of one shard, and the count of changes it was made at."""
+
+    def __init__(self, scheme: str, host: bool, stats: QuantStats, name: str):
+        self.scheme, self.host, self.stats, self.name = scheme, host, stats, name
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.made_at = -1
+        self.read: torch.cuda.Event | None = None  # the last copy out of pinned host memory
+
+    def like(self) -> "_Copy":
+        """An empty copy of the same kind, for another shard."""
+        return _Copy(self.scheme, self.host, self.stats, self.name)
+
+    def fresh(self, master: torch.Tensor, changes: _Changes) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copy of ``master`` as it is now, made again when the master changed since; where
+        the master is on a device, the codes just made there (the host keeps its own copy)."""
+        if self.codes is not None and changes.count == self.made_at:
+            return self.codes, self.scale
+        codes, scale = quantize_rows(master, self.scheme)
+        self.made_at = changes.count
+        self.stats.quantizations += 1
+        if not self.host:
+            self.codes, self.scale = codes, scale
+            return codes, scale
+        if self.codes is None:
+            pin = torch.cuda.is_available()
+            self.codes = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=pin)
+            self.scale = torch.empty(scale.shape, dtype=scale.dtype, pin_memory=pin)
+            self.stats.host_bytes += _nbytes(self.codes) + _nbytes(self.scale)
+        elif self.read is not None:  # a gather may still be reading the pinned copy
+            self.read.synchronize()
+        self.codes.copy_(codes)
+        self.scale.copy_(scale)
+        return (codes, scale) if codes.device.type != "cpu" else (self.codes, self.scale)
+
+    def staged(self, master: torch.Tensor, changes: _Changes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copy on ``device``, for one all-gather."""
+        codes, scale = self.fresh(master, changes)
+        if codes.device != device:
+            codes, scale = codes.to(device, non_blocking=True), scale.to(device, non_blocking=True)
+            self.stats.bytes_h2d += _nbytes(codes) + _nbytes(scale)
+            if device.type == "cuda":
+                self.read = torch.cuda.Event()
+                self.read.record()
+        return codes, scale
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _written(func, args, kwargs) -> list:
+    """The arguments ``func`` writes in place (its schema's mutable ones)."""
+    written = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[i] if i < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+            written += value if isinstance(value, (list, tuple)) else [value]
+    return written
+
+
+class QuantizedShard(torch.Tensor):
+    """A weight (a shard of it, once ``fully_shard`` split it) whose FSDP2 all-gathers send a
+    persistent quantized copy. It behaves as its master for every operation; ``.to()`` another
+    device gives a shard whose master follows only when an operation reads it, so FSDP2's copy
+    of a host shard to the device before its all-gather moves the quantized copy alone."""
+
+    _master: torch.Tensor
+    _copy: _Copy
+    _changes: _Changes
+    _moved: torch.Tensor | None  # the master on this shard's device, once an operation needed it
+
+    @staticmethod
+    def __new__(cls, master: torch.Tensor, copy: _Copy, changes: _Changes, device: torch.device | None = None):
+        return torch.Tensor._make_wrapper_subclass(cls, master.shape, strides=master.stride(), storage_offset=master.storage_offset(), dtype=master.dtype,
+                                                   device=device or master.device, requires_grad=False)
+
+    def __init__(self, master: torch.Tensor, copy: _Copy, changes: _Changes, device: torch.device | None = None):
+        self._master, self._copy, self._changes = master, copy, changes
+        self._moved = None if device is not None and device != master.device else master
+
+    def __repr__(self) -> str:
+        return f"QuantizedShard({self._copy.scheme}, {tuple(self.shape)}, {self.dtype}, {self.device})"
+
+    def __tensor_flatten__(self):
+        return ["_master"], (self._copy, self._changes, self.device)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, context, outer_size, outer_stride):
+        return QuantizedShard(inner["_master"], *context)
+
+    def master(self) -> torch.Tensor:
+        """The master's elements on this shard's device (moved there on first use)."""
+        if self._moved is None:
+            self._moved = self._master.to(self.device)
+        return self._moved
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if func is torch.ops.aten._to_copy.default and isinstance(first, QuantizedShard) and len(args) == 1:
+            device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else first.device
+            same_kind = all(v is None or k in ("device", "non_blocking", "layout", "memory_format") or (k == "dtype" and v == first.dtype)
+                            for k, v in kwargs.items())
+            if device != first.device and same_kind and first._moved is first._master:
+                return QuantizedShard(first._master, first._copy, first._changes, device)  # the master moves only if something reads it
+        written = [t for t in _written(func, args, kwargs) if isinstance(t, QuantizedShard)] if func._schema.is_mutable else []
+        unwrapped = tree_map(lambda t: t.master() if isinstance(t, QuantizedShard) else t, (args, kwargs))
+        result = func(*unwrapped[0], **unwrapped[1])
+        if written:
+            for shard in written:
+                shard._changes.count += 1
+            if func.overloadpacket.__name__.endswith("_"):  # in place: the shard itself (a list's: None)
+                return first if isinstance(first, QuantizedShard) else result
+            return kwargs["out"] if kwargs.get("out") is not None else result
+        if isinstance(first, QuantizedShard):
+            if func in _ALIAS_OPS:  # the same elements: the same copy
+                return QuantizedShard(result, first._copy, first._changes)
+            if func in _VIEW_OPS:
+                return tree_map(lambda r: QuantizedShard(r, first._copy.like(), first._changes) if isinstance(r, torch.Tensor) else r, result)
+            if func in _NEW_OPS or func is torch.ops.aten._to_copy.default:
+                return tree_map(lambda r: QuantizedShard(r, first._copy.like(), _Changes()) if isinstance(r, torch.Tensor) and r.dtype == first.dtype else r,
+                                result)
+        return result
+
+    # --- FSDP2's all-gather extension -----------------------------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        world = mesh.size()
+        if outer_size[0] % world:  # uneven rows: the master, padded to the rows of the first shard as FSDP2 pads
+            if self._copy.name not in self._copy.stats.plain:
+                self._copy.stats.plain.append(self._copy.name)
+            master = self.master()
+            padded = master.new_zeros((-(-outer_size[0] // world), *master.shape[1:]), dtype=mp_policy.param_dtype or self.dtype)
+            padded[: master.shape[0]].copy_(master)
+            return (padded,), None
+        codes, scale = self._copy.staged(self._master, self._changes, self.device)
+        gathered = codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes  # every backend gathers bytes
+        self._copy.stats.gathers += 1
+        self._copy.stats.bytes_gathered += _nbytes(codes) + _nbytes(scale)
+        return (gathered, scale), codes.dtype
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if metadata is None:  # gathered as the master
+            (full,) = all_gather_outputs
+            if out is not None:
+                return None
+            return full, (full,)
+        codes, scale = all_gather_outputs
+        codes = codes.view(metadata)
+        if out is not None:  # the weight autograd saved in the forward: refilled as FSDP2 refills its own
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                dequantize_rows(codes, scale, out)
+            return None
+        full = dequantize_rows(codes, scale, torch.empty(codes.shape, dtype=param_dtype, device=codes.device))
+        return full, (full,)
+
+
+def offload_quants(model: torch.nn.Module, scheme: str = "int8", *, host: bool = True) -> QuantStats:
+    """Give every ``nn.Linear`` weight of ``model`` a persistent quantized copy for FSDP2's
+    all-gathers (see the module docstring); call it before ``fully_shard``. ``scheme``:
+    ``"int8"`` or ``"float8"`` (e4m3), one scale per row. ``host=False`` keeps the copies where
+    the masters are (``persistent_quants`` without the offload). Returns the stats the gathers
+    of this model add to."""
+    if scheme not in SCHEMES:
+        raise QuantsError(f"offload_quants scheme {scheme!r} is not one of {sorted(SCHEMES)}")
+    stats = QuantStats()
+    weights = {}  # id -> (name, the Linear weight)
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            weights.setdefault(id(module.weight), (f"{module_name}.weight" if module_name else "weight", module.weight))
+    if not weights:
+        raise QuantsError(f"{type(model).__name__} has no nn.Linear weights to quantize")
+    for name, weight in weights.values():
+        if type(weight).__name__ == "DTensor":
+            raise QuantsError(f"{name} is already sharded: call offload_quants before fully_shard")
+        if isinstance(weight, QuantizedShard):
+            raise QuantsError(f"{name} already has a quantized copy: offload_quants ran on this model before")
+        if not weight.dtype.is_floating_point or weight.dim() != 2:
+            raise QuantsError(f"{name} is a {weight.dim()}-D {weight.dtype} tensor; offload_quants quantizes 2-D floating-point weights")
+    swapped = {key: torch.nn.Parameter(QuantizedShard(weight.detach(), _Copy(scheme, host, stats, name), _Changes()), requires_grad=weight.requires_grad)
+               for key, (name, weight) in weights.items()}
+    for module in model.modules():  # every holder of a swapped weight: a tied embedding too
+        for attr, param in list(module._parameters.items()):
+            if param is not None and id(param) in swapped:
+                module._parameters[attr] = swapped[id(param)]
+    return stats

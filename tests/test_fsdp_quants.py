@@ -1,0 +1,202 @@
+"""offload_quants on FSDP2 (``fully_shard``), on the CPU with gloo.
+
+Each Linear weight's shard keeps a persistent quantized copy in host memory, and the all-gathers
+send that copy. The reference is plain FSDP2 whose Linear layers run on the same per-row
+quantize-dequantize of their gathered weight, gradients passed straight through: both runs
+reduce-scatter the same gradients, so losses and parameters must match step for step.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+STEPS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(arch: str, vocab: int):
+    import transformers as T
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(**common))
+    if arch == "qwen2-tied":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**common, tie_word_embeddings=True))
+    if arch == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+    raise ValueError(arch)
+
+
+class _QuantizedWeight(torch.autograd.Function):
+    """The reference's weight: per-row quantize-dequantize forward, the gradient passed through."""
+
+    @staticmethod
+    def forward(ctx, weight, scheme):
+        from hostswap.fsdp_quants import dequantize_rows, quantize_rows
+
+        codes, scale = quantize_rows(weight, scheme)
+        return dequantize_rows(codes, scale, torch.empty_like(weight))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _quantize_forward(model, scheme: str) -> None:
+    """The reference: every module holding a Linear weight (a tied embedding too) runs on it quantized."""
+    import torch.nn.functional as F
+
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) in linear_weights:
+            module.forward = lambda x, m=module: F.linear(x, _QuantizedWeight.apply(m.weight, scheme), m.bias)
+        elif isinstance(module, torch.nn.Embedding) and id(module.weight) in linear_weights:
+            module.forward = lambda ids, m=module: F.embedding(ids, _QuantizedWeight.apply(m.weight, scheme), m.padding_idx)
+
+
+def _train(rank: int, world: int, port: int, arch: str, mode: str, scheme: str, vocab: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from hostswap.fsdp_quants import offload_quants
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        model = _model(arch, vocab)
+        stats = offload_quants(model, scheme) if mode.startswith("quants") else None
+        if mode == "reference":
+            _quantize_forward(model, scheme)
+        options = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if mode == "quants+cpu_offload" else {}
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, **options)
+        fully_shard(model, mesh=mesh, **options)
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+        ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(100 + rank))
+        losses, quantizations = [], []
+        for _ in range(STEPS):
+            for micro in range(2):  # two backwards per step: the copies are made once per step, not per gather
+                loss = model(input_ids=ids[micro : micro + 1], labels=ids[micro : micro + 1]).loss
+                loss.backward()
+                losses.append(loss.detach())
+            if stats is not None:
+                quantizations.append(stats.quantizations)
+            opt.step()
+            opt.zero_grad()
+        full = {name: p.full_tensor() for name, p in model.named_parameters()}
+        if rank == 0:
+            torch.save({"losses": torch.stack(losses), "params": full, "stats": stats, "quantizations": quantizations,
+                        "local_bytes": sum(p.to_local().numel() * p.element_size() for p in params)}, out)
+        del model, opt, params
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tmp_path, world: int, arch: str, mode: str, scheme: str = "int8", vocab: int = 128) -> dict:
+    out = str(tmp_path / f"{arch}-{mode}-{scheme}-{world}.pt")
+    mp.spawn(_train, args=(world, _free_port(), arch, mode, scheme, vocab, out), nprocs=world, join=True)
+    return torch.load(out, weights_only=False)
+
+
+def _same_run(got: dict, expected: dict) -> None:
+    torch.testing.assert_close(got["losses"], expected["losses"], rtol=1e-5, atol=1e-5)
+    assert set(got["params"]) == set(expected["params"])
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("world,arch,scheme", [(2, "llama", "int8"), (4, "llama", "int8"), (2, "qwen2-tied", "int8"), (2, "mixtral", "int8"),
+                                               (2, "llama", "float8")])
+def test_quantized_gathers_train_as_quantized_weights(tmp_path, world, arch, scheme):
+    """The run with offload_quants equals FSDP2 whose layers quantize their gathered weight, and
+    each step quantizes each Linear shard once (two backwards in a step gather it four times)."""
+    expected = _run(tmp_path, world, arch, "reference", scheme)
+    got = _run(tmp_path, world, arch, "quants", scheme)
+    _same_run(got, expected)
+    assert got["losses"][-1] < got["losses"][0]  # it trains
+    stats = got["stats"]
+    linear = {id(m.weight) for m in _model(arch, 128).modules() if isinstance(m, torch.nn.Linear)}
+    assert got["quantizations"] == [len(linear) * (step + 1) for step in range(STEPS)]
+    assert stats.gathers > stats.quantizations and stats.plain == []
+    assert stats.host_bytes > 0 and stats.bytes_h2d == 0  # on the CPU the host copy is read in place
+    # codes are one byte per element, a quarter of the fp32 shards
+    assert stats.bytes_gathered / stats.gathers < 0.3 * got["local_bytes"] / len(linear) * 4
+
+
+def test_cpu_offload_policy_and_uneven_rows(tmp_path):
+    """Under FSDP2's CPUOffloadPolicy the run is the one without it; a weight whose rows do not
+    split over the ranks (a 130-token head on 4 ranks) is gathered as its master, and named;
+    the quantized weights do change the run (plain FSDP2 trains otherwise)."""
+    got = _run(tmp_path, 4, "llama", "quants+cpu_offload", vocab=130)
+    assert got["stats"].plain == ["lm_head.weight"]
+    _same_run(got, _run(tmp_path, 4, "llama", "quants", vocab=130))
+    plain = _run(tmp_path, 4, "llama", "plain", vocab=130)
+    assert not torch.allclose(got["losses"], plain["losses"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["losses"], plain["losses"], rtol=0.02, atol=0.02)  # int8 rows: close to the weights they stand for
+
+
+def test_bad_input_is_refused_by_name():
+    from torch import nn
+
+    from hostswap.fsdp_quants import QuantsError, offload_quants
+
+    with pytest.raises(QuantsError, match="scheme 'int4' is not one of"):
+        offload_quants(nn.Sequential(nn.Linear(4, 4)), "int4")
+    with pytest.raises(QuantsError, match="Sequential has no nn.Linear weights"):
+        offload_quants(nn.Sequential(nn.LayerNorm(4)))
+    model = nn.Sequential(nn.Linear(4, 4))
+    offload_quants(model)
+    with pytest.raises(QuantsError, match="0.weight already has a quantized copy"):
+        offload_quants(model)
+
+
+def test_shard_behaves_as_its_master():
+    """Outside the gathers a quantized weight computes as its master does, in-place updates
+    reach the master, and the copy is made again only after the master changed."""
+    from torch import nn
+
+    from hostswap.fsdp_quants import QuantizedShard, offload_quants
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    plain = [p.detach().clone() for p in model.parameters()]
+    stats = offload_quants(model)
+    weight = model[0].weight
+    assert isinstance(weight, QuantizedShard) and weight.requires_grad
+    x = torch.randn(5, 8)
+    reference = torch.relu(x @ plain[0].T + plain[1]) @ plain[2].T + plain[3]
+    assert torch.equal(model(x), reference)
+    model(x).sum().backward()
+    assert weight.grad is not None and type(weight.grad) is torch.Tensor
+    copy = weight._copy
+    codes, _ = copy.fresh(weight._master, weight._changes)
+    again, _ = copy.fresh(weight._master, weight._changes)
+    assert again is codes and stats.quantizations == 1
+    with torch.no_grad():
+        weight.mul_(2)
+    assert torch.equal(weight._master, plain[0] * 2)
+    copy.fresh(weight._master, weight._changes)
+    assert stats.quantizations == 2
+    # another device: the master follows only when an operation reads it (FSDP2's copy of a host
+    # shard to the GPU before its gather takes the quantized copy alone)
+    moved = weight.detach().to("meta", non_blocking=True)
+    assert isinstance(moved, QuantizedShard) and moved.device.type == "meta" and moved._moved is None and moved._copy is copy
+    assert (moved * 2).device.type == "meta" and moved._moved is not None
