@@ -117,6 +117,7 @@ class SafetensorsCheckpoint:
         if shard_of is not None:
             # the index decides which names the checkpoint has
             self.tensors = {name: t for name, t in self.tensors.items() if name in shard_of}
+        self.bytes_read = 0
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -132,6 +133,7 @@ class SafetensorsCheckpoint:
             got = f.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
         if got != stored.nbytes:
             raise CheckpointError(f"tensor '{name}' of shard {stored.shard} ({self.folder}) ends past the file's end: {got} of {stored.nbytes} bytes read")
+        self.bytes_read += got
         return out
 
 
@@ -249,11 +251,11 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
     turn to be written comes (on the GPU when there is one; int4 needs one). ``max_batch_size``:
     a program for that many sequences at once (``hostswap.batching``). ``speculate_k``: a verify
     method for speculative decoding (``hostswap.speculative``). ``tensor_parallel``: one program
-    and ``.ptd`` per rank of that many, each tensor split as it is written
-    (hostswap/tensor_parallel.py); returns the lists of their paths."""
+    and ``.ptd`` per rank of that many, written side by side: each tensor is read once and
+    split as it is written (hostswap/tensor_parallel.py); returns the lists of their paths."""
     import contextlib
 
-    from hostswap.passes.lowering import save_streamed
+    from hostswap.passes.lowering import save_streamed_together
 
     folder = os.fspath(folder)
     checkpoint = SafetensorsCheckpoint(folder)
@@ -278,10 +280,8 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
     full_shapes = {MODEL_PREFIX + n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
     shards = {MODEL_PREFIX + s.name: s for s in plan.shards} if plan else {}
 
-    def tensor_for(entry, rank: int | None = None) -> torch.Tensor:
-        shard = shards.get(entry.fqn) if rank is not None else None
-        if shard is not None:  # this rank's piece of the whole tensor
-            return shard.piece(tensor_for(PtdTensor(entry.fqn, entry.dtype, full_shapes[entry.fqn])), rank, plan.world)
+    def tensor_for(entry) -> torch.Tensor:
+        """The whole tensor of ``entry``, read (and converted) from the checkpoint."""
         if quantizer is not None and quantizer.weight_of(entry.fqn):
             return quantizer.inner_tensor(entry.fqn, lambda fqn, shape: tensor_for(PtdTensor(fqn, dtype, shape)))
         candidates = names.get(entry.fqn, ())
@@ -320,24 +320,45 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
         if bar:
             bar[0].update(entry.nbytes)
 
-    def write(rank: int | None) -> tuple[str, str]:
-        from hostswap.tensor_parallel import TENSOR_PARALLEL, rank_path, sharded
+    def programs_of(rank: int | None) -> tuple[dict, dict]:
+        from hostswap.tensor_parallel import TENSOR_PARALLEL, sharded
 
         with sharded(model, plan, rank) if plan else contextlib.nullcontext():
             programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
                                                   gather_from_host=gather_from_host, progress=progress, device="meta",
                                                   max_batch_size=max_batch_size, speculate_k=speculate_k)
         if plan:
-            say(f"rank {rank} of {plan.world}")
+            say(f"rank {rank} of {plan.world} traced")
             constants[TENSOR_PARALLEL] = [rank, plan.world]
-        try:
-            return save_streamed(programs, rank_path(out, rank) if plan else out, lambda entry: tensor_for(entry, rank), constant_methods=constants,
-                                 progress=progress, on_start=start, on_written=written, values=buffer_values)
-        finally:
-            if bar:
-                bar.pop().close()
+        return programs, constants
 
+    ranks = list(range(plan.world)) if plan else [None]
+    traced = [programs_of(rank) for rank in ranks]
+    if plan:
+        from hostswap.tensor_parallel import rank_path
+
+        paths = [rank_path(out, rank) for rank in ranks]
+        # the ranks' .ptds are written side by side, each weight's turn coming for every rank
+        # at once: a tensor of the checkpoint is read once and split, not once per rank
+        last: list = []
+
+        def piece_for(entry, rank: int) -> torch.Tensor:
+            if entry.fqn not in shards:
+                return tensor_for(entry)
+            if not last or last[0] != entry.fqn:
+                last[:] = [entry.fqn, tensor_for(PtdTensor(entry.fqn, entry.dtype, full_shapes[entry.fqn]))]
+            return shards[entry.fqn].piece(last[1], rank, plan.world)
+    else:
+        paths = [out]
+        piece_for = lambda entry, _: tensor_for(entry)  # noqa: E731
+    try:
+        written_paths = save_streamed_together([programs for programs, _ in traced], paths, piece_for,
+                                               constant_methods=[constants for _, constants in traced], progress=progress, on_start=start,
+                                               on_written=written, values=buffer_values)
+    finally:
+        if bar:
+            bar.pop().close()
+    say(f"read {checkpoint.bytes_read / 2**20:.1f} MiB from {folder}'s shards")
     if plan is None:
-        return write(None)
-    written_paths = [write(rank) for rank in range(plan.world)]
+        return written_paths[0]
     return [pte for pte, _ in written_paths], [ptd for _, ptd in written_paths]

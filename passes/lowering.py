@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 
@@ -13,7 +14,7 @@ from torch.export.graph_signature import InputKind
 
 from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, view_chain_root
 from hostswap.passes.out_variants import CustomOpOutVariantPass
-from hostswap.passes.ptd_writer import PtdTensor, entries_in_order, write_ptd
+from hostswap.passes.ptd_writer import PtdTensor, PtdWriter, entries_in_order
 from hostswap.passes.weight_offload import (
     INLINE_CONSTANT_MARK,
     OPTIONS_META_KEY,
@@ -335,38 +336,79 @@ def save_streamed(programs: dict[str, ExportedProgram], path: str | os.PathLike,
     whose values are known (buffers computed at construction), put back by FQN once lowered.
     Other weights (constants made by tracing) are written from the programs themselves. The
     same temporary names and final moves as ``save``."""
-    directory, pte_path, ptd_path = _target_paths(path)
-    _check_constants_have_values(programs, values or {})
-    edge, schedules = lower_to_edge(programs, progress)
-    lowered = {name: edge.exported_program(name) for name in schedules}
-    for ep in lowered.values():
-        for table in (ep.state_dict, ep.constants):
-            for fqn in table.keys() & (values or {}).keys():
-                table[fqn] = values[fqn]
-    tensors, holder = {}, {}
-    for ep in lowered.values():
-        for fqn in weight_placeholders(ep).values():
-            if fqn not in tensors:
-                t = weight_tensor(ep, fqn)
-                tensors[fqn], holder[fqn] = PtdTensor(fqn, t.dtype, tuple(t.shape)), t
-    entries = entries_in_order([s.fqns for s in schedules.values()], tensors)
+    (pair,) = save_streamed_together([programs], [path], lambda entry, _: tensor_for(entry), constant_methods=[constant_methods], progress=progress,
+                                     on_start=on_start, on_written=on_written, values=values)
+    return pair
 
-    unread = {fqn for fqn, t in holder.items() if t.device.type == "meta"}
 
-    def data(entry: PtdTensor) -> torch.Tensor:
-        return tensor_for(entry) if entry.fqn in unread else holder[entry.fqn]
+@dataclasses.dataclass
+class _StreamedSave:
+    """One program set of ``save_streamed_together``, lowered, its entries known."""
 
+    directory: str
+    pte: str
+    ptd: str
+    edge: object
+    schedules: dict
+    lowered: dict
+    entries: list
+    holder: dict  # FQN -> the lowered program's tensor (meta where its bytes come from tensor_for)
+    unread: set
+    constants: dict | None
+    tmp: str = ""
+    weights_file: str = ""
+
+
+def save_streamed_together(program_sets: list[dict[str, ExportedProgram]], paths: list, tensor_for, *, constant_methods: list[dict | None],
+                           progress=None, on_start=None, on_written=None, values: dict[str, torch.Tensor] | None = None) -> list[tuple[str, str]]:
+    """``save_streamed`` of several program sets (a tensor-parallel model's ranks), their
+    ``.ptd``s written side by side: the i-th weight of every set, then the (i+1)-th, each from
+    ``tensor_for(entry, set_index)``. Sets that list the same weights in the same order (ranks
+    of one model) ask for each weight in turn, so a source read once can serve them all.
+    ``on_start`` gets every set's entries together; nothing is placed unless every set is written."""
     say = progress or (lambda _msg: None)
-    with tempfile.TemporaryDirectory(dir=directory, prefix=".hostswap-save-") as tmp:
-        weights_file = os.path.join(tmp, "weights.ptd")
-        say(f"writing {len(entries)} weights, {sum(e.nbytes for e in entries) / 2**30:.2f} GiB")
-        if on_start is not None:
-            on_start(entries)
-        checksums = write_ptd(weights_file, entries, data, on_written)
-        del holder
-        records = {e.fqn: (dtype_name(e.dtype), e.shape, checksums[e.fqn]) for e in entries}
+    saves = []
+    for programs, path, constants in zip(program_sets, paths, constant_methods):
+        directory, pte_path, ptd_path = _target_paths(path)
+        _check_constants_have_values(programs, values or {})
+        edge, schedules = lower_to_edge(programs, progress)
+        lowered = {name: edge.exported_program(name) for name in schedules}
         for ep in lowered.values():
-            _zero_meta_state(ep)
-        manager = emit(edge, schedules, checksums, records, constant_methods=constant_methods, progress=progress, unread=unread)
-        _place_pair(tmp, manager.buffer, weights_file, checksums, pte_path, ptd_path, progress)
-    return pte_path, ptd_path
+            for table in (ep.state_dict, ep.constants):
+                for fqn in table.keys() & (values or {}).keys():
+                    table[fqn] = values[fqn]
+        tensors, holder = {}, {}
+        for ep in lowered.values():
+            for fqn in weight_placeholders(ep).values():
+                if fqn not in tensors:
+                    t = weight_tensor(ep, fqn)
+                    tensors[fqn], holder[fqn] = PtdTensor(fqn, t.dtype, tuple(t.shape)), t
+        entries = entries_in_order([s.fqns for s in schedules.values()], tensors)
+        unread = {fqn for fqn, t in holder.items() if t.device.type == "meta"}
+        saves.append(_StreamedSave(directory, pte_path, ptd_path, edge, schedules, lowered, entries, holder, unread, constants))
+    with contextlib.ExitStack() as stack:
+        for save in saves:
+            save.tmp = stack.enter_context(tempfile.TemporaryDirectory(dir=save.directory, prefix=".hostswap-save-"))
+            save.weights_file = os.path.join(save.tmp, "weights.ptd")
+        say(f"writing {sum(len(save.entries) for save in saves)} weights, {sum(e.nbytes for save in saves for e in save.entries) / 2**30:.2f} GiB")
+        if on_start is not None:
+            on_start([e for save in saves for e in save.entries])
+        writers = [PtdWriter(save.weights_file, save.entries) for save in saves]
+        for i in range(max(len(save.entries) for save in saves)):
+            for index, (save, writer) in enumerate(zip(saves, writers)):
+                if i < len(save.entries):
+                    entry = save.entries[i]
+                    writer.write(tensor_for(entry, index) if entry.fqn in save.unread else save.holder[entry.fqn])
+                    if on_written is not None:
+                        on_written(entry)
+        placed = []
+        for save, writer in zip(saves, writers):
+            checksums = writer.close()
+            save.holder = {}
+            records = {e.fqn: (dtype_name(e.dtype), e.shape, checksums[e.fqn]) for e in save.entries}
+            for ep in save.lowered.values():
+                _zero_meta_state(ep)
+            manager = emit(save.edge, save.schedules, checksums, records, constant_methods=save.constants, progress=progress, unread=save.unread)
+            _place_pair(save.tmp, manager.buffer, save.weights_file, checksums, save.pte, save.ptd, progress)
+            placed.append((save.pte, save.ptd))
+    return placed

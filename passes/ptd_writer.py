@@ -100,37 +100,68 @@ def check_room(directory: str, nbytes: int, free_bytes: int | None = None) -> No
                                           "Free space there or write elsewhere")
 
 
+class PtdWriter:
+    """A ``.ptd`` being written: the index at once, then each tensor in the order given, hashed as
+    it is written. Raises ValueError naming a tensor whose data disagrees with its entry, and
+    ``DiskFullError`` (before the first byte where the filesystem reports too little room, else
+    when a write fails for it)."""
+
+    def __init__(self, path: str | os.PathLike, tensors: list[PtdTensor]):
+        self.path, self.tensors = os.fspath(path), tensors
+        head, self.offsets = ptd_index_bytes(tensors)
+        self.total = (self.offsets[-1] + tensors[-1].nbytes) if tensors else len(head)
+        check_room(os.path.dirname(os.path.abspath(self.path)), self.total)
+        self.checksums: dict[str, str] = {}
+        self._file = open(self.path, "wb")
+        self._guarded(self._file.write, head)
+
+    def _guarded(self, write, *args) -> None:
+        try:
+            write(*args)
+        except OSError as e:
+            where = self.total if self._file.closed else self._file.tell()
+            self._file.close()
+            if e.errno not in _NO_ROOM:
+                raise
+            raise DiskFullError(e.errno, f"writing {self.path} stopped at about {where / 2**30:.2f} of {self.total / 2**30:.2f} GiB: "
+                                         f"{e.strerror}. Nothing was written under the final names; free space there or write elsewhere") from None
+
+    def write(self, tensor: torch.Tensor) -> PtdTensor:
+        """The next entry's bytes; returns that entry."""
+        i = len(self.checksums)
+        entry, offset = self.tensors[i], self.offsets[i]
+        if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+            self._file.close()
+            raise ValueError(f"tensor '{entry.fqn}' is {tensor.dtype} {list(tensor.shape)}; the program reads {entry.dtype} {list(entry.shape)}")
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._guarded(self._write_at, offset, raw)
+        self.checksums[entry.fqn] = checksum(raw)
+        return entry
+
+    def _write_at(self, offset: int, raw) -> None:
+        self._file.write(b"\0" * (offset - self._file.tell()))
+        self._file.write(memoryview(raw))
+
+    def close(self) -> dict[str, str]:
+        """Finish the file; FQN -> checksum of every tensor."""
+        if len(self.checksums) != len(self.tensors):
+            self._file.close()
+            raise ValueError(f"{self.path}: {len(self.checksums)} of {len(self.tensors)} tensors were written")
+        self._guarded(self._file.flush)
+        self._file.close()
+        return self.checksums
+
+
 def write_ptd(path: str | os.PathLike, tensors: list[PtdTensor], data: Callable[[PtdTensor], torch.Tensor],
               on_written: Callable[[PtdTensor], None] | None = None) -> dict[str, str]:
     """Write ``tensors`` to ``path``, each one's bytes from ``data(entry)`` (a tensor of its
-    dtype and shape, read when its turn comes); returns FQN -> checksum. Raises ValueError
-    naming the tensor whose data disagrees with its entry, and ``DiskFullError`` (before the
-    first byte where the filesystem reports too little room, else when a write fails for it)."""
-    head, offsets = ptd_index_bytes(tensors)
-    total = (offsets[-1] + tensors[-1].nbytes) if tensors else len(head)
-    check_room(os.path.dirname(os.path.abspath(path)), total)
-    checksums: dict[str, str] = {}
-    with open(path, "wb") as f:
-        try:
-            f.write(head)
-            for entry, offset in zip(tensors, offsets):
-                tensor = data(entry)
-                if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-                    raise ValueError(f"tensor '{entry.fqn}' is {tensor.dtype} {list(tensor.shape)}; the program reads {entry.dtype} {list(entry.shape)}")
-                f.write(b"\0" * (offset - f.tell()))
-                raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-                f.write(memoryview(raw))
-                checksums[entry.fqn] = checksum(raw)
-                del tensor, raw
-                if on_written is not None:
-                    on_written(entry)
-            f.flush()
-        except OSError as e:
-            if e.errno not in _NO_ROOM:
-                raise
-            raise DiskFullError(e.errno, f"writing {path} stopped at about {f.tell() / 2**30:.2f} of {total / 2**30:.2f} GiB: "
-                                         f"{e.strerror}. Nothing was written under the final names; free space there or write elsewhere") from None
-    return checksums
+    dtype and shape, read when its turn comes); returns FQN -> checksum (``PtdWriter``'s errors)."""
+    writer = PtdWriter(path, tensors)
+    for entry in tensors:
+        writer.write(data(entry))
+        if on_written is not None:
+            on_written(entry)
+    return writer.close()
 
 
 def entries_in_order(orders: Iterable[Iterable[str]], tensors: dict[str, PtdTensor]) -> list[PtdTensor]:

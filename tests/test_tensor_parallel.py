@@ -341,9 +341,16 @@ def test_checkpoint_export_splits_each_tensor_as_the_model_export(name, tied, tm
     model.save_pretrained(tmp_path / "ckpt")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
     _, from_model = llm.export(loaded, tmp_path / "model", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, tensor_parallel=2)
+    said = {1: [], 2: []}
+    llm.export_checkpoint(tmp_path / "ckpt", tmp_path / "one", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, progress=said[1].append)
     ptes, from_checkpoint = llm.export_checkpoint(tmp_path / "ckpt", tmp_path / "streamed", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK,
-                                                  tensor_parallel=2)
+                                                  tensor_parallel=2, progress=said[2].append)
     assert ptes == [rank_path(tmp_path / "streamed", r) + ".pte" for r in range(2)]
+    read = {world: [float(m.split()[1]) for m in messages if m.startswith("read ")] for world, messages in said.items()}  # MiB
+    # the ranks' files are written together: each tensor is read once, not once per rank (a
+    # tied table is read twice: whole for the embedding, split for the head)
+    table = VOCAB * model.config.hidden_size * 4 / 2**20 if tied else 0.0
+    assert len(read[2]) == 1 and read[2][0] <= read[1][0] + table + 0.1, read
     for a, b in zip(from_model, from_checkpoint):
         with PtdFile(a) as fa, PtdFile(b) as fb:
             assert fa.entries.keys() == fb.entries.keys()
