@@ -11,8 +11,8 @@ master's); gradients flow to the master as if the dequantized weight were the we
 straight-through rule), and FSDP2 reduce-scatters them as usual.
 
 The copy is persistent and version-tracked: it is made from the master once, and made again
-only after the master changed in place (an optimizer step bumps the tensor's version counter),
-never per gather. With ``host=True`` (the default) it lives in host memory, pinned where CUDA is
+only after the master was written in place (an optimizer step; a write through any view of it
+counts), never per gather. With ``host=True`` (the default) it lives in host memory, pinned where CUDA is
 there, so the GPU holds no weight between gathers but the gather's own transient buffers.
 
 The mechanism is FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
@@ -20,7 +20,7 @@ The mechanism is FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
 ``offload_quants(model)`` swaps each Linear weight for a ``QuantizedShard`` before
 ``fully_shard``; the tensor behaves as its master for every other operation. A weight whose
 rows do not split evenly over the ranks is gathered as its master (FSDP2 pads such shards,
-and per-row scales cannot be padded with them); ``stats["plain"]`` names it.
+and per-row scales cannot be padded with them); ``stats.plain`` names it.
 """
 
 from __future__ import annotations
@@ -34,18 +34,15 @@ SCHEMES = {"int8": torch.int8, "float8": torch.float8_e4m3fn}
 INT8_MAX = 127.0
 FLOAT8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
-# Operators whose result views the shard's elements: a shard again, its changes counted with the source's.
-_VIEW_OPS = {
-    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.as_strided.default, torch.ops.aten.narrow.default,
-    torch.ops.aten.slice.Tensor, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.chunk.default,
-}
+# Same elements, same shape: the result shares the copy with the source.
+_ALIAS_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 # Operators that make new elements of the shard's kind (FSDP2 pads and pins through these): a new shard.
 _NEW_OPS = {
     torch.ops.aten.clone.default, torch.ops.aten.new_zeros.default, torch.ops.aten.new_empty.default, torch.ops.aten.empty_like.default,
     torch.ops.aten.zeros_like.default, torch.ops.aten._pin_memory.default,
 }
-# Same elements, same shape: the result shares the copy with the source.
-_ALIAS_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+_SCALE_BYTES = 4  # a row's fp32 scale, in front of its codes in the gathered bytes
+_DEQUANTIZE_CHUNK_BYTES = 64 * 2**20  # fp32 temporaries of dequantize_rows
 
 
 class QuantsError(ValueError):
@@ -66,10 +63,25 @@ def quantize_rows(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torc
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` (the compute dtype) = codes * scale, row by row; every int8 and e4m3 value is
-    exact in bf16, fp16 and fp32, so only the product rounds."""
-    out.copy_(codes)
-    return out.mul_(scale.to(out.dtype))
+    """``out`` (the compute dtype) = codes * scale, each product in fp32 and rounded once, a
+    block of rows at a time (the fp32 temporaries stay small)."""
+    rows, width = codes.shape
+    step = max(1, _DEQUANTIZE_CHUNK_BYTES // max(1, 4 * width))
+    for a in range(0, rows, step):
+        out[a : a + step].copy_(codes[a : a + step].float().mul_(scale[a : a + step]))
+    return out
+
+
+def pack_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """One byte tensor [rows, 4 + columns]: each row's fp32 scale, then its codes. One tensor is
+    what FSDP2 sends where a shard group has one rank (it copies only the first all-gather
+    input there), and one copy brings a shard over the link."""
+    return torch.cat([scale.contiguous().view(torch.uint8), codes.view(torch.uint8)], dim=1)
+
+
+def unpack_rows(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [rows, columns] of ``dtype``, scales [rows, 1] fp32) of ``pack_rows``'s bytes."""
+    return packed[:, _SCALE_BYTES:].view(dtype), packed[:, :_SCALE_BYTES].contiguous().view(torch.float32)
 
 
 @dataclasses.dataclass
@@ -93,12 +105,12 @@ class _Changes:
 
 
 class _Copy:
-    """The persistent quantized copy of one shard, and the count of changes it was made at."""
+    """The persistent quantized copy of one shard (``pack_rows``'s bytes), and the count of
+    changes it was made at."""
 
     def __init__(self, scheme: str, host: bool, stats: QuantStats, name: str):
         self.scheme, self.host, self.stats, self.name = scheme, host, stats, name
-        self.codes: torch.Tensor | None = None
-        self.scale: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
         self.made_at = -1
         self.read: torch.cuda.Event | None = None  # the last copy out of pinned host memory
 
@@ -106,38 +118,35 @@ class _Copy:
         """An empty copy of the same kind, for another shard."""
         return _Copy(self.scheme, self.host, self.stats, self.name)
 
-    def fresh(self, master: torch.Tensor, changes: _Changes) -> tuple[torch.Tensor, torch.Tensor]:
+    def fresh(self, master: torch.Tensor, changes: _Changes) -> torch.Tensor:
         """The copy of ``master`` as it is now, made again when the master changed since; where
-        the master is on a device, the codes just made there (the host keeps its own copy)."""
-        if self.codes is not None and changes.count == self.made_at:
-            return self.codes, self.scale
-        codes, scale = quantize_rows(master, self.scheme)
+        the master is on a device, the bytes just made there (the host keeps its own copy)."""
+        if self.packed is not None and changes.count == self.made_at:
+            return self.packed
+        packed = pack_rows(*quantize_rows(master, self.scheme))
         self.made_at = changes.count
         self.stats.quantizations += 1
         if not self.host:
-            self.codes, self.scale = codes, scale
-            return codes, scale
-        if self.codes is None:
-            pin = torch.cuda.is_available()
-            self.codes = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=pin)
-            self.scale = torch.empty(scale.shape, dtype=scale.dtype, pin_memory=pin)
-            self.stats.host_bytes += _nbytes(self.codes) + _nbytes(self.scale)
+            self.packed = packed
+            return packed
+        if self.packed is None:
+            self.packed = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=torch.cuda.is_available())
+            self.stats.host_bytes += _nbytes(self.packed)
         elif self.read is not None:  # a gather may still be reading the pinned copy
             self.read.synchronize()
-        self.codes.copy_(codes)
-        self.scale.copy_(scale)
-        return (codes, scale) if codes.device.type != "cpu" else (self.codes, self.scale)
+        self.packed.copy_(packed)
+        return packed if packed.device.type != "cpu" else self.packed
 
-    def staged(self, master: torch.Tensor, changes: _Changes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def staged(self, master: torch.Tensor, changes: _Changes, device: torch.device) -> torch.Tensor:
         """The copy on ``device``, for one all-gather."""
-        codes, scale = self.fresh(master, changes)
-        if codes.device != device:
-            codes, scale = codes.to(device, non_blocking=True), scale.to(device, non_blocking=True)
-            self.stats.bytes_h2d += _nbytes(codes) + _nbytes(scale)
+        packed = self.fresh(master, changes)
+        if packed.device != device:
+            packed = packed.to(device, non_blocking=True)
+            self.stats.bytes_h2d += _nbytes(packed)
             if device.type == "cuda":
                 self.read = torch.cuda.Event()
                 self.read.record()
-        return codes, scale
+        return packed
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -154,16 +163,23 @@ def _written(func, args, kwargs) -> list:
     return written
 
 
+def _is_view(func) -> bool:
+    """Whether ``func``'s outputs alias its input (a view: writes through it write the master)."""
+    return func.is_view or any(r.alias_info is not None for r in func._schema.returns)
+
+
 class QuantizedShard(torch.Tensor):
     """A weight (a shard of it, once ``fully_shard`` split it) whose FSDP2 all-gathers send a
-    persistent quantized copy. It behaves as its master for every operation; ``.to()`` another
-    device gives a shard whose master follows only when an operation reads it, so FSDP2's copy
-    of a host shard to the device before its all-gather moves the quantized copy alone."""
+    persistent quantized copy. It behaves as its master for every operation. FSDP2's
+    asynchronous copy of a host shard to the GPU before its all-gather (``CPUOffloadPolicy``)
+    gives a shard whose master follows only if an operation reads it, so the quantized copy
+    alone crosses the link."""
 
     _master: torch.Tensor
     _copy: _Copy
     _changes: _Changes
     _moved: torch.Tensor | None  # the master on this shard's device, once an operation needed it
+    _made_at: int  # a shard of another device than its master's: the master's changes when it was made
 
     @staticmethod
     def __new__(cls, master: torch.Tensor, copy: _Copy, changes: _Changes, device: torch.device | None = None):
@@ -173,6 +189,7 @@ class QuantizedShard(torch.Tensor):
     def __init__(self, master: torch.Tensor, copy: _Copy, changes: _Changes, device: torch.device | None = None):
         self._master, self._copy, self._changes = master, copy, changes
         self._moved = None if device is not None and device != master.device else master
+        self._made_at = changes.count
 
     def __repr__(self) -> str:
         return f"QuantizedShard({self._copy.scheme}, {tuple(self.shape)}, {self.dtype}, {self.device})"
@@ -184,10 +201,31 @@ class QuantizedShard(torch.Tensor):
     def __tensor_unflatten__(inner, context, outer_size, outer_stride):
         return QuantizedShard(inner["_master"], *context)
 
+    def __reduce_ex__(self, protocol):
+        # saved (torch.save, distributed checkpoints) as the plain tensor it stands for
+        return self.master().detach().clone().__reduce_ex__(protocol)
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        master = value.master() if isinstance(value, QuantizedShard) else value
+        if tuple(master.shape) != tuple(self.shape) or master.dtype != self.dtype or master.device != self.device:
+            raise QuantsError(f"{self._copy.name}: .data of a quantized weight ({tuple(self.shape)} {self.dtype} on {self.device}) cannot become "
+                              f"a {tuple(master.shape)} {master.dtype} tensor on {master.device}; copy_ into it, or change the model before offload_quants")
+        self._master = self._moved = master.detach()
+        self._changes.count += 1
+
     def master(self) -> torch.Tensor:
         """The master's elements on this shard's device (moved there on first use)."""
         if self._moved is None:
+            if self._changes.count != self._made_at:
+                raise QuantsError(f"{self._copy.name}: this copy on {self.device} was made before its master on {self._master.device} changed; "
+                                  "it was meant for one all-gather only")
             self._moved = self._master.to(self.device)
+            self._copy, self._changes = self._copy.like(), _Changes()  # a copy of its own from here on
         return self._moved
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -200,8 +238,9 @@ class QuantizedShard(torch.Tensor):
             device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else first.device
             same_kind = all(v is None or k in ("device", "non_blocking", "layout", "memory_format") or (k == "dtype" and v == first.dtype)
                             for k, v in kwargs.items())
-            if device != first.device and same_kind and first._moved is first._master:
-                return QuantizedShard(first._master, first._copy, first._changes, device)  # the master moves only if something reads it
+            # FSDP2's copy of a host shard to the accelerator before its all-gather (CPUOffloadPolicy)
+            if same_kind and kwargs.get("non_blocking") and first.device.type == "cpu" and device.type != "cpu" and first._moved is first._master:
+                return QuantizedShard(first._master, first._copy, first._changes, device)
         written = [t for t in _written(func, args, kwargs) if isinstance(t, QuantizedShard)] if func._schema.is_mutable else []
         unwrapped = tree_map(lambda t: t.master() if isinstance(t, QuantizedShard) else t, (args, kwargs))
         result = func(*unwrapped[0], **unwrapped[1])
@@ -214,16 +253,19 @@ class QuantizedShard(torch.Tensor):
         if isinstance(first, QuantizedShard):
             if func in _ALIAS_OPS:  # the same elements: the same copy
                 return QuantizedShard(result, first._copy, first._changes)
-            if func in _VIEW_OPS:
+            if _is_view(func):  # other elements of the same storage: writes through them count
                 return tree_map(lambda r: QuantizedShard(r, first._copy.like(), first._changes) if isinstance(r, torch.Tensor) else r, result)
-            if func in _NEW_OPS or func is torch.ops.aten._to_copy.default:
-                return tree_map(lambda r: QuantizedShard(r, first._copy.like(), _Changes()) if isinstance(r, torch.Tensor) and r.dtype == first.dtype else r,
+            if func in _NEW_OPS or func is torch.ops.aten._to_copy.default:  # new elements (another dtype too): a shard of their own
+                return tree_map(lambda r: QuantizedShard(r, first._copy.like(), _Changes()) if isinstance(r, torch.Tensor) and r.dtype.is_floating_point else r,
                                 result)
         return result
 
     # --- FSDP2's all-gather extension -----------------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         world = mesh.size()
+        if len(outer_size) != 2 or tuple(self.shape[1:]) != tuple(outer_size[1:]):
+            raise QuantsError(f"{self._copy.name}: offload_quants gathers shards of whole rows (FSDP2's Shard(0)); this weight "
+                              f"{tuple(outer_size)} is sharded as {tuple(self.shape)}")
         if outer_size[0] % world:  # uneven rows: the master, padded to the rows of the first shard as FSDP2 pads
             if self._copy.name not in self._copy.stats.plain:
                 self._copy.stats.plain.append(self._copy.name)
@@ -231,20 +273,18 @@ class QuantizedShard(torch.Tensor):
             padded = master.new_zeros((-(-outer_size[0] // world), *master.shape[1:]), dtype=mp_policy.param_dtype or self.dtype)
             padded[: master.shape[0]].copy_(master)
             return (padded,), None
-        codes, scale = self._copy.staged(self._master, self._changes, self.device)
-        gathered = codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes  # every backend gathers bytes
+        packed = self._copy.staged(self._master, self._changes, self.device)
         self._copy.stats.gathers += 1
-        self._copy.stats.bytes_gathered += _nbytes(codes) + _nbytes(scale)
-        return (gathered, scale), codes.dtype
+        self._copy.stats.bytes_gathered += _nbytes(packed)
+        return (packed,), SCHEMES[self._copy.scheme]
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (gathered,) = all_gather_outputs
         if metadata is None:  # gathered as the master
-            (full,) = all_gather_outputs
             if out is not None:
                 return None
-            return full, (full,)
-        codes, scale = all_gather_outputs
-        codes = codes.view(metadata)
+            return gathered, (gathered,)
+        codes, scale = unpack_rows(gathered, metadata)
         if out is not None:  # the weight autograd saved in the forward: refilled as FSDP2 refills its own
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                 dequantize_rows(codes, scale, out)
@@ -277,8 +317,22 @@ def offload_quants(model: torch.nn.Module, scheme: str = "int8", *, host: bool =
             raise QuantsError(f"{name} is a {weight.dim()}-D {weight.dtype} tensor; offload_quants quantizes 2-D floating-point weights")
     swapped = {key: torch.nn.Parameter(QuantizedShard(weight.detach(), _Copy(scheme, host, stats, name), _Changes()), requires_grad=weight.requires_grad)
                for key, (name, weight) in weights.items()}
+    holders = []
     for module in model.modules():  # every holder of a swapped weight: a tied embedding too
         for attr, param in list(module._parameters.items()):
             if param is not None and id(param) in swapped:
                 module._parameters[attr] = swapped[id(param)]
+                holders.append((module, attr, weights[id(param)][0]))
+
+    def still_quantized(_module, _incompatible) -> None:
+        # load_state_dict(assign=True) puts the loaded tensors in place of the shards: their
+        # gathers would silently send the full weights
+        for module, attr, name in holders:
+            param = module._parameters[attr]
+            local = getattr(param, "_local_tensor", param)
+            if not isinstance(local, QuantizedShard):
+                raise QuantsError(f"load_state_dict replaced {name}, a weight with a quantized copy, by a plain tensor (assign=True?); "
+                                  "load without assign=True: the values are copied into it and its copy is made again")
+
+    model.register_load_state_dict_post_hook(still_quantized)
     return stats

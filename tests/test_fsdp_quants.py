@@ -123,7 +123,7 @@ def _same_run(got: dict, expected: dict) -> None:
         torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("world,arch,scheme", [(2, "llama", "int8"), (4, "llama", "int8"), (2, "qwen2-tied", "int8"), (2, "mixtral", "int8"),
+@pytest.mark.parametrize("world,arch,scheme", [(1, "llama", "int8"), (2, "llama", "int8"), (4, "llama", "int8"), (2, "qwen2-tied", "int8"), (2, "mixtral", "int8"),
                                                (2, "llama", "float8")])
 def test_quantized_gathers_train_as_quantized_weights(tmp_path, world, arch, scheme):
     """The run with offload_quants equals FSDP2 whose layers quantize their gathered weight, and
@@ -173,7 +173,7 @@ def test_shard_behaves_as_its_master():
     reach the master, and the copy is made again only after the master changed."""
     from torch import nn
 
-    from hostswap.fsdp_quants import QuantizedShard, offload_quants
+    from hostswap.fsdp_quants import QuantizedShard, QuantsError, offload_quants
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
@@ -187,16 +187,123 @@ def test_shard_behaves_as_its_master():
     model(x).sum().backward()
     assert weight.grad is not None and type(weight.grad) is torch.Tensor
     copy = weight._copy
-    codes, _ = copy.fresh(weight._master, weight._changes)
-    again, _ = copy.fresh(weight._master, weight._changes)
-    assert again is codes and stats.quantizations == 1
+    packed = copy.fresh(weight._master, weight._changes)
+    assert copy.fresh(weight._master, weight._changes) is packed and stats.quantizations == 1
     with torch.no_grad():
         weight.mul_(2)
     assert torch.equal(weight._master, plain[0] * 2)
     copy.fresh(weight._master, weight._changes)
     assert stats.quantizations == 2
-    # another device: the master follows only when an operation reads it (FSDP2's copy of a host
-    # shard to the GPU before its gather takes the quantized copy alone)
+    # FSDP2's asynchronous copy of a host shard to another device: the master follows only when
+    # an operation reads it, and only while it has not changed since
     moved = weight.detach().to("meta", non_blocking=True)
     assert isinstance(moved, QuantizedShard) and moved.device.type == "meta" and moved._moved is None and moved._copy is copy
     assert (moved * 2).device.type == "meta" and moved._moved is not None
+    stale = weight.detach().to("meta", non_blocking=True)
+    with torch.no_grad():
+        weight.add_(1)
+    with pytest.raises(QuantsError, match="was made before its master on cpu changed"):
+        stale * 2
+    snapshot = weight.detach().to("meta")  # any other .to() is a copy made now
+    assert snapshot._moved is not None
+
+
+def _copy_is_current(weight) -> bool:
+    from hostswap.fsdp_quants import dequantize_rows, unpack_rows
+
+    packed = weight._copy.fresh(weight._master, weight._changes)
+    codes, scale = unpack_rows(packed, torch.int8)
+    return torch.allclose(dequantize_rows(codes, scale, torch.empty(weight.shape)), weight._master, atol=0.05)
+
+
+@pytest.mark.parametrize("write", [
+    lambda w: w.mul_(2), lambda w: w.view(-1).mul_(2), lambda w: w.t().mul_(2), lambda w: w.T.mul_(2), lambda w: w.__setitem__(0, 5.0),
+    lambda w: w.__setitem__((slice(None), 0), 5.0), lambda w: w.unsqueeze(0).mul_(2), lambda w: w.unbind()[0].mul_(2),
+    lambda w: w.diagonal().mul_(2), lambda w: w.permute(1, 0).mul_(2), lambda w: w.split(2)[0].mul_(2), lambda w: w.data.normal_(),
+    lambda w: w.copy_(torch.ones(4, 4)), lambda w: torch._foreach_lerp_([w], [torch.ones(4, 4) * 3], 0.5),
+    lambda w: torch.add(torch.ones(4, 4), 1, out=w), lambda w: torch.nn.init.orthogonal_(w), lambda w: setattr(w, "data", torch.zeros(4, 4)),
+], ids=["mul_", "view", "t", "T", "row", "column", "unsqueeze", "unbind", "diagonal", "permute", "split", "data.normal_", "copy_", "foreach",
+        "out=", "init", "data="])
+def test_every_write_makes_the_copy_again(write):
+    """A write to the master, through whatever view, makes the next gather quantize it again:
+    a stale copy would train on weights that are no longer there."""
+    from torch import nn
+
+    from hostswap.fsdp_quants import offload_quants
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    offload_quants(model)
+    weight = model[0].weight
+    assert _copy_is_current(weight)
+    with torch.no_grad():
+        write(weight)
+    assert _copy_is_current(weight)
+
+
+def test_dequantize_rounds_once_and_packs_one_tensor():
+    """Each weight is the fp32 product of its code and its row's scale, rounded once to the
+    compute dtype (a scale rounded first would lose tiny rows in fp16); codes and scales travel
+    as one byte tensor."""
+    from hostswap.fsdp_quants import dequantize_rows, pack_rows, quantize_rows, unpack_rows
+
+    torch.manual_seed(0)
+    weight = torch.randn(64, 32) * torch.logspace(-8, 2, 64).unsqueeze(1)
+    for scheme, dtype in (("int8", torch.int8), ("float8", torch.float8_e4m3fn)):
+        codes, scale = quantize_rows(weight, scheme)
+        packed = pack_rows(codes, scale)
+        assert packed.dtype == torch.uint8 and packed.shape == (64, 4 + 32)
+        back_codes, back_scale = unpack_rows(packed, dtype)
+        assert torch.equal(back_codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(back_scale, scale)
+        for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
+            got = dequantize_rows(back_codes, back_scale, torch.empty(64, 32, dtype=out_dtype))
+            assert torch.equal(got, (codes.float() * scale).to(out_dtype)), (scheme, out_dtype)
+    tiny = torch.randn(1, 32) * 1e-6  # fp16 holds these (its smallest step is 6e-8); a scale rounded to fp16 first is 0
+    assert (dequantize_rows(*quantize_rows(tiny, "int8"), torch.empty(1, 32, dtype=torch.float16)) != 0).any()
+
+
+def test_what_would_drop_the_copy_is_refused_or_kept(tmp_path):
+    """A dtype change keeps the quantized copy; loading with assign=True (which would put plain
+    tensors in place of the shards) and shards of columns are refused by name; a saved weight is
+    a plain tensor."""
+    from torch import nn
+
+    from hostswap.fsdp_quants import QuantizedShard, QuantsError, offload_quants
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    offload_quants(model)
+    state = {k: torch.zeros(v.shape).copy_(v) for k, v in model.state_dict().items()}  # plain tensors, as read from a file
+    torch.save(model[0].weight, tmp_path / "w.pt")
+    saved = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert type(saved) is torch.Tensor and type(state["0.weight"]) is torch.Tensor and torch.equal(saved, state["0.weight"])
+    model.load_state_dict(state)  # copied in: still quantized
+    assert isinstance(model[0].weight, QuantizedShard)
+    with pytest.raises(QuantsError, match="load_state_dict replaced 0.weight"):
+        model.load_state_dict(state, assign=True)
+    model = nn.Sequential(nn.Linear(4, 4))
+    offload_quants(model)
+    model.to(torch.bfloat16)
+    assert isinstance(model[0].weight, QuantizedShard) and model[0].weight.dtype == torch.bfloat16
+    with pytest.raises(QuantsError, match="gathers shards of whole rows"):
+        model[0].weight.fsdp_pre_all_gather(_OneRank(), torch.Size([4, 8]), (8, 1), model[0], None)
+
+
+class _OneRank:
+    def size(self) -> int:
+        return 1
+
+
+def test_copies_kept_beside_the_masters():
+    """host=False (persistent quants without the offload): the copy is the one made where the
+    master is, and no host memory is held for it."""
+    from torch import nn
+
+    from hostswap.fsdp_quants import offload_quants
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    stats = offload_quants(model, host=False)
+    weight = model[0].weight
+    packed = weight._copy.fresh(weight._master, weight._changes)
+    assert weight._copy.packed is packed and stats.host_bytes == 0 and stats.quantizations == 1
+    assert _copy_is_current(weight)
