@@ -14,7 +14,7 @@ from torch.export.graph_signature import InputKind
 
 from hostswap.passes.graph_facts import first_tensor_input, is_probe, is_view_like, view_chain_root
 from hostswap.passes.out_variants import CustomOpOutVariantPass
-from hostswap.passes.ptd_writer import PtdTensor, PtdWriter, entries_in_order
+from hostswap.passes.ptd_writer import PtdTensor, PtdWriter, check_room, entries_in_order
 from hostswap.passes.weight_offload import (
     INLINE_CONSTANT_MARK,
     OPTIONS_META_KEY,
@@ -393,6 +393,8 @@ def save_streamed_together(program_sets: list[dict[str, ExportedProgram]], paths
         say(f"writing {sum(len(save.entries) for save in saves)} weights, {sum(e.nbytes for save in saves for e in save.entries) / 2**30:.2f} GiB")
         if on_start is not None:
             on_start([e for save in saves for e in save.entries])
+        if len(saves) > 1:  # the files together must fit (each writer checks its own)
+            check_room(saves[0].directory, sum(e.nbytes for save in saves for e in save.entries))
         writers = [PtdWriter(save.weights_file, save.entries) for save in saves]
         for i in range(max(len(save.entries) for save in saves)):
             for index, (save, writer) in enumerate(zip(saves, writers)):
