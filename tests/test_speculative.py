@@ -217,3 +217,18 @@ def test_k_follows_the_acceptance_and_the_costs(tmp_path_factory):
             assert ks[:2] == [8, 8] and all(1 <= k <= 8 for k in ks)
             if draft == pair.other:  # random weights agree with the target almost never: plain decode after two rounds
                 assert len(ks) == 2 and g.last_speculation.plain_steps > 0
+
+
+def test_draft_cost_bench_counts_each_layers_kernels(tmp_path):
+    """bench/draft_cost.py on the CPU: a decode step's kernels, per layer from two depths of the
+    same shape, the seven projections of a Llama layer among them."""
+    import json
+
+    from bench_scripts import load
+
+    assert load("draft_cost").main(["--device", "cpu", "--layers", "2", "--vocab", "128", "--schemes", "none", "--steps", "2",
+                                    "--max-seq-len", "64", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "draft_cost_cpu.json").read_text())["rows"]
+    assert row["kernels_per_step"] == 2 * row["kernels_per_layer"] + row["kernels_outside_layers"]
+    assert row["operators_per_layer"]["mm.out"] == 7 and row["kernels_per_layer"] > 20
+    assert row["ms_per_step"] > 0 and row["gpu_kernels_per_step"] is None
