@@ -69,7 +69,7 @@ def _quantize_forward(model, scheme: str) -> None:
 def _train(rank: int, world: int, port: int, arch: str, mode: str, scheme: str, vocab: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from hostswap.fsdp_quants import offload_quants
 
@@ -83,6 +83,8 @@ def _train(rank: int, world: int, port: int, arch: str, mode: str, scheme: str, 
         if mode == "reference":
             _quantize_forward(model, scheme)
         options = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if mode == "quants+cpu_offload" else {}
+        if mode == "quants+bf16":  # gathered codes dequantized into bf16, the compute dtype
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, **options)
         fully_shard(model, mesh=mesh, **options)
@@ -144,10 +146,13 @@ def test_quantized_gathers_train_as_quantized_weights(tmp_path, world, arch, sch
 def test_cpu_offload_policy_and_uneven_rows(tmp_path):
     """Under FSDP2's CPUOffloadPolicy the run is the one without it; a weight whose rows do not
     split over the ranks (a 130-token head on 4 ranks) is gathered as its master, and named;
-    the quantized weights do change the run (plain FSDP2 trains otherwise)."""
+    with bf16 compute the gathered copies dequantize into bf16; the quantized weights do change
+    the run (plain FSDP2 trains otherwise)."""
     got = _run(tmp_path, 4, "llama", "quants+cpu_offload", vocab=130)
     assert got["stats"].plain == ["lm_head.weight"]
     _same_run(got, _run(tmp_path, 4, "llama", "quants", vocab=130))
+    bf16 = _run(tmp_path, 4, "llama", "quants+bf16", vocab=130)
+    torch.testing.assert_close(bf16["losses"], got["losses"], rtol=0.02, atol=0.02)
     plain = _run(tmp_path, 4, "llama", "plain", vocab=130)
     assert not torch.allclose(got["losses"], plain["losses"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got["losses"], plain["losses"], rtol=0.02, atol=0.02)  # int8 rows: close to the weights they stand for
