@@ -32,6 +32,7 @@ from weights import add_row, environment, h2d_bandwidth, result_path, save_resul
 
 from hostswap import batching  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
+from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
 
 
 def measure_hostswap(pte: str, ptd: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int, device: torch.device) -> dict:
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
                                        prefill_chunk=args.prompt)
             schedules = load_weight_schedules(pte)
             total = schedules["decode"].total_bytes
-            floor = max(s.load_floor_bytes for s in schedules.values())
+            floor = load_floor_bytes(schedules)
             resident = measure_hostswap(pte, ptd, max(total, floor), prompts, args.new_tokens, device)
             result["rows"].append({"batch": b, "configuration": "hostswap all-resident", **resident})
             for budget in args.budgets.split(","):

@@ -33,6 +33,7 @@ from weights import add_row, environment, result_path  # noqa: E402
 
 from hostswap import llm  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
+from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
 
 
 def smollm2_shaped(layers: int, vocab: int):
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
                 draft = copy.deepcopy(m) if scheme == "none" else llm.quantize(copy.deepcopy(m), scheme)
                 pte, ptd = llm.export(draft, os.path.join(folder, f"{scheme}-{layers}"), max_seq_len=args.max_seq_len, prefill_chunk=32)
                 schedules = load_weight_schedules(pte)
-                every_weight = max(max(s.load_floor_bytes for s in schedules.values()), schedules[llm.DECODE].total_bytes)
+                every_weight = max(load_floor_bytes(schedules), schedules[llm.DECODE].total_bytes)
                 with llm.Generator(pte, ptd, weight_offload_budget_mb=every_weight / 2**20 + 1, device=device) as g:
                     counts[layers] = step_kernels(g)
                     if layers != args.layers:

@@ -30,6 +30,7 @@ from hostswap.runtime import Module  # noqa: E402
 from hostswap.schedules.policies import plan_layout  # noqa: E402
 from hostswap.schedules.pte_program import read_program, read_program_bytes  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
+from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
 
 
 def thin_llama(layers: int):
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
             export_s = time.perf_counter() - start
             schedules = load_weight_schedules(pte)
             schedule = schedules["decode"]
-            floor, total = max(s.load_floor_bytes for s in schedules.values()), schedule.total_bytes
+            floor, total = load_floor_bytes(schedules), schedule.total_bytes
             parse_s = best_seconds(lambda: read_program(read_program_bytes(pte), pte), args.repeat)
             for name, budget in (("floor", floor), ("50%", max(floor, total // 2)), ("all", max(floor, schedule.resident_bytes))):
                 load_s = best_seconds(lambda: Module(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=device).close(), args.repeat)

@@ -61,6 +61,7 @@ from hostswap import llm  # noqa: E402
 from hostswap.checkpoint import export_checkpoint, read_safetensors_header  # noqa: E402
 from hostswap.sampling import SamplingParams  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
+from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
 
 
 def shape_config(shape: str):
@@ -212,8 +213,8 @@ def main(argv=None) -> int:
         routed = load_weight_schedules(programs["routed"][0])
         whole = load_weight_schedules(programs["all experts"][0])
         total = whole["decode"].total_bytes  # every weight, experts included
-        floor = max(s.load_floor_bytes for s in routed.values())
-        whole_floor = max(s.load_floor_bytes for s in whole.values())
+        floor = load_floor_bytes(routed)
+        whole_floor = load_floor_bytes(whole)
         prompt = torch.randint(0, config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
         resident = generate(*programs["routed"], max(total + max(s.expert_scratch_bytes for s in routed.values()), floor), prompt, args.new_tokens, device, args.temperature)
         result["all_resident_ms_per_token"] = resident["ms_per_token"]

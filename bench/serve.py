@@ -41,6 +41,7 @@ from weights import environment, result_path, save_result  # noqa: E402
 
 from hostswap import batching  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
+from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
 
 MODEL = "bench-llama"
 
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
         pte, ptd = batching.export(model, base, max_seq_len=args.prompt + args.new_tokens + 1, max_batch_size=max(clients), prefill_chunk=args.prompt)
         word_tokenizer(model.config.vocab_size, base + ".tokenizer")
         schedules = load_weight_schedules(pte)
-        total, floor = schedules["decode"].total_bytes, max(s.load_floor_bytes for s in schedules.values())
+        total, floor = schedules["decode"].total_bytes, load_floor_bytes(schedules)
         budget = floor if args.budget == "floor" else max(floor, int(total * float(args.budget.rstrip("%")) / 100))
         result["budget_bytes"] = budget
         for c in clients:

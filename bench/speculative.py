@@ -33,6 +33,7 @@ from weights import add_row, environment, result_path  # noqa: E402
 from hostswap import llm  # noqa: E402
 from hostswap.demo import chat_prompt, load_smollm2  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
+from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -65,7 +66,7 @@ def mechanism_cost(layers: int, ks: list[int], device: torch.device) -> list[dic
         for k in ks:
             pte, ptd = llm.export(llama(layers), os.path.join(folder, f"llama-k{k}"), max_seq_len=64, prefill_chunk=16, speculate_k=k)
             schedules = load_weight_schedules(pte)
-            floor, total = max(s.load_floor_bytes for s in schedules.values()), schedules["decode"].total_bytes
+            floor, total = load_floor_bytes(schedules), schedules["decode"].total_bytes
             for budget_name, budget in (("floor", floor), ("50%", max(floor, total // 2)), ("all", max(floor, total))):
                 with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=device) as g:
                     g.module.graph_method(llm.VERIFY)
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
             llm.export(model, target_base, max_seq_len=max_seq_len, prefill_chunk=32, speculate_k=max(ks))
         print(f"exported the target and {len(draft_paths)} drafts", flush=True)
         schedules = load_weight_schedules(target[0])
-        floor, total = max(s.load_floor_bytes for s in schedules.values()), schedules["decode"].total_bytes
+        floor, total = load_floor_bytes(schedules), schedules["decode"].total_bytes
         budgets = {"floor": floor, "50%": max(floor, total // 2)} if cuda else {"all": max(floor, total)}
         for budget_name, budget in budgets.items():
             with llm.Generator(*target, weight_offload_budget_mb=budget / 2**20, device=device) as plain:

@@ -34,6 +34,7 @@ from weights import add_row, environment, h2d_bandwidth, result_path  # noqa: E4
 
 from hostswap import llm  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
+from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
 from hostswap.tensor_parallel import init_from_environment, rank_path  # noqa: E402
 
 MB = 2**20
@@ -54,7 +55,7 @@ def model(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int
 
 def budget_mb(pte: str, share: float | None) -> float:
     schedules = load_weight_schedules(pte)
-    floor = max(s.load_floor_bytes for s in schedules.values())
+    floor = load_floor_bytes(schedules)
     weights = schedules[llm.DECODE].resident_bytes
     return (floor if share is None else max(floor, share * weights)) / MB
 

@@ -165,3 +165,10 @@ class WeightSchedule:
 
     def plot(self, path: str, budget_bytes: int | None = None) -> None:
         plot_schedule(self, path, budget_bytes)
+
+
+def load_floor_bytes(schedules: dict[str, WeightSchedule]) -> int:
+    """The least budget, in bytes, that loads a program of these methods: the largest method's
+    floor, plus the largest routed-experts scratch (a device buffer outside the pool), as the
+    runtime checks it at load."""
+    return max(s.floor_bytes for s in schedules.values()) + max(s.expert_scratch_bytes for s in schedules.values())

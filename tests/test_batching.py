@@ -15,6 +15,7 @@ import torch
 from hostswap import batching, llm
 from hostswap.sampling import SamplingParams
 from hostswap.schedules.serialization import load_weight_schedules
+from hostswap.schedules.weight_schedule import load_floor_bytes
 
 from real_models import BY_NAME, VOCAB, build
 from test_generation import transformers_greedy
@@ -40,7 +41,7 @@ class Batched:
         self.name, self.window = name, window
         self.pte, self.ptd = batching.export(_model(name, window), os.path.join(directory, "m"), max_seq_len=MAX_SEQ_LEN, max_batch_size=SLOTS, prefill_chunk=CHUNK)
         schedules = load_weight_schedules(self.pte)
-        self.floor = max(s.load_floor_bytes for s in schedules.values())
+        self.floor = load_floor_bytes(schedules)
         self.total = schedules["decode"].resident_bytes + sum(b.table_bytes for b in schedules["decode"].expert_blocks) + max(s.expert_scratch_bytes for s in schedules.values())
 
     def transformers_tokens(self, prompt: list[int], new: int) -> list[int]:

@@ -89,7 +89,7 @@ class ExportedMoE:
         self.pte, self.ptd = hostswap.save(self.programs, os.path.join(directory, "model"), constant_methods=constants)
         self.schedules = load_weight_schedules(self.pte)
         decode = self.schedules["decode"]
-        self.floor = max(s.load_floor_bytes for s in self.schedules.values())
+        self.floor = hostswap.schedules.load_floor_bytes(self.schedules)
         # every streamed weight and every expert table on the device
         scratch = max(s.expert_scratch_bytes for s in self.schedules.values())
         self.everything = decode.resident_bytes + sum(b.table_bytes for b in decode.expert_blocks) + scratch
@@ -397,7 +397,7 @@ def test_a_corrupted_router_stops_generation_with_the_block_named(tmp_path):
 
     router.forward = corrupted
     pte, ptd = llm.export(model, tmp_path / "m", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
-    floor = max(s.load_floor_bytes for s in load_weight_schedules(pte).values())
+    floor = hostswap.schedules.load_floor_bytes(load_weight_schedules(pte))
     with llm.Generator(pte, ptd, weight_offload_budget_mb=floor / MB, device="cpu", warm_up=False) as g:
         with pytest.raises(ExpertIndexError, match=re.escape("router of model.layers.1.mlp.experts picked an expert outside 0..3")):
             g.generate(_prompt(7), 4, eos_token_id=[])
@@ -419,7 +419,7 @@ def test_experts_the_kernel_cannot_run_keep_the_all_experts_schedule_with_a_warn
     prompt = _prompt(7)
     with torch.no_grad():
         expected = model(prompt).logits
-    with llm.Generator(pte, ptd, weight_offload_budget_mb=max(s.load_floor_bytes for s in load_weight_schedules(pte).values()) / MB, device="cpu") as g:
+    with llm.Generator(pte, ptd, weight_offload_budget_mb=hostswap.schedules.load_floor_bytes(load_weight_schedules(pte)) / MB, device="cpu") as g:
         (logits,) = g.module.run_method("prefill", [prompt[:, :CHUNK], torch.arange(CHUNK)])
     torch.testing.assert_close(logits[0], expected[0, :CHUNK], atol=1e-5, rtol=1e-5)
 

@@ -214,7 +214,7 @@ def test_batched_decode_graphed_gives_each_sequence_its_own_tokens(tmp_path):
     for dtype in (torch.bfloat16, torch.float32):
         name = str(dtype).removeprefix("torch.")
         pte, ptd = batching.export(model(dtype), tmp_path / f"eight-{name}", max_seq_len=128, max_batch_size=8, prefill_chunk=32)
-        floor = max(s.load_floor_bytes for s in hostswap.schedules.load_weight_schedules(pte).values())
+        floor = hostswap.schedules.load_floor_bytes(hostswap.schedules.load_weight_schedules(pte))
         with batching.BatchGenerator(pte, ptd, weight_offload_budget_mb=floor / MB * 1.5, device="cuda") as b:
             assert b.module.cuda_graph
             together = b.generate(prompts, 24, eos_token_id=[])
@@ -243,7 +243,7 @@ def test_speculative_decode_on_the_device_gives_the_plain_greedy_tokens(tmp_path
 
     target = llm.export(model(), tmp_path / "target", max_seq_len=128, prefill_chunk=32, speculate_k=4)
     llm.export(llm.quantize(model(), "int8"), tmp_path / "int8", max_seq_len=128, prefill_chunk=32)
-    floor = max(s.load_floor_bytes for s in hostswap.schedules.load_weight_schedules(target[0]).values())
+    floor = hostswap.schedules.load_floor_bytes(hostswap.schedules.load_weight_schedules(target[0]))
     prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     with llm.Generator(*target, weight_offload_budget_mb=floor / MB, device="cuda") as plain:
         expected = plain.generate(prompt, 48, eos_token_id=[]).cpu()

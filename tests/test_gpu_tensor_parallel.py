@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 import hostswap.llm as llm
 from hostswap.schedules.serialization import load_weight_schedules
+from hostswap.schedules.weight_schedule import load_floor_bytes
 from hostswap.tensor_parallel import rank_path
 
 pytestmark = pytest.mark.gpu
@@ -32,7 +33,7 @@ def _model():
 
 
 def _floor_mb(pte: str) -> float:
-    return max(s.load_floor_bytes for s in load_weight_schedules(pte).values()) / MB
+    return load_floor_bytes(load_weight_schedules(pte)) / MB
 
 
 def _free_port() -> int:

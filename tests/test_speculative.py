@@ -12,6 +12,7 @@ import torch
 
 from hostswap import llm
 from hostswap.schedules.serialization import load_weight_schedules
+from hostswap.schedules.weight_schedule import load_floor_bytes
 from hostswap.speculative import SpeculationStats, speculate
 
 from real_models import BY_NAME, VOCAB, build
@@ -35,7 +36,7 @@ class Pair:
         self.same = os.path.join(directory, "target")
         llm.export(build(BY_NAME[name], random_state=5)[0], os.path.join(directory, "other"), max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
         self.other = os.path.join(directory, "other")
-        self.budget = max(s.load_floor_bytes for s in load_weight_schedules(self.target[0]).values()) / MB + 0.01
+        self.budget = load_floor_bytes(load_weight_schedules(self.target[0])) / MB + 0.01
         with llm.Generator(*self.target, weight_offload_budget_mb=self.budget, device="cpu") as g:
             self.expected = g.generate(_prompt(), NEW, eos_token_id=[])
 
