@@ -7,13 +7,13 @@ from hostswap.passes.out_variants import OutVariantError
 from hostswap.runtime.activation_offload import mark_not_offload
 from hostswap.schedules.artifacts import ArtifactError
 
-__all__ = ["ActivationOffloadError", "ArtifactError", "QuantizedLayoutError", "prepare_quantized", "OffloadCoverageWarning", "OutVariantError", "activation_offload_backend", "mark_not_offload", "WeightOffloadError", "apply_weight_offload", "get_weight_schedule", "save", "schedules", "to_executorch", "runtime", "llm", "optim", "activations"]
+__all__ = ["ActivationOffloadError", "ArtifactError", "QuantizedLayoutError", "prepare_quantized", "OffloadCoverageWarning", "OutVariantError", "activation_offload_backend", "mark_not_offload", "WeightOffloadError", "apply_weight_offload", "get_weight_schedule", "save", "schedules", "to_executorch", "runtime", "llm", "optim", "activations", "fsdp_quants"]
 
 
 def __getattr__(name):
     # The runtime (and generation, which uses it) pulls in more of ExecuTorch and CUDA
     # bindings; load them when first asked for.
-    if name in ("runtime", "llm", "optim", "activations"):
+    if name in ("runtime", "llm", "optim", "activations", "fsdp_quants"):
         import importlib
 
         return importlib.import_module(f"hostswap.{name}")
