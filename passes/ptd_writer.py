@@ -14,7 +14,7 @@ import dataclasses
 import errno
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -126,8 +126,8 @@ class PtdWriter:
             raise DiskFullError(e.errno, f"writing {self.path} stopped at about {where / 2**30:.2f} of {self.total / 2**30:.2f} GiB: "
                                          f"{e.strerror}. Nothing was written under the final names; free space there or write elsewhere") from None
 
-    def write(self, tensor: torch.Tensor) -> PtdTensor:
-        """The next entry's bytes; returns that entry."""
+    def write(self, tensor: torch.Tensor) -> None:
+        """The next entry's bytes."""
         i = len(self.checksums)
         entry, offset = self.tensors[i], self.offsets[i]
         if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
@@ -136,7 +136,6 @@ class PtdWriter:
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         self._guarded(self._write_at, offset, raw)
         self.checksums[entry.fqn] = checksum(raw)
-        return entry
 
     def _write_at(self, offset: int, raw) -> None:
         self._file.write(b"\0" * (offset - self._file.tell()))
@@ -150,18 +149,6 @@ class PtdWriter:
         self._guarded(self._file.flush)
         self._file.close()
         return self.checksums
-
-
-def write_ptd(path: str | os.PathLike, tensors: list[PtdTensor], data: Callable[[PtdTensor], torch.Tensor],
-              on_written: Callable[[PtdTensor], None] | None = None) -> dict[str, str]:
-    """Write ``tensors`` to ``path``, each one's bytes from ``data(entry)`` (a tensor of its
-    dtype and shape, read when its turn comes); returns FQN -> checksum (``PtdWriter``'s errors)."""
-    writer = PtdWriter(path, tensors)
-    for entry in tensors:
-        writer.write(data(entry))
-        if on_written is not None:
-            on_written(entry)
-    return writer.close()
 
 
 def entries_in_order(orders: Iterable[Iterable[str]], tensors: dict[str, PtdTensor]) -> list[PtdTensor]:

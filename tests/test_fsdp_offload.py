@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from ports import free_port
+
 STEPS = 10
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(rank: int, world: int, port: int, optimizer: str, out: str) -> None:
@@ -86,7 +81,7 @@ def test_offload_adamw_on_fsdp2_shards_equals_adamw(world, tmp_path):
     runs = {}
     for optimizer in ("adamw", "offload", "offload_grads"):
         out = str(tmp_path / f"{optimizer}.pt")
-        mp.spawn(_train, args=(world, _free_port(), optimizer, out), nprocs=world, join=True)
+        mp.spawn(_train, args=(world, free_port(), optimizer, out), nprocs=world, join=True)
         runs[optimizer] = torch.load(out)
     expected = runs["adamw"]
     for got in (runs["offload"], runs["offload_grads"]):
@@ -103,7 +98,7 @@ def test_offload_context_on_fsdp2_layers_changes_nothing(tmp_path):
     runs = {}
     for optimizer in ("adamw", "offload_context"):
         out = str(tmp_path / f"{optimizer}.pt")
-        mp.spawn(_train, args=(2, _free_port(), optimizer, out), nprocs=2, join=True)
+        mp.spawn(_train, args=(2, free_port(), optimizer, out), nprocs=2, join=True)
         runs[optimizer] = torch.load(out)
     assert torch.equal(runs["offload_context"]["losses"], runs["adamw"]["losses"])
     for name, value in runs["adamw"]["params"].items():

@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from ports import free_port
+
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(arch: str, vocab: int):
@@ -114,7 +109,7 @@ def _train(rank: int, world: int, port: int, arch: str, mode: str, scheme: str, 
 
 def _run(tmp_path, world: int, arch: str, mode: str, scheme: str = "int8", vocab: int = 128) -> dict:
     out = str(tmp_path / f"{arch}-{mode}-{scheme}-{world}.pt")
-    mp.spawn(_train, args=(world, _free_port(), arch, mode, scheme, vocab, out), nprocs=world, join=True)
+    mp.spawn(_train, args=(world, free_port(), arch, mode, scheme, vocab, out), nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 

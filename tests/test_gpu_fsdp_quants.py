@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from ports import free_port
+
 pytestmark = pytest.mark.gpu
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, mode: str, out: str) -> None:
@@ -72,7 +67,7 @@ def _rank(rank: int, world: int, port: int, mode: str, out: str) -> None:
 def _run(tmp_path, mode: str) -> dict:
     world = min(2, torch.cuda.device_count())
     out = str(tmp_path / f"{mode}.pt")
-    mp.spawn(_rank, args=(world, _free_port(), mode, out), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, free_port(), mode, out), nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,8 @@ import hostswap.llm as llm
 from hostswap.schedules.serialization import load_weight_schedules
 from hostswap.schedules.weight_schedule import load_floor_bytes
 from hostswap.tensor_parallel import rank_path
+
+from ports import free_port
 
 pytestmark = pytest.mark.gpu
 MB = 2**20
@@ -34,12 +35,6 @@ def _model():
 
 def _floor_mb(pte: str) -> float:
     return load_floor_bytes(load_weight_schedules(pte)) / MB
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, prefix: str, out: str) -> None:
@@ -75,7 +70,7 @@ def test_two_gpus_give_the_one_gpu_tokens_streaming_half_the_bytes(tmp_path):
     prefix = str(tmp_path / "tp")
     llm.export(_model(), prefix, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, tensor_parallel=2)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(_free_port(), prefix, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(free_port(), prefix, out), nprocs=2, join=True)
     got = torch.load(out)
     assert torch.equal(got["tokens"], tokens), (got["tokens"], tokens)
     torch.testing.assert_close(got["logits"], logits, rtol=1e-4, atol=1e-4)  # fp32: a sum over 2 GPUs, not one dot product

@@ -22,6 +22,8 @@ import torch
 
 import hostswap.llm as llm
 
+from ports import free_port
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -29,12 +31,6 @@ pytest.importorskip("uvicorn")
 MAX_SEQ_LEN, CHUNK = 96, 16
 KEY = "sk-test-key"
 MODEL = "tiny-llama"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_llama(vocab_size: int, bos: int | None):
@@ -65,7 +61,7 @@ def program(tmp_path_factory):
 
 class Server:
     def __init__(self, base: str, *extra: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen([sys.executable, "-m", "hostswap.cli", "serve", base, "--device", "cpu", "--port", str(self.port),
                                          "--model-id", MODEL, "--budget-mb", "64", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

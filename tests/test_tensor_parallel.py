@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
-import socket
 import time
 
 import pytest
@@ -22,6 +21,7 @@ import hostswap.llm as llm
 from hostswap.runtime.ptd import PtdFile
 from hostswap.tensor_parallel import TensorParallelError, plan_tensor_parallel, rank_path
 
+from ports import free_port
 from real_models import VOCAB, _decoder_common
 from test_generation import transformers_greedy
 
@@ -78,12 +78,6 @@ ON_TWO_RANKS_ONLY = {"Mixtral", "Phi-3", "GPT-NeoX", "OLMoE"}  # 4 ranks: Llama,
 PROMPT = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _model(name: str):
     torch.manual_seed(0)
     return MODELS[name]().eval()
@@ -119,7 +113,7 @@ def _run_rank(rank: int, world: int, port: int, prefix: str, out: str, die_after
 def _spawn(world: int, prefix: str, out: str, die_after_warm_up: int | None = None, timeout: float = 240) -> list[int]:
     """Start ``world`` ranks, wait for them; their exit codes."""
     context = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_run_rank, args=(r, world, port, prefix, out, die_after_warm_up)) for r in range(world)]
     for p in procs:
         p.start()
@@ -208,7 +202,7 @@ def test_batched_program_on_two_ranks_equals_one_process(tmp_path):
     llm.export(_model("Qwen3-MoE"), prefix, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, max_batch_size=3, tensor_parallel=2)
     out = str(tmp_path / "rank0.pt")
     context = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_run_batched_rank, args=(r, 2, port, prefix, out)) for r in range(2)]
     for p in procs:
         p.start()
@@ -243,7 +237,7 @@ def test_a_program_loaded_on_another_world_size_is_refused(llama_tp2):
     path = rank_path(llama_tp2, 0)
     with pytest.raises(TensorParallelError, match=r"exported for 2 tensor-parallel ranks: run it under torchrun --nproc-per-node 2"):
         llm.Generator(path + ".pte", path + ".ptd", device="cpu")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         with pytest.raises(TensorParallelError, match=r"exported for 2 tensor-parallel ranks; this process group has 1"):
@@ -299,7 +293,7 @@ def test_cli_generate_under_torchrun(llama_tp2, tmp_path_factory):
     tokens, _, _ = _single_process("Llama", tmp_path_factory)
     ids = ",".join(str(t) for t in PROMPT[0].tolist())
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                           "-m", "hostswap.cli", "generate", llama_tp2, "--device", "cpu", "--prompt-ids", ids, "--max-new-tokens", str(NEW)],
                          capture_output=True, text=True, timeout=240, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -405,9 +399,9 @@ def test_serve_under_torchrun(batched, tmp_path):
         for prompt in prompts:
             ids = tokenizer(prompt, return_tensors="pt").input_ids
             expected.append(tokenizer.decode(g.generate(ids, 12)[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                                 "-m", "hostswap.cli", "serve", prefix, "--device", "cpu", "--port", str(port), "--model-id", "tp"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
