@@ -422,6 +422,11 @@ class Generator:
     arenas live on the device beside it. ``cuda_graph`` (default: on CUDA with the planned
     policy) captures decode, whose shapes are static, as a CUDA graph; prefill runs eagerly.
 
+    ``draft`` (a program's path prefix, or a loaded Generator) decodes speculatively
+    (hostswap/speculative.py). A draft given by path is held whole on the device, its decode
+    compiled into one graph by TorchInductor where ``compile_draft`` (default: on CUDA), since
+    a resident draft's step is bound by its kernel launches, not its bytes.
+
     ``warm_up`` (default on) runs one prefill chunk and one decode step at load, then zeroes
     the KV cache: the one-time costs of a first call (graph capture, kernel selection and
     compilation, first use of the copy paths) are paid there and reported on their own
@@ -430,7 +435,8 @@ class Generator:
     """
 
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str = "auto", device="cuda", policy: str = "planned",
-                 cuda_graph: bool | None = None, warm_up: bool = True, draft=None, speculate_k: int | None = None, **module_options):
+                 cuda_graph: bool | None = None, warm_up: bool = True, draft=None, speculate_k: int | None = None, compile_draft: bool | None = None,
+                 **module_options):
         from hostswap.runtime import Module
         from hostswap.runtime.module import check_device_argument
 
@@ -442,7 +448,11 @@ class Generator:
             cuda_graph = device.type == "cuda" and policy == "planned"
         # a draft goes on the device first: the target's budget ("auto" included) is what it leaves
         self._owns_draft = draft is not None and not isinstance(draft, Generator)
-        draft = _open_draft(draft, device) if self._owns_draft else draft
+        if compile_draft is not None and not isinstance(compile_draft, bool):
+            raise GenerationError(f"compile_draft must be True, False or None, got {compile_draft!r}")
+        if compile_draft is not None and not self._owns_draft:
+            raise GenerationError("compile_draft applies to a draft given by its path; a loaded draft Generator keeps how it was loaded (load it with compiled=...)")
+        draft = _open_draft(draft, device, device.type == "cuda" if compile_draft is None else compile_draft) if self._owns_draft else draft
         try:
             self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=device,
                                  policy=policy, cuda_graph=(DECODE,) if cuda_graph else False, cuda_graph_where_possible=where_possible, **module_options)
@@ -661,15 +671,16 @@ class Generator:
         self.close()
 
 
-def _open_draft(draft, device: torch.device) -> "Generator":
-    """The draft program at a path prefix (or its .pte), loaded with every weight on the device."""
+def _open_draft(draft, device: torch.device, compiled: bool) -> "Generator":
+    """The draft program at a path prefix (or its .pte), loaded with every weight on the device;
+    ``compiled``: its decode method compiled into one graph (runtime/compiled_method.py)."""
     from hostswap.schedules.serialization import load_weight_schedules
 
     base = os.fspath(draft)
     base = base[:-4] if base.endswith(".pte") else base
     schedules = load_weight_schedules(base + ".pte")
     resident = max(s.all_resident_budget_bytes for s in schedules.values())
-    return Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=resident / 2**20, device=device)
+    return Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=resident / 2**20, device=device, compiled=(DECODE,) if compiled else False)
 
 
 def print_tokens(decode: Callable[[list[int]], str] | None = None, prompt_ids=(), stream=None) -> Callable[[int], None]:

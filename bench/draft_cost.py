@@ -9,7 +9,8 @@ device is not bound by bytes but by its kernels: each decode step launches the s
 whatever the weights' bytes. For a transformers Llama of the given shape (random weights:
 acceptance is not measured here; bench/speculative.py measures it on real weights), each
 scheme's program is loaded with every weight resident and timed over ``--steps`` decode steps
-(graphed on CUDA). Each row counts the kernels of one step from the program's instruction
+(graphed on CUDA), run as the executor's kernel per instruction and compiled into one graph
+by inductor (``Module(compiled=...)``, what a draft given by path gets on CUDA). Each row counts the kernels of one step from the program's instruction
 list (views excluded: they launch nothing), per layer too, and on CUDA the kernels a profiled
 step launched and the ones it spent the most time in. Rows go to
 ``bench/results/draft_cost_<device>.json``.
@@ -45,6 +46,11 @@ def smollm2_shaped(layers: int, vocab: int):
                          num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5,
                          bos_token_id=None, eos_token_id=None)
     return LlamaForCausalLM(config).eval()
+
+
+def every_weight_mb(pte) -> float:
+    schedules = load_weight_schedules(pte)
+    return max(load_floor_bytes(schedules), schedules[llm.DECODE].total_bytes) / 2**20 + 1
 
 
 def step_kernels(generator) -> collections.Counter:
@@ -83,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="the model's dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--compiled", choices=["both", "yes", "no"], default="both",
+                   help="run decode as the executor's kernel per instruction (no), compiled into one graph by inductor (yes), or both")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -97,29 +105,28 @@ def main(argv=None) -> int:
     one_layer = smollm2_shaped(1, args.vocab).to(dtype)
     with tempfile.TemporaryDirectory() as folder:
         for scheme in schemes:
-            counts = {}
+            counts, paths = {}, {}
             for layers, m in ((1, one_layer), (args.layers, model)):
                 draft = copy.deepcopy(m) if scheme == "none" else llm.quantize(copy.deepcopy(m), scheme)
-                pte, ptd = llm.export(draft, os.path.join(folder, f"{scheme}-{layers}"), max_seq_len=args.max_seq_len, prefill_chunk=32)
-                schedules = load_weight_schedules(pte)
-                every_weight = max(load_floor_bytes(schedules), schedules[llm.DECODE].total_bytes)
-                with llm.Generator(pte, ptd, weight_offload_budget_mb=every_weight / 2**20 + 1, device=device) as g:
+                paths[layers] = llm.export(draft, os.path.join(folder, f"{scheme}-{layers}"), max_seq_len=args.max_seq_len, prefill_chunk=32)
+                with llm.Generator(*paths[layers], weight_offload_budget_mb=every_weight_mb(paths[layers][0]), device=device, warm_up=False) as g:
                     counts[layers] = step_kernels(g)
-                    if layers != args.layers:
-                        continue
+            total, single = sum(counts[args.layers].values()), sum(counts[1].values())
+            per_layer = (total - single) / (args.layers - 1) if args.layers > 1 else None
+            for compiled in (False, True) if args.compiled == "both" else (args.compiled == "yes",):
+                pte, ptd = paths[args.layers]
+                with llm.Generator(pte, ptd, weight_offload_budget_mb=every_weight_mb(pte), device=device, compiled=(llm.DECODE,) if compiled else False) as g:
                     prompt = torch.arange(8).reshape(1, 8)
                     g.generate(prompt, 4, eos_token_id=[])  # one-time costs
                     g.generate(prompt, args.steps + 1, eos_token_id=[])
                     ms = g.last.decode_seconds / args.steps * 1e3
                     profiled, top = profiled_kernels(g, device) if cuda else (None, [])
-            total, single = sum(counts[args.layers].values()), sum(counts[1].values())
-            per_layer = (total - single) / (args.layers - 1) if args.layers > 1 else None
-            add_row(result, {"scheme": scheme, "layers": args.layers, "ms_per_step": ms, "kernels_per_step": total, "kernels_per_layer": per_layer,
-                             "kernels_outside_layers": total - per_layer * args.layers if per_layer is not None else None,
-                             "us_per_kernel": ms * 1e3 / total, "gpu_kernels_per_step": profiled, "top_gpu_kernels": top,
-                             "operators_per_layer": {op: (counts[args.layers][op] - counts[1][op]) / (args.layers - 1) for op in counts[args.layers]}
-                             if args.layers > 1 else None},
-                    path, shown={"scheme": scheme, "ms_per_step": ms, "kernels_per_step": total, "kernels_per_layer": per_layer})
+                add_row(result, {"scheme": scheme, "compiled": compiled, "layers": args.layers, "ms_per_step": ms, "kernels_per_step": total,
+                                 "kernels_per_layer": per_layer, "kernels_outside_layers": total - per_layer * args.layers if per_layer is not None else None,
+                                 "us_per_kernel": ms * 1e3 / total, "gpu_kernels_per_step": profiled, "top_gpu_kernels": top,
+                                 "operators_per_layer": {op: (counts[args.layers][op] - counts[1][op]) / (args.layers - 1) for op in counts[args.layers]}
+                                 if args.layers > 1 else None},
+                        path, shown={"scheme": scheme, "compiled": compiled, "ms_per_step": ms, "kernels_per_step": total, "gpu_kernels_per_step": profiled})
     print(f"wrote {path}")
     return 0
 

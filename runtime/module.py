@@ -146,6 +146,11 @@ class Module:
     block before it guesses, a layer early (runtime/expert_cache.py). Off by default: on the
     benchmark's random routers the wrong guesses cost more bus time than the overlap saves.
 
+    ``compiled=True`` (or the names of methods) runs each method as one graph compiled by
+    TorchInductor instead of a kernel per instruction (runtime/compiled_method.py): for a
+    program held whole on the device, such as a speculative draft, whose steps are bound by
+    their kernel launches. It needs every weight resident; the first call compiles.
+
     At load the ``.ptd`` index is validated and both files are checked to be the pair
     ``hostswap.save`` wrote, without reading a weight (docs/weight-offload.md, "Trusting the
     files"); ``verify=True`` also hashes every weight byte against its checksum. A bad file
@@ -155,7 +160,8 @@ class Module:
     """
 
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False,
-                 host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False, expert_prefetch: bool = False):
+                 host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False, expert_prefetch: bool = False,
+                 compiled: bool | tuple[str, ...] = False):
         t0 = time.perf_counter()
         self._closed = True  # until loaded
         check_budget_argument(weight_offload_budget_mb)
@@ -172,6 +178,8 @@ class Module:
         if not isinstance(expert_prefetch, bool):
             raise ValueError(f"expert_prefetch must be True or False, got {expert_prefetch!r}")
         self._expert_prefetch = expert_prefetch
+        if not (isinstance(compiled, bool) or (isinstance(compiled, (tuple, list)) and all(isinstance(n, str) for n in compiled))):
+            raise ValueError(f"compiled must be True, False or a tuple of method names, got {compiled!r}")
         self.pte_path = os.fspath(pte_path)
         if data_path is None:
             data_path = os.path.splitext(self.pte_path)[0] + ".ptd"
@@ -189,6 +197,12 @@ class Module:
         unknown = graphed - set(self.schedules)
         if unknown:
             raise ValueError(f"cuda_graph names {sorted(unknown)}, which are not methods of {self.pte_path} that read weights ({list(self.schedules)})")
+        self._compiled_names = set(self.schedules) if compiled is True else set(compiled or ())
+        unknown = self._compiled_names - set(self.schedules)
+        if unknown:
+            raise ValueError(f"compiled names {sorted(unknown)}, which are not methods of {self.pte_path} that read weights ({list(self.schedules)})")
+        if self._compiled_names and policy != "planned":
+            raise ValueError("compiled needs policy='planned': it runs a method with every weight resident")
         if graphed and self.device.type != "cuda":
             raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
         # the floor at load is the largest of the methods' floors, plus the device scratch a
@@ -264,6 +278,11 @@ class Module:
         self._host_read = {fqn: self.ptd.host_tensor(fqn).to(self.device, copy=True) if fqn in on_device
                            else self.ptd.device_view(fqn, self.device) if self.device.type == "cuda" else self.ptd.host_tensor(fqn)
                            for fqn in self.schedule.host_read}
+        if self._compiled_names and (self.pool.streamed_weights() or self.expert_caches
+                                     or any(b.block not in self.resident_experts for b in self.schedule.expert_blocks)):
+            need = self.schedule.all_resident_budget_bytes + self._expert_table_bytes() + self.expert_scratch_bytes
+            raise ValueError(f"compiled needs every weight resident on the device: weight_offload_budget_mb={(self.budget_bytes + self.expert_scratch_bytes) / 2**20:.1f} "
+                             f"streams some; {self.pte_path} needs {need / 2**20:.1f} MiB to hold all")
         self._executors: dict[str, MethodExecutor] = {}
         self._probed: dict[str, _ProbedMethod] = {}
         # Program state (buffers the methods mutate, a KV cache): one zeroed device tensor
@@ -275,7 +294,7 @@ class Module:
                 kernels = self._map_kernels(name, executor)
             except ProgramError as e:
                 raise ArtifactError(self.pte_path, f"method '{name}'", str(e)) from e
-            method = _ProbedMethod(executor, kernels, name in graphed)
+            method = _ProbedMethod(executor, kernels, name in graphed, name in self._compiled_names)
             method.on_kernel = functools.partial(_kernel_launched, self.pool, method.kernel_of_instruction)
             self._probed[name] = method
         if len(self._probed) > 1:
@@ -313,7 +332,12 @@ class Module:
         return self.ptd.host_tensor(fqn)
 
     def _load_executor(self, plan) -> MethodExecutor:
-        executor = MethodExecutor.load(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire, state=self.state)
+        if plan.name in self._compiled_names:
+            from hostswap.runtime.compiled_method import CompiledExecutor
+
+            executor = CompiledExecutor.load_compiled(self.program, plan, self.device, self._unprobed_weight, self.pool.resident_tensor, state=self.state)
+        else:
+            executor = MethodExecutor.load(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire, state=self.state)
         self._executors[plan.name] = executor
         return executor
 
@@ -353,6 +377,12 @@ class Module:
     # --- running -------------------------------------------------------------------------------
     def _run_forward(self, method: "_ProbedMethod", inputs=None) -> None:
         """One forward; ``inputs`` are bound after the pool has started its first copies."""
+        if method.compiled:  # every weight resident: nothing for the pool to copy or count
+            if inputs is not None:
+                method.executor.bind_inputs(inputs)
+            with recording_reads(self.expert_reads), using_caches(self.expert_caches):
+                method.executor.run()
+            return
         self.pool.begin_forward()
         if inputs is not None:
             method.executor.bind_inputs(inputs)
@@ -548,11 +578,12 @@ class _ProbedMethod:
     """A method that reads streamed weights: its executor, the scheduled kernel of each of its
     instructions that reads a weight, and its CUDA graph once captured."""
 
-    def __init__(self, executor: MethodExecutor, kernel_of_instruction: dict[int, int], graphed: bool):
+    def __init__(self, executor: MethodExecutor, kernel_of_instruction: dict[int, int], graphed: bool, compiled: bool = False):
         self.executor = executor
         self.kernel_of_instruction = kernel_of_instruction
         self.hooked = frozenset(kernel_of_instruction)
         self.graphed = graphed
+        self.compiled = compiled  # run as one graph compiled by inductor (runtime/compiled_method.py)
         self.on_kernel = None  # set by the Module: tells the pool which kernel was launched
         self.graph = None
         self.capture_error: ProgramError | None = None

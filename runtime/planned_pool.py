@@ -156,6 +156,14 @@ class PlannedPool(WeightPool):
             self.streams.compute_waits(self._ring_ready[self._source_fill[probe_id]])
         return self._ring_tensor[probe_id]
 
+    def resident_tensor(self, probe_id: int, fqn: str) -> torch.Tensor:
+        """The tensor probe ``probe_id`` reads, for a caller that binds it once (a compiled
+        method): only a resident weight has one place for the pool's life."""
+        w = self.schedule.probe_weight[probe_id]
+        if self.schedule.fqns[w] != fqn or w not in self._resident:
+            raise ValueError(f"probe {probe_id} ('{fqn}') does not read a resident weight of this pool")
+        return self._resident[w]
+
     def kernel_launched(self, kernel: int) -> None:
         super().kernel_launched(kernel)
         if kernel in self._awaited_kernels:

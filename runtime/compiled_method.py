@@ -1,0 +1,319 @@
+"""A method whose weights are all resident, run as one graph compiled by TorchInductor.
+
+The executor (runtime/executor.py) launches one ATen kernel per instruction. Where weights
+stream, that is right: the pool must see each kernel launched, and the bus, not the launches,
+bounds a step. A program held whole on the device (a speculative draft) is bound by its
+launches instead: a small decoder's step is some fifty short kernels per layer, most of them
+elementwise (norms, rotary, activations), each costing a launch whatever its bytes.
+
+Here the method's instruction list is rebuilt as an FX graph of functional ATen ops:
+- each out variant becomes its functional overload; an in-place op on program state (a KV
+  cache write) becomes its functional form, and the state is written back at the graph's end;
+- a probe becomes the weight's resident tensor; views of it stay views;
+- values are followed by what was last written to them: a planned value by its id (memory
+  planning gives no two live values the same bytes), program state by its bytes (the cache
+  a method reads and the one its update returns are two values in one place).
+
+The graph is compiled once (``torch.compile``, inductor), which fuses the elementwise chains
+into a few kernels per layer. The result is checked against the program at build: every
+instruction's functional form must give the shape and dtype the program planned for it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx
+
+from hostswap.runtime.executor import MethodExecutor
+from hostswap.runtime.instructions import FunctionalAsOut, ListRef, ProgramError, copy_into
+from hostswap.runtime.method_loader import LoadedMethod
+
+__all__ = ["CompiledExecutor", "functional_overload", "method_graph"]
+
+# argument types that ExecuTorch stores as integers and ATen's Python ops take as enums
+_MEMORY_FORMATS = (torch.contiguous_format, torch.preserve_format, torch.channels_last, torch.channels_last_3d)
+_FACTORY_ARGUMENTS = ("dtype", "layout", "device", "pin_memory")
+
+
+def _packet(qualified: str):
+    namespace, _, name = qualified.partition("::")
+    return getattr(getattr(torch.ops, namespace), name)
+
+
+def _writes(schema) -> list[str]:
+    return [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def functional_overload(schema: torch.FunctionSchema) -> torch._ops.OpOverload:
+    """The functional op an out variant or an in-place op of ``schema`` stands for: an
+    in-place ``name_`` becomes ``name`` with the same overload; an out variant becomes the
+    overload of its name whose arguments are the out variant's less its outs (further ones
+    only factory arguments, given from the out tensor, or arguments with defaults)."""
+    if schema.name.endswith("_"):
+        return getattr(_packet(schema.name[:-1]), schema.overload_name or "default")
+    outs = set(_writes(schema))
+    kept = [a for a in schema.arguments if a.name not in outs]
+    packet = _packet(schema.name)
+    for name in packet.overloads():
+        candidate = getattr(packet, name)._schema
+        if _writes(candidate) or len(candidate.returns) != max(len(outs), 1):
+            continue
+        by_name = {a.name: a for a in candidate.arguments}
+        if any(a.name not in by_name or str(a.type) != str(by_name[a.name].type) for a in kept):
+            continue
+        extra = [a for a in candidate.arguments if a.name not in {k.name for k in kept}]
+        if all(a.name in _FACTORY_ARGUMENTS or a.has_default_value() for a in extra):
+            positional = [a.name for a in candidate.arguments if not a.kwarg_only]
+            if positional == [a.name for a in kept if not a.kwarg_only][: len(positional)]:
+                return getattr(packet, name)
+    raise ProgramError(f"{schema.name}.{schema.overload_name} has no functional overload to compile it as")
+
+
+def _enum_argument(argument_type: str, value):
+    """An ExecuTorch integer given for a ScalarType / MemoryFormat / Layout argument, as the enum."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return value
+    if argument_type.startswith("ScalarType"):
+        return _SCALAR_TYPES[value]
+    if argument_type.startswith("MemoryFormat"):
+        return _MEMORY_FORMATS[value]
+    if argument_type.startswith("Layout"):
+        return torch.strided if value == 0 else value
+    return value
+
+
+# c10::ScalarType numbering, which ExecuTorch's programs use for ScalarType arguments
+_SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16, 6: torch.float32,
+                 7: torch.float64, 11: torch.bool, 15: torch.bfloat16, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn}
+
+
+class MethodGraph:
+    """A method as an FX graph: ``module`` takes ``inputs`` (tensors, in placeholder order) and
+    returns the method's outputs, writing program state in place."""
+
+    def __init__(self, module: torch.fx.GraphModule, inputs: list[torch.Tensor], output_ids: list[int], checks: list[tuple[torch.fx.Node, int, object]]):
+        self.module, self.inputs, self.output_ids, self._checks = module, inputs, output_ids, checks
+
+    def check(self) -> None:
+        """Raise ProgramError where an instruction's functional form gives another shape or dtype
+        than the program planned (its meta computed on fake tensors)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        FakeTensorProp(self.module, mode).propagate_dont_convert_inputs(*[mode.from_tensor(t) for t in self.inputs])
+        for node, index, planned in self._checks:
+            got = node.meta.get("val")
+            if got is None:
+                continue
+            if tuple(got.shape) != tuple(planned.shape) or got.dtype != planned.dtype:
+                raise ProgramError(f"instruction {index}: its functional form gives {tuple(got.shape)} {got.dtype}, the program planned "
+                                   f"{tuple(planned.shape)} {planned.dtype}; this method cannot be compiled")
+
+
+class _Memory:
+    """What was last written to each planned byte range, as graph nodes: a read of a range
+    gets the node of the last write that overlaps it, viewed as the reader's tensor.
+
+    ExecuTorch gives a static view no instruction: its value is planned in its base's bytes.
+    So a value is followed by its bytes, not its id; two live values never share bytes
+    otherwise (memory planning), and state is followed the same way."""
+
+    def __init__(self, graph: torch.fx.Graph, method: LoadedMethod):
+        self.graph, self.method = graph, method
+        self.writes: list[tuple[tuple[int, int, int], torch.fx.Node, int]] = []  # (region, node, value id)
+
+    def write(self, vid: int, node: torch.fx.Node) -> None:
+        self.writes.append((self.method.regions[vid], node, vid))
+
+    def read(self, vid: int) -> torch.fx.Node | None:
+        memory, start, end = region = self.method.regions[vid]
+        for (m, s, e), node, written in reversed(self.writes):
+            if m != memory or e <= start or end <= s:
+                continue
+            if region == (m, s, e) and written == vid:
+                return node
+            return self._view(node, written, vid, s, e)
+        return None
+
+    def _view(self, node, written: int, vid: int, s: int, e: int) -> torch.fx.Node:
+        method, graph = self.method, self.graph
+        memory, start, end = method.regions[vid]
+        have, want = method.values[written], method.values[vid]
+        if not (start >= s and end <= e):
+            raise ProgramError(f"method '{method.name}': value {vid} reads bytes {start}-{end} of memory {memory}, which no one write covers; cannot compile it")
+        if have.dtype != want.dtype or not (method.contiguous[written] and method.contiguous[vid]):
+            raise ProgramError(f"method '{method.name}': value {vid} views the bytes of value {written} as another dtype or layout; cannot compile it")
+        if (start, end) == (s, e) and tuple(have.shape) == tuple(want.shape):
+            return node
+        flat = graph.call_function(torch.ops.aten.reshape.default, (node, [-1]))
+        first = (start - s) // want.element_size()
+        if (start, end) != (s, e):
+            flat = graph.call_function(torch.ops.aten.slice.Tensor, (flat, 0, first, first + want.numel()))
+        return graph.call_function(torch.ops.aten.reshape.default, (flat, list(want.shape)))
+
+
+def method_graph(method: LoadedMethod, instructions, resident_weight: Callable[[int, str], torch.Tensor]) -> MethodGraph:
+    """``method`` (its values; ``instructions`` as loaded, without view planning) as an FX graph;
+    ``resident_weight(probe_id, fqn)`` gives each probe's tensor on the device."""
+    graph = torch.fx.Graph()
+    values = method.values
+    memory = _Memory(graph, method)
+    inputs: list[torch.Tensor] = []
+    placeholder_of: dict[int, torch.fx.Node] = {}  # id(tensor) -> its placeholder
+    unplanned: dict[int, object] = {}  # value id -> the node of a probe's weight, or of a view of one
+    checks: list = []
+    state_writes: list[tuple[int, torch.fx.Node]] = []
+
+    def placeholder(t: torch.Tensor) -> torch.fx.Node:
+        node = placeholder_of.get(id(t))
+        if node is None:
+            node = graph.placeholder(f"t{len(inputs)}")
+            placeholder_of[id(t)] = node
+            inputs.append(t)
+        return node
+
+    for vid in method.plan.inputs:  # bound into their planned slots before each run
+        if vid in method.regions:
+            memory.write(vid, placeholder(values[vid]))
+
+    def read(vid: int):
+        v = values[vid]
+        if isinstance(v, ListRef):
+            return [None if (v.optional and j < 0) else read(j) for j in v.indices]
+        if vid in method.regions:
+            node = memory.read(vid)
+            if node is not None:
+                return node
+            if method.regions[vid][0] not in method.state_ids:
+                raise ProgramError(f"method '{method.name}' reads value {vid} before anything writes its bytes; cannot compile it")
+            node = placeholder(v)  # program state as the last call left it
+            memory.write(vid, node)
+            return node
+        if vid in unplanned:
+            return unplanned[vid]
+        if vid in method.unplanned:
+            raise ProgramError(f"method '{method.name}' reads value {vid} before anything binds it; cannot compile it")
+        return placeholder(v) if isinstance(v, torch.Tensor) else v  # a constant, or a table read in place
+
+    def write(vid: int, node, index: int) -> None:
+        if vid not in method.regions:
+            unplanned[vid] = node
+            return
+        memory.write(vid, node)
+        checks.append((node, index, values[vid]))
+        if method.regions[vid][0] in method.state_ids:
+            state_writes.append((vid, node))
+
+    for ins in instructions:
+        if ins.tag == "probe":
+            unplanned[ins.ret_id] = placeholder(resident_weight(ins.probe_id, ins.fqn))
+        elif ins.tag == "move":
+            v = read(ins.source)
+            write(ins.target, v, -1) if isinstance(v, torch.fx.Node) else unplanned.__setitem__(ins.target, v)
+        elif ins.tag == "free":
+            continue
+        elif ins.tag == "jump_false":
+            raise ProgramError(f"method '{method.name}' has jumps; only straight-line methods compile")
+        else:
+            _kernel(graph, ins, values, read, write)
+    outputs = [read(vid) for vid in method.plan.outputs]
+    # program state the method wrote goes back in place: the last write of each range
+    last: dict[tuple[int, int, int], tuple[int, torch.fx.Node]] = {}
+    for vid, node in state_writes:
+        last[method.regions[vid]] = (vid, node)
+    for vid, node in last.values():
+        graph.call_function(torch.ops.aten.copy_.default, (placeholder(values[vid]), node))
+    graph.output(tuple(outputs))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    return MethodGraph(module, inputs, list(method.plan.outputs), checks)
+
+
+def _kernel(graph: torch.fx.Graph, ins, values, read, write) -> None:
+    _, op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword = ins
+    if view_op is not None:
+        node = graph.call_function(view_op, tuple(read(i) for i in positional))
+        write(ret_ids[0], node, index)
+        return
+    if op is copy_into:  # dim-order casts and clones: the out tensor's dtype and layout
+        out = keyword["out"]
+        fmt = constant_keyword.get("memory_format")
+        node = graph.call_function(torch.ops.aten._to_copy.default, (read(positional[0]),),
+                                   {"dtype": values[out].dtype, **({"memory_format": fmt} if fmt is not None else {})})
+        for vid in [out, *ret_ids]:
+            write(vid, node, index)
+        return
+    schema = op._schema
+    functional = op.functional if isinstance(op, FunctionalAsOut) else functional_overload(schema)
+    outs = [name for name in _writes(schema)]
+    by_name = {a.name: a for a in schema.arguments}
+    args = []
+    positional_names = [a.name for a in schema.arguments if not a.kwarg_only]
+    in_place_targets = []
+    for name, vid in zip(positional_names, positional):
+        if name in outs:  # in place: self is read, then written
+            in_place_targets.append(vid)
+        args.append(_enum_argument(str(by_name[name].type), read(vid)))
+    kwargs = {}
+    out_ids = []  # (value id, whether it is a zero-element scratch the program does not read)
+    for name, vid in keyword.items():
+        if name in outs or name in scratch:
+            out_ids.append((vid, name in scratch))
+            continue
+        kwargs[name] = _enum_argument(str(by_name[name].type), read(vid))
+    kwargs.update(constant_keyword)
+    wanted = {a.name for a in functional._schema.arguments}
+    if out_ids:
+        planned = values[out_ids[0][0]]
+        if "dtype" in wanted and kwargs.get("dtype") is None and isinstance(planned, torch.Tensor):
+            kwargs["dtype"] = planned.dtype
+        if "device" in wanted and isinstance(planned, torch.Tensor):
+            kwargs["device"] = planned.device
+    kwargs = {name: v for name, v in kwargs.items() if name in wanted}
+    node = graph.call_function(functional, tuple(args), kwargs)
+    results = [node] if len(functional._schema.returns) == 1 else [graph.call_function(operator.getitem, (node, i)) for i in range(len(functional._schema.returns))]
+    targets = [(vid, False) for vid in in_place_targets] or out_ids
+    if len(targets) == 1 and isinstance(values[targets[0][0]], ListRef):  # a list of outs (split): one result per item
+        items = values[targets[0][0]].indices
+        targets = [(vid, False) for vid in items]
+        results = [graph.call_function(operator.getitem, (node, i)) for i in range(len(items))]
+        ret_ids = []
+    for (vid, is_scratch), result in zip(targets, results):
+        if not is_scratch:
+            write(vid, result, index)
+    for vid, result in zip(ret_ids, results):
+        write(vid, result, index)
+
+
+class CompiledExecutor(MethodExecutor):
+    """A method run as one compiled graph; ``resident_weight(probe_id, fqn)`` gives each probe's
+    tensor, fixed for the method's life (every weight resident). Built at the first run."""
+
+    def __init__(self, method: LoadedMethod, resident_weight: Callable[[int, str], torch.Tensor]):
+        super().__init__(method, probe_handler=None)
+        self._resident_weight = resident_weight
+        self._compiled = None
+
+    @classmethod
+    def load_compiled(cls, program, plan, device: torch.device, weights, resident_weight, state=None) -> "CompiledExecutor":
+        return cls(LoadedMethod(program, plan, device, weights, state), resident_weight)
+
+    def build(self) -> MethodGraph:
+        graph = method_graph(self.method, self.instructions, self._resident_weight)
+        graph.check()
+        return graph
+
+    def run(self, on_kernel=None, hooked=None) -> None:
+        if self._compiled is None:
+            self._graph = self.build()
+            self._compiled = torch.compile(self._graph.module, fullgraph=True, dynamic=False)
+        results = self._compiled(*self._graph.inputs)
+        for vid, result in zip(self._graph.output_ids, results):
+            planned = self.values[vid]
+            if isinstance(planned, torch.Tensor) and isinstance(result, torch.Tensor) and planned is not result:
+                planned.copy_(result)
+            else:
+                self.values[vid] = result

@@ -1,0 +1,130 @@
+"""Methods run as one graph compiled by TorchInductor (runtime/compiled_method.py): the same
+tokens and logits as the executor's kernel-per-instruction run of the same program, for
+transformers decoders (static views, a tied head, MoE experts, int8 weights), and the refusals."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from hostswap import llm
+from hostswap.runtime import Module
+from hostswap.runtime.compiled_method import CompiledExecutor, functional_overload
+from hostswap.schedules.serialization import load_weight_schedules
+from hostswap.schedules.weight_schedule import load_floor_bytes
+
+from real_models import BY_NAME, VOCAB, build
+
+MB = 2**20
+MAX_SEQ_LEN, CHUNK, NEW = 32, 4, 12
+CASES = [("Llama", None), ("Qwen2", None), ("Mixtral", None), ("GPT-2", None), ("Gemma3", None), ("Llama", "int8")]
+
+
+def _prompt() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+
+
+def _every_weight_mb(pte) -> float:
+    return max(s.all_resident_budget_bytes for s in load_weight_schedules(pte).values()) / MB
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    made = {}
+
+    def get(name: str, scheme: str | None):
+        if (name, scheme) not in made:
+            model = build(BY_NAME[name])[0]
+            if scheme is not None:
+                model = llm.quantize(copy.deepcopy(model), scheme)
+            made[name, scheme] = llm.export(model, os.path.join(tmp_path_factory.mktemp(name), "m"), max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+        return made[name, scheme]
+
+    return get
+
+
+@pytest.mark.parametrize("name,scheme", CASES, ids=[f"{n}-{s or 'plain'}" for n, s in CASES])
+def test_compiled_decode_gives_the_executors_tokens_and_logits(programs, name, scheme):
+    paths = programs(name, scheme)
+    budget = _every_weight_mb(paths[0])
+    step = [torch.tensor([[5]]), torch.tensor([MAX_SEQ_LEN // 2])]
+    with llm.Generator(*paths, weight_offload_budget_mb=budget, device="cpu") as g:
+        expected = g.generate(_prompt(), NEW, eos_token_id=[])
+        expected_logits = g.module.run_method(llm.DECODE, step)[0]
+    with llm.Generator(*paths, weight_offload_budget_mb=budget, device="cpu", compiled=(llm.DECODE,)) as g:
+        assert isinstance(g.module._probed[llm.DECODE].executor, CompiledExecutor)
+        got = g.generate(_prompt(), NEW, eos_token_id=[])
+        logits = g.module.run_method(llm.DECODE, step)[0]
+        again = g.generate(_prompt(), NEW, eos_token_id=[])  # the cache written in place by the compiled graph, reset between calls
+    assert torch.equal(got, expected), (got.tolist(), expected.tolist())
+    assert torch.equal(again, expected)
+    # inductor sums in its own order: fp32 logits within rounding of the executor's
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_prefill_and_decode(programs):
+    paths = programs("Llama", None)
+    budget = _every_weight_mb(paths[0])
+    with llm.Generator(*paths, weight_offload_budget_mb=budget, device="cpu") as g:
+        expected = g.generate(_prompt(), NEW, eos_token_id=[])
+    with llm.Generator(*paths, weight_offload_budget_mb=budget, device="cpu", compiled=True) as g:
+        assert torch.equal(g.generate(_prompt(), NEW, eos_token_id=[]), expected)
+
+
+def test_compiled_draft_keeps_the_targets_greedy_output(tmp_path):
+    target = llm.export(build(BY_NAME["Qwen2"])[0], os.path.join(tmp_path, "target"), max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, speculate_k=4)
+    draft = os.path.join(tmp_path, "draft")
+    llm.export(llm.quantize(build(BY_NAME["Qwen2"])[0], "int8"), draft, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    floor = load_floor_bytes(load_weight_schedules(target[0])) / MB + 0.01
+    with llm.Generator(*target, weight_offload_budget_mb=floor, device="cpu") as g:
+        expected = g.generate(_prompt(), NEW, eos_token_id=[])
+    with llm.Generator(*target, weight_offload_budget_mb=floor, device="cpu", draft=draft, speculate_k=4, compile_draft=True) as g:
+        assert isinstance(g.draft.module._probed[llm.DECODE].executor, CompiledExecutor)
+        out = g.generate(_prompt(), NEW, eos_token_id=[])
+        assert g.last_speculation.accepted > 0  # the int8 copy agrees somewhere: the compiled draft proposes real tokens
+    assert torch.equal(out, expected), (out.tolist(), expected.tolist())
+
+
+def test_compiled_refuses_a_budget_that_streams(programs):
+    paths = programs("Llama", None)
+    floor = load_floor_bytes(load_weight_schedules(paths[0])) / MB + 0.01
+    with pytest.raises(ValueError, match=r"compiled needs every weight resident.*needs [0-9.]+ MiB to hold all"):
+        Module(*paths, weight_offload_budget_mb=floor, device="cpu", compiled=True)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"compiled": ("nope",)}, r"compiled names \['nope'\]"),
+    ({"compiled": "decode"}, r"compiled must be True, False or a tuple of method names"),
+    ({"compiled": True, "policy": "lru"}, r"compiled needs policy='planned'"),
+])
+def test_compiled_argument_errors(programs, options, message):
+    paths = programs("Llama", None)
+    with pytest.raises(ValueError, match=message):
+        Module(*paths, weight_offload_budget_mb=_every_weight_mb(paths[0]), device="cpu", **options)
+
+
+def test_compile_draft_argument_errors(programs):
+    paths = programs("Llama", None)
+    with pytest.raises(llm.GenerationError, match="compile_draft must be True, False or None"):
+        llm.Generator(*paths, weight_offload_budget_mb=_every_weight_mb(paths[0]), device="cpu", draft=paths[0], compile_draft="yes")
+    with llm.Generator(*paths, weight_offload_budget_mb=_every_weight_mb(paths[0]), device="cpu") as loaded:
+        with pytest.raises(llm.GenerationError, match="compile_draft applies to a draft given by its path"):
+            llm.Generator(*paths, weight_offload_budget_mb=_every_weight_mb(paths[0]), device="cpu", draft=loaded, compile_draft=True)
+
+
+@pytest.mark.parametrize("op,functional", [
+    (torch.ops.aten.add.out, torch.ops.aten.add.Tensor),
+    (torch.ops.aten.mean.out, torch.ops.aten.mean.dim),
+    (torch.ops.aten.arange.start_out, torch.ops.aten.arange.start_step),
+    (torch.ops.aten.pow.Tensor_Scalar_out, torch.ops.aten.pow.Tensor_Scalar),
+    (torch.ops.aten.le.Tensor_out, torch.ops.aten.le.Tensor),
+    (torch.ops.aten.slice_copy.Tensor_out, torch.ops.aten.slice_copy.Tensor),
+    (torch.ops.aten.max.dim_max, torch.ops.aten.max.dim),
+    (torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default),
+    (torch.ops.aten.copy_.default, torch.ops.aten.copy.default),
+])
+def test_functional_overload_of_out_and_in_place_ops(op, functional):
+    assert functional_overload(op._schema) is functional
