@@ -576,23 +576,24 @@ class Generator:
             eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
             if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
                 raise GenerationError(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r}")
+        if self.draft is not None and (logprobs or (sampling is not None and sampling.repetition_penalty != 1.0)):
+            raise GenerationError("decoding with a draft keeps no log-probabilities and takes no repetition penalty: load without draft= for them")
         ids = ids.to(torch.long).cpu()
         stats = GenerationStats(prompt_tokens=prompt)
         self._sync()
         t0, bytes0 = time.perf_counter(), self.module.pool.stats.bytes_h2d
         last = prefill(self._step, ids, self.prefill_chunk, self.max_seq_len)
+        if self.draft is not None:  # the draft reads the prompt too: a cost per prompt, counted with the target's prefill
+            self.draft.module.ensure_open()
+            prefill(self.draft._step, ids, self.draft.prefill_chunk, self.draft.max_seq_len)
         self._sync()
         t1, bytes1, disk1, experts1 = time.perf_counter(), self.module.pool.stats.bytes_h2d, self.module.disk_bytes_read, self.module.expert_bytes_read
         stats.prefill_seconds, stats.bytes_streamed_prefill = t1 - t0, bytes1 - bytes0
         chosen: list = []
         sampling = sampling or SamplingParams()
         if self.draft is not None:
-            if logprobs or sampling.repetition_penalty != 1.0:
-                raise GenerationError("decoding with a draft keeps no log-probabilities and takes no repetition penalty: load without draft= for them")
             from hostswap.speculative import Sampler, SpeculationStats, speculate
 
-            self.draft.module.ensure_open()
-            prefill(self.draft._step, ids, self.draft.prefill_chunk, self.draft.max_seq_len)
             self.last_speculation = SpeculationStats()
             sampler = None if sampling.greedy else Sampler(sampling, self.device)
             first = int(last.argmax()) if sampler is None else sampler.draw(sampler.probabilities(last))

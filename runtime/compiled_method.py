@@ -90,6 +90,32 @@ _SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 
                  7: torch.float64, 11: torch.bool, 15: torch.bfloat16, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn}
 
 
+def attention_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``hostswap::sdpa`` as plain tensor ops, for inductor to fuse: softmax(q kᵀ scale + mask) v,
+    in fp32, each key/value head serving its group of query heads. The fused kernels the
+    executor calls are one opaque launch each, with the mask converted around them; for a
+    decode step's one query these few fused ops are cheaper."""
+    if dropout_p:
+        raise ProgramError("a compiled method runs attention without dropout")
+    b, heads, s, d = query.shape
+    kv_heads, t = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scale = d**-0.5 if scale is None else scale
+    q = query.float().reshape(b, kv_heads, group * s, d)
+    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [b, kv heads, group x s, t]
+    if is_causal:
+        attn_mask = torch.ones(s, t, dtype=torch.bool, device=query.device).tril(t - s)
+    if attn_mask is not None:
+        mask = attn_mask.expand(b, heads, s, t).reshape(b, kv_heads, group * s, t)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    out = torch.matmul(scores.softmax(-1), value.float())
+    return out.reshape(b, heads, s, value.shape[-1]).to(query.dtype)
+
+
+# ops a compiled graph runs as plain tensor ops instead of their opaque kernel
+_COMPILED_FORMS = {"hostswap::sdpa": attention_math}
+
+
 class MethodGraph:
     """A method as an FX graph: ``module`` takes ``inputs`` (tensors, in placeholder order) and
     returns the method's outputs, writing program state in place."""
@@ -273,7 +299,7 @@ def _kernel(graph: torch.fx.Graph, ins, values, read, write) -> None:
         if "device" in wanted and isinstance(planned, torch.Tensor):
             kwargs["device"] = planned.device
     kwargs = {name: v for name, v in kwargs.items() if name in wanted}
-    node = graph.call_function(functional, tuple(args), kwargs)
+    node = graph.call_function(_COMPILED_FORMS.get(functional._schema.name, functional), tuple(args), kwargs)
     results = [node] if len(functional._schema.returns) == 1 else [graph.call_function(operator.getitem, (node, i)) for i in range(len(functional._schema.returns))]
     targets = [(vid, False) for vid in in_place_targets] or out_ids
     if len(targets) == 1 and isinstance(values[targets[0][0]], ListRef):  # a list of outs (split): one result per item
