@@ -424,8 +424,10 @@ class Generator:
 
     ``draft`` (a program's path prefix, or a loaded Generator) decodes speculatively
     (hostswap/speculative.py). A draft given by path is held whole on the device, its decode
-    compiled into one graph by TorchInductor where ``compile_draft`` (default: on CUDA), since
-    a resident draft's step is bound by its kernel launches, not its bytes.
+    compiled into one graph by TorchInductor where ``compile_draft`` (default: on CUDA, where
+    possible: a draft that cannot be compiled runs as the executor runs it, with a warning;
+    True: compiled or an error), since a resident draft's step is bound by its kernel
+    launches, not its bytes.
 
     ``warm_up`` (default on) runs one prefill chunk and one decode step at load, then zeroes
     the KV cache: the one-time costs of a first call (graph capture, kernel selection and
@@ -452,7 +454,7 @@ class Generator:
             raise GenerationError(f"compile_draft must be True, False or None, got {compile_draft!r}")
         if compile_draft is not None and not self._owns_draft:
             raise GenerationError("compile_draft applies to a draft given by its path; a loaded draft Generator keeps how it was loaded (load it with compiled=...)")
-        draft = _open_draft(draft, device, device.type == "cuda" if compile_draft is None else compile_draft) if self._owns_draft else draft
+        draft = _open_draft(draft, device, device.type == "cuda" if compile_draft is None else compile_draft, compile_draft is None) if self._owns_draft else draft
         try:
             self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=device,
                                  policy=policy, cuda_graph=(DECODE,) if cuda_graph else False, cuda_graph_where_possible=where_possible, **module_options)
@@ -672,16 +674,18 @@ class Generator:
         self.close()
 
 
-def _open_draft(draft, device: torch.device, compiled: bool) -> "Generator":
+def _open_draft(draft, device: torch.device, compiled: bool, where_possible: bool) -> "Generator":
     """The draft program at a path prefix (or its .pte), loaded with every weight on the device;
-    ``compiled``: its decode method compiled into one graph (runtime/compiled_method.py)."""
+    ``compiled``: its decode method compiled into one graph (runtime/compiled_method.py), or
+    where that is possible (``where_possible``: else run as the executor runs it, with a warning)."""
     from hostswap.schedules.serialization import load_weight_schedules
 
     base = os.fspath(draft)
     base = base[:-4] if base.endswith(".pte") else base
     schedules = load_weight_schedules(base + ".pte")
     resident = max(s.all_resident_budget_bytes for s in schedules.values())
-    return Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=resident / 2**20, device=device, compiled=(DECODE,) if compiled else False)
+    return Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=resident / 2**20, device=device, compiled=(DECODE,) if compiled else False,
+                     compiled_where_possible=where_possible)
 
 
 def print_tokens(decode: Callable[[list[int]], str] | None = None, prompt_ids=(), stream=None) -> Callable[[int], None]:

