@@ -78,6 +78,8 @@ def _enum_argument(argument_type: str, value):
     if not isinstance(value, int) or isinstance(value, bool):
         return value
     if argument_type.startswith("ScalarType"):
+        if value not in _SCALAR_TYPES:
+            raise ProgramError(f"scalar type {value} has no dtype a compiled method maps it to")
         return _SCALAR_TYPES[value]
     if argument_type.startswith("MemoryFormat"):
         return _MEMORY_FORMATS[value]
@@ -104,12 +106,14 @@ def attention_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     scale = d**-0.5 if scale is None else scale
     q = query.float().reshape(b, kv_heads, group * s, d)
     scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [b, kv heads, group x s, t]
-    if is_causal:
-        attn_mask = torch.ones(s, t, dtype=torch.bool, device=query.device).tril(t - s)
     if attn_mask is not None:
         mask = attn_mask.expand(b, heads, s, t).reshape(b, kv_heads, group * s, t)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    out = torch.matmul(scores.softmax(-1), value.float())
+    if is_causal:  # SDPA's causal mask is the upper-left one, on top of any mask given
+        causal = torch.ones(s, t, dtype=torch.bool, device=query.device).tril().repeat(group, 1)
+        scores = scores.masked_fill(~causal, float("-inf"))
+    # a row masked everywhere gives zeros, as SDPA's does, not NaN
+    out = torch.matmul(torch.ops.aten._safe_softmax.default(scores, -1), value.float())
     return out.reshape(b, heads, s, value.shape[-1]).to(query.dtype)
 
 
@@ -224,6 +228,8 @@ def method_graph(method: LoadedMethod, instructions, resident_weight: Callable[[
             return unplanned[vid]
         if vid in method.unplanned:
             raise ProgramError(f"method '{method.name}' reads value {vid} before anything binds it; cannot compile it")
+        if vid in method.plan.inputs and not isinstance(v, torch.Tensor):
+            raise ProgramError(f"method '{method.name}' takes a non-tensor input (value {vid}); a compiled graph would keep its value at load")
         return placeholder(v) if isinstance(v, torch.Tensor) else v  # a constant, or a table read in place
 
     def write(vid: int, node, index: int) -> None:
@@ -249,10 +255,10 @@ def method_graph(method: LoadedMethod, instructions, resident_weight: Callable[[
             _kernel(graph, ins, values, read, write)
     outputs = [read(vid) for vid in method.plan.outputs]
     # program state the method wrote goes back in place: the last write of each range
-    last: dict[tuple[int, int, int], tuple[int, torch.fx.Node]] = {}
-    for vid, node in state_writes:
-        last[method.regions[vid]] = (vid, node)
-    for vid, node in last.values():
+    last: dict[tuple[int, int, int], tuple[int, int, torch.fx.Node]] = {}  # region -> (write order, value id, node)
+    for order, (vid, node) in enumerate(state_writes):
+        last[method.regions[vid]] = (order, vid, node)
+    for _, vid, node in sorted(last.values(), key=lambda w: w[0]):  # in the order written: a later write over an earlier one's bytes wins
         graph.call_function(torch.ops.aten.copy_.default, (placeholder(values[vid]), node))
     graph.output(tuple(outputs))
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
@@ -295,7 +301,8 @@ def _kernel(graph: torch.fx.Graph, ins, values, read, write) -> None:
     wanted = {a.name for a in functional._schema.arguments}
     if out_ids:
         planned = values[out_ids[0][0]]
-        if "dtype" in wanted and kwargs.get("dtype") is None and isinstance(planned, torch.Tensor):
+        given_positionally = {a.name for a in functional._schema.arguments if not a.kwarg_only}.intersection(positional_names[: len(args)])
+        if "dtype" in wanted and "dtype" not in given_positionally and kwargs.get("dtype") is None and isinstance(planned, torch.Tensor):
             kwargs["dtype"] = planned.dtype
         if "device" in wanted and isinstance(planned, torch.Tensor):
             kwargs["device"] = planned.device
@@ -369,7 +376,7 @@ def compiled_or_none(load: Callable[[], CompiledExecutor], where_possible: bool,
     ``what`` and why."""
     try:
         return load().prepare()
-    except ProgramError as e:
+    except Exception as e:  # a ProgramError, or an op whose functional form fake tensors refuse
         if not where_possible:
             raise
         warnings.warn(f"{what} runs a kernel per instruction: {e}")

@@ -193,3 +193,59 @@ def test_a_method_that_cannot_be_compiled_runs_op_by_op_where_possible():
         assert compiled_or_none(_cannot_build, True, "d.pte: method 'decode'") is None
     with pytest.raises(ProgramError, match="has jumps"):
         compiled_or_none(_cannot_build, False, "d.pte: method 'decode'")
+
+
+def _overlapping_state():
+    """A method over a 64-byte state arena: value 0 is all of it, value 1 its first half. It
+    fills the half with 5, writes the whole with ones, then fills the half with 7."""
+    from types import SimpleNamespace
+
+    from hostswap.runtime.instructions import Kernel
+
+    arena = torch.zeros(64, dtype=torch.uint8)
+    values = [arena.view(torch.float32), arena[:32].view(torch.float32), 5.0, None, torch.ones(16), None, 7.0]
+    method = SimpleNamespace(name="m", plan=SimpleNamespace(inputs=[], outputs=[], name="m"), device=torch.device("cpu"), values=values,
+                             regions={0: (0, 0, 64), 1: (0, 0, 32)}, contiguous={0: True, 1: True}, state_ids=frozenset({0}), unplanned=set())
+    method.instructions = [Kernel("kernel", torch.ops.aten.fill_.Scalar, [1, 2], {}, [1], None, 0, {}, {}),
+                           Kernel("kernel", torch.ops.aten.clone.out, [4], {"memory_format": 5, "out": 0}, [0], None, 1, {}, {}),
+                           Kernel("kernel", torch.ops.aten.fill_.Scalar, [1, 6], {}, [1], None, 2, {}, {})]
+    return arena, method
+
+
+def test_state_written_over_itself_goes_back_in_the_order_written():
+    from hostswap.runtime.compiled_method import method_graph
+    from hostswap.runtime.executor import MethodExecutor
+
+    arena, method = _overlapping_state()
+    MethodExecutor(method)._interpret(None, None)
+    expected = arena.view(torch.float32).clone()
+    assert expected.tolist() == [7.0] * 8 + [1.0] * 8
+    arena, method = _overlapping_state()
+    graph = method_graph(method, method.instructions, None)
+    graph.check()
+    graph.module(*graph.inputs)
+    assert torch.equal(arena.view(torch.float32), expected)
+
+
+@pytest.mark.parametrize("case", ["decode", "causal", "causal and mask", "float mask", "a row masked everywhere"])
+def test_attention_math_is_sdpa(case):
+    """The compiled graph's attention against PyTorch's: grouped heads, SDPA's upper-left causal
+    mask, a mask with it, an additive mask, and a row that sees nothing (zeros, not NaN)."""
+    import torch.nn.functional as F
+
+    from hostswap.runtime.compiled_method import attention_math
+
+    g = torch.Generator().manual_seed(0)
+    s = 1 if case == "decode" else 3
+    q, k, v = torch.randn(1, 6, s, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
+    mask, causal = None, case.startswith("causal")
+    if case in ("decode", "causal and mask", "a row masked everywhere"):
+        mask = torch.rand(1, 1, s, 5, generator=g) > 0.3
+        mask[..., 0] = True
+        if case == "a row masked everywhere":
+            mask[0, 0, 1] = False
+    if case == "float mask":
+        mask = torch.randn(1, 1, s, 5, generator=g)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+    got = attention_math(q, k, v, mask, 0.0, causal, None, True)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
