@@ -162,7 +162,7 @@ class Module:
     registration and unmaps the file.
     """
 
-    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False,
+    def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool | tuple[str, ...] = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False,
                  host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False, expert_prefetch: bool = False,
                  compiled: bool | tuple[str, ...] = False, compiled_where_possible: bool = False):
         t0 = time.perf_counter()
@@ -181,8 +181,8 @@ class Module:
         if not isinstance(expert_prefetch, bool):
             raise ValueError(f"expert_prefetch must be True or False, got {expert_prefetch!r}")
         self._expert_prefetch = expert_prefetch
-        if not (isinstance(compiled, bool) or (isinstance(compiled, (tuple, list)) and all(isinstance(n, str) for n in compiled))):
-            raise ValueError(f"compiled must be True, False or a tuple of method names, got {compiled!r}")
+        _check_method_names_argument("cuda_graph", cuda_graph)
+        _check_method_names_argument("compiled", compiled)
         self.pte_path = os.fspath(pte_path)
         if data_path is None:
             data_path = os.path.splitext(self.pte_path)[0] + ".ptd"
@@ -196,15 +196,9 @@ class Module:
             self.schedules = {name: dataclasses.replace(s, prefetch_depth=prefetch_depth) for name, s in self.schedules.items()}
         self.method_name = next(iter(self.schedules))  # what __call__ runs
         self.schedule = _one_weight_order(self.schedules, self.pte_path)
-        graphed = set(self.schedules) if cuda_graph is True else set(cuda_graph or ())
-        unknown = graphed - set(self.schedules)
-        if unknown:
-            raise ValueError(f"cuda_graph names {sorted(unknown)}, which are not methods of {self.pte_path} that read weights ({list(self.schedules)})")
-        self._compiled_names = set(self.schedules) if compiled is True else set(compiled or ())
+        graphed = self._method_names("cuda_graph", cuda_graph)
+        self._compiled_names = self._method_names("compiled", compiled)
         self._compiled_where_possible = bool(compiled_where_possible)
-        unknown = self._compiled_names - set(self.schedules)
-        if unknown:
-            raise ValueError(f"compiled names {sorted(unknown)}, which are not methods of {self.pte_path} that read weights ({list(self.schedules)})")
         if self._compiled_names and policy != "planned":
             raise ValueError("compiled needs policy='planned': it runs a method with every weight resident")
         if graphed and self.device.type != "cuda":
@@ -334,6 +328,15 @@ class Module:
         if fqn in self._host_read:
             return self._host_read[fqn]
         return self.ptd.host_tensor(fqn)
+
+    def _method_names(self, option: str, value: bool | tuple[str, ...]) -> set[str]:
+        """The methods an option given as True (all) or as method names applies to; a name that
+        is not a method reading weights is refused."""
+        names = set(self.schedules) if value is True else set(value or ())
+        unknown = names - set(self.schedules)
+        if unknown:
+            raise ValueError(f"{option} names {sorted(unknown)}, which are not methods of {self.pte_path} that read weights ({list(self.schedules)})")
+        return names
 
     def _load_executor(self, plan) -> MethodExecutor:
         executor = None
@@ -577,6 +580,13 @@ class Module:
         self.state = {}
         self._host_read = {}
         self._finalizer()
+
+
+def _check_method_names_argument(option: str, value) -> None:
+    """Refuse an option that takes True, False or method names given as anything else (a bare
+    string would otherwise be read as its letters)."""
+    if not (isinstance(value, bool) or (isinstance(value, (tuple, list)) and all(isinstance(n, str) for n in value))):
+        raise ValueError(f"{option} must be True, False or a tuple of method names, got {value!r}")
 
 
 class _ProbedMethod:

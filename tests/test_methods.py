@@ -94,6 +94,9 @@ def test_error_cuda_graph_names_a_method_the_program_lacks(two_lengths):
     pte, ptd, *_ = two_lengths
     with pytest.raises(ValueError, match=r"cuda_graph names \['decode'\], which are not methods"):
         Module(pte, ptd, weight_offload_budget_mb=1, device="cpu", cuda_graph=("decode",))
+    # a bare name is not read as its letters
+    with pytest.raises(ValueError, match=r"cuda_graph must be True, False or a tuple of method names, got 'decode'"):
+        Module(pte, ptd, weight_offload_budget_mb=1, device="cpu", cuda_graph="decode")
 
 
 def test_error_device_memory_names_weights_state_and_activations():
