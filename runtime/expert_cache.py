@@ -25,6 +25,10 @@ misses only where the guess was wrong. A guessed expert takes the least recently
 and counts as never used until a lookup reads it, so a wrong guess is evicted first;
 ``fresh`` marks the slots a prefetch filled until a lookup reads them, so ``stats`` can say
 how many guesses were used (``prefetch_hits``) against those made (``prefetched``).
+
+A prefill chunk reads its union in place, not through the cache; it then ``fill``s the cache
+with its last token's experts, stamped as a lookup would stamp them, so the first decode step
+finds the experts the latest token used, as every later step does (``filled`` counts them).
 """
 
 from __future__ import annotations
@@ -64,17 +68,14 @@ class ExpertCache:
         self.clock = torch.zeros((), dtype=torch.int64, device=device)
         self.hits = torch.zeros((), dtype=torch.int64, device=device)
         self.misses = torch.zeros((), dtype=torch.int64, device=device)
+        self.filled = torch.zeros((), dtype=torch.int64, device=device)
         self._never = torch.iinfo(torch.int64).max
 
     def lookup(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
         """The slots of ``ids`` (one token's distinct top-k), the missed ones filled from
         ``sources`` (the block's tables, in the order the cache was built with)."""
         ids = ids.reshape(-1)
-        if self.tables is None:  # a warm-up forward runs before any capture
-            self.tables = tuple(None if t is None else torch.empty((self.slots, *t.shape[1:]), dtype=t.dtype, device=ids.device) for t in sources)
-            if sum(t.numel() * t.element_size() for t in self.tables if t is not None) != self.nbytes:
-                raise ValueError(f"the expert cache of {self.block} was sized for {self.nbytes} bytes; its tables' rows take another size")
-            self.sources = tuple(sources)
+        self._make_tables(sources, ids.device)
         self.settle()
         target, hit = self._place(ids, sources)
         fresh = self.fresh[target]
@@ -83,6 +84,25 @@ class ExpertCache:
         self.hits += hit.sum()
         self.misses += (~hit).sum()
         return target
+
+    def fill(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> None:
+        """Bring ``ids`` (distinct experts: a prefill chunk's last token's) in as a lookup of
+        them would, without counting hits or misses. Eager: a captured step never fills."""
+        ids = ids.reshape(-1)
+        self._make_tables(sources, ids.device)
+        self.settle()
+        target, hit = self._place(ids, sources)
+        self.fresh.index_put_((target,), torch.zeros_like(hit))  # in use now, no longer a guess
+        self.filled += (~hit).sum()
+
+    def _make_tables(self, sources: tuple[torch.Tensor | None, ...], device: torch.device) -> None:
+        """The slots' tables, made at the first call (a warm-up forward runs before any capture)."""
+        if self.tables is not None:
+            return
+        self.tables = tuple(None if t is None else torch.empty((self.slots, *t.shape[1:]), dtype=t.dtype, device=device) for t in sources)
+        if sum(t.numel() * t.element_size() for t in self.tables if t is not None) != self.nbytes:
+            raise ValueError(f"the expert cache of {self.block} was sized for {self.nbytes} bytes; its tables' rows take another size")
+        self.sources = tuple(sources)
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Bring ``ids`` (a guess at the next lookup's experts) into slots ahead of that lookup:
@@ -132,10 +152,11 @@ class ExpertCache:
         self.slot_of.index_put_((torch.where(miss, evicted, sink),), torch.full_like(ids, -1))
         self.slot_of.index_put_((torch.where(miss, ids, sink),), torch.where(miss, target, -1))
         self.expert_of.index_put_((target,), ids)
-        # a step's hits count as used before its misses, each in pick order: an order with no ties
+        # a step's hits count as used before its misses, each in pick order: an order with no
+        # ties, below the next call's whatever its number of ids (at most the slots)
         k = ids.numel()
         order = torch.arange(k, device=ids.device) + torch.where(miss, k, 0)
-        stamp = self.clock * (2 * k) + order
+        stamp = self.clock * (2 * self.slots) + order
         self.last_use.index_put_((target,), stamp if used else torch.where(miss, stamp + GUESSED, self.last_use[target]))
         copy = miss.to(torch.int32)
         for source, table in zip(sources, self.tables):
@@ -143,9 +164,9 @@ class ExpertCache:
                 masked_row_copy(source, table, ids, target, copy)
         return target, hit
 
-    def counts(self) -> tuple[int, int, int, int]:
-        """(hits, misses, prefetched, prefetch hits) since load: a host sync."""
-        return tuple(int(c) for c in torch.stack([self.hits, self.misses, self.prefetched, self.prefetch_hits]).tolist())
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """(hits, misses, prefetched, prefetch hits, filled) since load: a host sync."""
+        return tuple(int(c) for c in torch.stack([self.hits, self.misses, self.prefetched, self.prefetch_hits, self.filled]).tolist())
 
 
 def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: bool = False) -> tuple[frozenset[str], dict[str, ExpertCache]]:
@@ -160,15 +181,18 @@ def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: bool 
 def expert_read_stats(block, reads, resident: bool, cache: ExpertCache | None) -> dict:
     """One block's reads for ``stats``: experts read from the device (resident tables, cache
     hits) and over the bus (misses), and the cache behind them."""
-    cache_hits, cache_misses, prefetched, prefetch_hits = cache.counts() if cache is not None else (0, 0, 0, 0)
+    cache_hits, cache_misses, prefetched, prefetch_hits, filled = cache.counts() if cache is not None else (0, 0, 0, 0, 0)
     hits = reads.experts if resident else cache_hits
     return {"calls": reads.calls, "experts": reads.experts, "hits": hits, "misses": reads.experts - hits,
-            # over the bus: every miss, and every expert a prefetch brought in (used or not)
-            "bytes": (reads.experts - hits + prefetched) * block.unit_bytes, "resident": resident,
+            # over the bus: every miss, and every expert a prefetch or a prefill's fill brought in
+            "bytes": (reads.experts - hits + prefetched + filled) * block.unit_bytes, "resident": resident,
             "cache_slots": block.num_experts if resident else cache.slots if cache is not None else 0,
             "cache_policy": POLICY if cache is not None else None,
             "prefetch": PREFETCH if cache is not None and cache.prefetching else None,
             # the decode steps' lookups alone (a prefill chunk reads its union in place)
             "cache_hits": cache_hits, "cache_misses": cache_misses,
             # experts a guess brought in, and those of them a lookup then read (counted among cache_hits)
-            "prefetched": prefetched, "prefetch_hits": prefetch_hits}
+            "prefetched": prefetched, "prefetch_hits": prefetch_hits,
+            # experts a call of several tokens (a prefill chunk) brought in after reading its union
+            # in place: its last token's, for the decode step after it
+            "filled": filled}

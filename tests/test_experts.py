@@ -149,12 +149,14 @@ def test_greedy_tokens_equal_transformers(moe, budget):
         if budget == "floor":
             assert g.module.resident_experts == frozenset()
             assert s["expert_bytes_per_token"] == per_token
-            assert all(r["misses"] == r["experts"] > 0 and r["hits"] == 0 for r in s["expert_reads"].values())
+            assert all(r["misses"] == r["experts"] > 0 and r["hits"] == 0 and r["filled"] == 0 for r in s["expert_reads"].values())
         elif budget == "cache":
             assert g.module.resident_experts == frozenset() and set(g.module.expert_caches) == {b.block for b in blocks}
             for r in s["expert_reads"].values():
                 assert r["cache_slots"] == moe.cache_slots and r["cache_policy"] == "lru" and r["hits"] > 0
-                assert r["hits"] + r["misses"] == r["experts"] and r["bytes"] == r["misses"] * blocks[0].unit_bytes
+                # over the bus: the misses, and the experts each prefill chunk's last token brought in
+                assert r["hits"] + r["misses"] == r["experts"] and r["bytes"] == (r["misses"] + r["filled"]) * blocks[0].unit_bytes
+                assert r["filled"] > 0
                 assert r["prefetch"] is None and r["prefetched"] == r["prefetch_hits"] == 0  # no guess unless asked for
             assert 0 < s["expert_bytes_per_token"] < per_token
             assert re.search(rf"expert cache: {moe.cache_slots} experts a block on the device, \d+% of decode lookups hit", g.summary()), g.summary()
@@ -170,8 +172,8 @@ def test_with_the_guess_each_block_prefetches_the_next_and_the_tokens_stay(moe):
         assert torch.equal(g.generate(prompt, 12, eos_token_id=[]), moe.transformers_tokens(prompt, 12))
         for i, (block, r) in enumerate(g.stats["expert_reads"].items()):
             assert r["hits"] + r["misses"] == r["experts"]
-            # over the bus: the misses and every guessed expert brought in
-            assert r["bytes"] == (r["misses"] + r["prefetched"]) * moe.schedules["decode"].expert_blocks[0].unit_bytes
+            # over the bus: the misses, every guessed expert brought in and the prefill's fills
+            assert r["bytes"] == (r["misses"] + r["prefetched"] + r["filled"]) * moe.schedules["decode"].expert_blocks[0].unit_bytes
             # the block before guesses every block but the first; a guess a lookup read is a hit
             assert r["prefetch"] == PREFETCH and (r["prefetched"] > 0) == (i > 0), (block, r)
             assert 0 <= r["prefetch_hits"] <= min(r["prefetched"], r["cache_hits"])
@@ -267,8 +269,8 @@ def test_experts_take_the_same_slots_in_every_block_up_to_whole_tables():
 def test_expert_cache_evicts_the_least_recently_used_and_holds_the_experts_rows():
     """The device-side cache against a plain LRU, step by step over random picks (skewed, so
     that hits and evictions both happen), with a guess prefetched before most steps (part
-    right, part wrong): same hits, same experts held, each slot's rows the expert's rows of
-    the tables, and the guesses counted (brought in, then read or not)."""
+    right, part wrong) and a prefill's fill before some: same hits, same experts held, each
+    slot's rows the expert's rows of the tables, and the guesses and fills counted."""
     import collections
 
     from hostswap.runtime.expert_cache import ExpertCache
@@ -281,7 +283,7 @@ def test_expert_cache_evicts_the_least_recently_used_and_holds_the_experts_rows(
     lru: collections.OrderedDict[int, None] = collections.OrderedDict()
     fresh: set[int] = set()  # experts a guess brought in that no lookup has read yet
     popularity = torch.tensor([1.0 / (e + 1) for e in range(experts)])
-    hits = prefetched = prefetch_hits = 0
+    hits = prefetched = prefetch_hits = filled = 0
 
     def use(ids, guess=False):  # the reference; returns the misses
         for e in ids:  # a lookup's hits are refreshed; a guess refreshes nothing
@@ -301,6 +303,10 @@ def test_expert_cache_evicts_the_least_recently_used_and_holds_the_experts_rows(
 
     for step in range(200):
         ids = torch.multinomial(popularity, k, generator=gen)
+        if step % 10 == 5:  # a prefill chunk's last token: used as a lookup uses, counted apart
+            last = torch.randperm(experts, generator=gen)[:k]
+            cache.fill(last, (gate_up, down, None))
+            filled += len(use(last.tolist()))
         if step % 4 != 3 and step > 0:  # a guess: two of the picks and two others
             others = [e for e in torch.randperm(experts, generator=gen).tolist() if e not in ids.tolist()][:2]
             guess = ids.tolist()[:2] + others
@@ -315,7 +321,8 @@ def test_expert_cache_evicts_the_least_recently_used_and_holds_the_experts_rows(
         held = cache.expert_of.tolist()
         assert all(cache.slot_of[e].item() == (held.index(e) if e in held else -1) for e in range(experts))
         assert {held[s] for s in range(slots) if cache.fresh[s]} == fresh, step
-    assert cache.counts() == (hits, 200 * k - hits, prefetched, prefetch_hits) and 0 < hits < 200 * k and 0 < prefetch_hits < prefetched
+    assert cache.counts() == (hits, 200 * k - hits, prefetched, prefetch_hits, filled) and 0 < hits < 200 * k and 0 < prefetch_hits < prefetched
+    assert 0 < filled <= 20 * k
     with pytest.raises(ValueError, match="needs top_k \\(4\\) to 15 slots, not 3"):
         ExpertCache("block", experts, unit, 3, k, torch.device("cpu"))
 
