@@ -74,26 +74,28 @@ class ExpertCache:
     def lookup(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
         """The slots of ``ids`` (one token's distinct top-k), the missed ones filled from
         ``sources`` (the block's tables, in the order the cache was built with)."""
-        ids = ids.reshape(-1)
-        self._make_tables(sources, ids.device)
-        self.settle()
-        target, hit = self._place(ids, sources)
-        fresh = self.fresh[target]
-        self.prefetch_hits += (hit & fresh).sum()
-        self.fresh.index_put_((target,), torch.zeros_like(fresh))
+        target, hit, guessed = self._use(ids, sources)
+        self.prefetch_hits += (hit & guessed).sum()
         self.hits += hit.sum()
         self.misses += (~hit).sum()
         return target
 
     def fill(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> None:
-        """Bring ``ids`` (distinct experts: a prefill chunk's last token's) in as a lookup of
-        them would, without counting hits or misses. Eager: a captured step never fills."""
+        """Bring ``ids`` (distinct experts: a prefill chunk's last row's) in as a lookup of them
+        would, counted as filled rather than as hits or misses. Eager: a captured step never fills."""
+        _, hit, _ = self._use(ids, sources)
+        self.filled += (~hit).sum()
+
+    def _use(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Place ``ids`` as used now, once any queued prefetch is in: (slot per id, hit per id,
+        whether the slot held an unread guess). Their slots are no longer guesses."""
         ids = ids.reshape(-1)
         self._make_tables(sources, ids.device)
         self.settle()
         target, hit = self._place(ids, sources)
-        self.fresh.index_put_((target,), torch.zeros_like(hit))  # in use now, no longer a guess
-        self.filled += (~hit).sum()
+        guessed = self.fresh[target]
+        self.fresh.index_put_((target,), torch.zeros_like(guessed))
+        return target, hit, guessed
 
     def _make_tables(self, sources: tuple[torch.Tensor | None, ...], device: torch.device) -> None:
         """The slots' tables, made at the first call (a warm-up forward runs before any capture)."""
