@@ -16,7 +16,7 @@ Three ways through, chosen by the call's tokens (and whether a CUDA graph is bei
   The arithmetic is transformers' ``batched_mm`` experts implementation, op for op.
 - **grouped** (prefill chunks, batched decode steps run eagerly): the host learns the union
   of the call's experts once, and each expert of it is read once and applied to its tokens,
-  as transformers' eager experts loop does; a block with a cache then gets the last token's
+  as transformers' eager experts loop does; a block with a cache then gets the last row's
   experts into it (``fill``), for the decode step that follows;
 - **dense** (several tokens while a CUDA graph is captured: a batched decode step): every expert applied to every token, weighted by its routing weight (zero
   where not picked); each expert read once, with no host sync and no gathered copies.
@@ -217,6 +217,7 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
         return _dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
     out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
     _record(block, read, unit_bytes(*tables))
-    if cache is not None:  # the decode after a prefill chunk starts with its last token's experts cached
+    if cache is not None:  # the decode after a prefill chunk starts with its last row's experts cached
+        # (a padded last chunk's padding repeats the prompt's last token: a near guess of its experts)
         cache.fill(torch.unique(top_k_index[-1]), tables)
     return out

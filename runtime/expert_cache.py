@@ -27,8 +27,10 @@ and counts as never used until a lookup reads it, so a wrong guess is evicted fi
 how many guesses were used (``prefetch_hits``) against those made (``prefetched``).
 
 A prefill chunk reads its union in place, not through the cache; it then ``fill``s the cache
-with its last token's experts, stamped as a lookup would stamp them, so the first decode step
+with its last row's experts, stamped as a lookup would stamp them, so the first decode step
 finds the experts the latest token used, as every later step does (``filled`` counts them).
+A padded last chunk's last row is padding, which repeats the prompt's last token at a later
+position: its experts are a close guess at that token's, not always the same.
 """
 
 from __future__ import annotations
@@ -196,5 +198,5 @@ def expert_read_stats(block, reads, resident: bool, cache: ExpertCache | None) -
             # experts a guess brought in, and those of them a lookup then read (counted among cache_hits)
             "prefetched": prefetched, "prefetch_hits": prefetch_hits,
             # experts a call of several tokens (a prefill chunk) brought in after reading its union
-            # in place: its last token's, for the decode step after it
+            # in place: its last row's, for the decode step after it
             "filled": filled}
