@@ -1,14 +1,15 @@
 import os
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Tests run in several worker processes (pytest -n): one intra-op thread each, so the
-    # workers and the processes they start do not oversubscribe the cores.
+# Tests run in several worker processes (pytest -n): one intra-op thread each, so the workers
+# and the processes they start do not oversubscribe the cores (set before torch is imported).
+IN_A_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if IN_A_WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+if IN_A_WORKER:
     torch.set_num_threads(1)
 
 import hostswap

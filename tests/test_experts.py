@@ -154,7 +154,7 @@ def test_greedy_tokens_equal_transformers(moe, budget):
             assert g.module.resident_experts == frozenset() and set(g.module.expert_caches) == {b.block for b in blocks}
             for r in s["expert_reads"].values():
                 assert r["cache_slots"] == moe.cache_slots and r["cache_policy"] == "lru" and r["hits"] > 0
-                # over the bus: the misses, and the experts each prefill chunk's last token brought in
+                # over the bus: the misses, and the experts each prefill chunk's last row brought in
                 assert r["hits"] + r["misses"] == r["experts"] and r["bytes"] == (r["misses"] + r["filled"]) * blocks[0].unit_bytes
                 assert r["filled"] > 0
                 assert r["prefetch"] is None and r["prefetched"] == r["prefetch_hits"] == 0  # no guess unless asked for
@@ -303,7 +303,7 @@ def test_expert_cache_evicts_the_least_recently_used_and_holds_the_experts_rows(
 
     for step in range(200):
         ids = torch.multinomial(popularity, k, generator=gen)
-        if step % 10 == 5:  # a prefill chunk's last token: used as a lookup uses, counted apart
+        if step % 10 == 5:  # a prefill chunk's last row: used as a lookup uses, counted apart
             last = torch.randperm(experts, generator=gen)[:k]
             cache.fill(last, (gate_up, down, None))
             filled += len(use(last.tolist()))
