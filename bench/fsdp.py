@@ -169,10 +169,13 @@ def main(argv=None) -> int:
               "model": {"layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "batch": args.batch, "seq": args.seq, "steps": args.steps}}
     rows_file = os.path.join(args.out, ".fsdp_rows.json")
     passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("device", "layers", "hidden", "vocab", "batch", "seq", "steps")]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.gpus), "--master-port", "29611",
-                          os.path.abspath(__file__), "--rank-run", "--rows", rows_file, *passed], capture_output=True, text=True)
+    # --standalone: a free rendezvous port, so that two runs on one machine never meet;
+    # PYTHONFAULTHANDLER: a rank that aborts in C++ prints where its Python stood
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus),
+                          os.path.abspath(__file__), "--rank-run", "--rows", rows_file, *passed], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     if run.returncode != 0:
-        add_row(result, {"gpus": args.gpus, "error": run.stderr[-3000:]}, path)
+        add_row(result, {"gpus": args.gpus, "error": run.stderr[-8000:]}, path)
         return 1
     with open(rows_file) as f:
         rows = json.load(f)

@@ -138,12 +138,12 @@ def main(argv=None) -> int:
         del m
         exported = time.perf_counter() - started
         rows_file = prefix + ".rows.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(29500 + world),
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                    os.path.abspath(__file__), "--rank-run", "--prefix", prefix, "--rows", rows_file, "--device", args.device,
                    "--vocab", str(args.vocab), "--tokens", str(args.tokens)]
-        run = subprocess.run(command, capture_output=True, text=True)
+        run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
         if run.returncode != 0:
-            add_row(result, {"gpus": world, "error": run.stderr[-2000:]}, path)
+            add_row(result, {"gpus": world, "error": run.stderr[-8000:]}, path)
             continue
         with open(rows_file) as f:
             for row in json.load(f):

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from hostswap.runtime.host_memory import available_host_memory
 from hostswap.runtime.pool import PoolCreationError
 from hostswap.schedules.policies import BudgetError, mb_ceil
 
@@ -45,10 +46,11 @@ def check_budget_argument(budget_mb) -> None:
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes the program's memory may take: free device memory on CUDA, available RAM on the CPU."""
+    """Bytes the program's memory may take: free device memory on CUDA, available RAM on the CPU
+    (the page cache the kernel can drop counted in, a container's limit counted against)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available_host_memory()
 
 
 def total_memory(device: torch.device) -> int:

@@ -69,3 +69,18 @@ def test_module_auto_takes_every_weight_where_memory_allows(lowered_by_name):
     with hostswap.runtime.Module(lowered.pte, lowered.ptd, weight_offload_budget_mb="auto", device="cpu") as m:
         assert m.auto_budget.all_resident and m.budget_bytes == m.schedule.resident_bytes
         assert m.auto_budget.floor_bytes == m.schedule.floor_bytes
+
+
+def test_cpu_free_memory_counts_the_page_cache_the_kernel_can_drop():
+    """On the CPU "auto" counts MemAvailable, not free pages alone: after a checkpoint is read most
+    of the RAM is page cache, and a budget from free pages would refuse a program that fits."""
+    import torch
+
+    from hostswap.runtime.budget import free_memory
+    from hostswap.runtime.host_memory import _read, cgroup_room
+
+    with open("/proc/meminfo") as f:
+        meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    room = cgroup_room(_read("/proc/self/cgroup"), _read)
+    expected = meminfo["MemAvailable"] if room is None else min(meminfo["MemAvailable"], room)
+    assert abs(free_memory(torch.device("cpu")) - expected) < 256 * MiB

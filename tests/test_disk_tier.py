@@ -301,7 +301,7 @@ def test_generate_cli_reads_from_disk_below_the_host_budget(program):
 
 
 def test_a_cgroup_limit_caps_the_memory_auto_counts_on():
-    from hostswap.runtime.host_tier import available_host_memory, cgroup_room
+    from hostswap.runtime.host_memory import available_host_memory, cgroup_room
 
     files = {"/sys/fs/cgroup/user.slice/job/memory.max": "8589934592\n", "/sys/fs/cgroup/user.slice/job/memory.current": "1073741824\n"}
     assert cgroup_room("0::/user.slice/job\n", files.get) == 7 * 2**30

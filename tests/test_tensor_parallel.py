@@ -293,7 +293,7 @@ def test_cli_generate_under_torchrun(llama_tp2, tmp_path_factory):
     tokens, _, _ = _single_process("Llama", tmp_path_factory)
     ids = ",".join(str(t) for t in PROMPT[0].tolist())
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "-m", "hostswap.cli", "generate", llama_tp2, "--device", "cpu", "--prompt-ids", ids, "--max-new-tokens", str(NEW)],
                          capture_output=True, text=True, timeout=240, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -401,7 +401,7 @@ def test_serve_under_torchrun(batched, tmp_path):
             expected.append(tokenizer.decode(g.generate(ids, 12)[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
     port = free_port()
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                 "-m", "hostswap.cli", "serve", prefix, "--device", "cpu", "--port", str(port), "--model-id", "tp"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
