@@ -10,6 +10,8 @@ Here the method's instruction list is rebuilt as an FX graph of functional ATen 
 - each out variant becomes its functional overload; an in-place op on program state (a KV
   cache write) becomes its functional form, and the state is written back at the graph's end;
 - a probe becomes the weight's resident tensor; views of it stay views;
+- a view's copy (``slice_copy``) becomes the view and a clone, which inductor fuses into its
+  readers;
 - values are followed by what was last written to them: a planned value by its id (memory
   planning gives no two live values the same bytes), program state by its bytes (the cache
   a method reads and the one its update returns are two values in one place).
@@ -119,6 +121,25 @@ def attention_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 
 # ops a compiled graph runs as plain tensor ops instead of their opaque kernel
 _COMPILED_FORMS = {"hostswap::sdpa": attention_math}
+
+
+def view_copy_form(functional: torch._ops.OpOverload):
+    """A ``*_copy`` op (the form a view takes in an ExecuTorch program) as its view and a
+    contiguous clone: the same fresh tensor, but inductor fuses a view into the kernels that
+    read it, where some copies (``slice_copy``, ``select_copy``) it runs as a separate eager
+    kernel each, four per decoder layer for rotary's halves. None for any other op."""
+    namespace, _, name = functional._schema.name.partition("::")
+    if namespace != "aten" or not name.endswith("_copy") or name in ("copy", "_to_copy") or [str(r.type) for r in functional._schema.returns] != ["Tensor"]:
+        return None  # (a split's copies, a list, stay as they are)
+    view = getattr(getattr(torch.ops.aten, name[: -len("_copy")], None), functional._overloadname, None)
+    if view is None or [str(a.type) for a in view._schema.arguments] != [str(a.type) for a in functional._schema.arguments]:
+        return None
+
+    def as_view_and_clone(*args, **kwargs):
+        return torch.ops.aten.clone.default(view(*args, **kwargs), memory_format=torch.contiguous_format)
+
+    as_view_and_clone.__name__ = f"{name}_as_view"
+    return as_view_and_clone
 
 
 class MethodGraph:
@@ -307,7 +328,8 @@ def _kernel(graph: torch.fx.Graph, ins, values, read, write) -> None:
         if "device" in wanted and isinstance(planned, torch.Tensor):
             kwargs["device"] = planned.device
     kwargs = {name: v for name, v in kwargs.items() if name in wanted}
-    node = graph.call_function(_COMPILED_FORMS.get(functional._schema.name, functional), tuple(args), kwargs)
+    form = _COMPILED_FORMS.get(functional._schema.name) or view_copy_form(functional) or functional
+    node = graph.call_function(form, tuple(args), kwargs)
     results = [node] if len(functional._schema.returns) == 1 else [graph.call_function(operator.getitem, (node, i)) for i in range(len(functional._schema.returns))]
     targets = [(vid, False) for vid in in_place_targets] or out_ids
     if len(targets) == 1 and isinstance(values[targets[0][0]], ListRef):  # a list of outs (split): one result per item

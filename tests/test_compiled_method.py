@@ -249,3 +249,18 @@ def test_attention_math_is_sdpa(case):
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
     got = attention_math(q, k, v, mask, 0.0, causal, None, True)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_views_copy_runs_as_the_view_and_a_clone():
+    """slice_copy and select_copy (rotary's halves, a row) become the view and a contiguous
+    clone, the same values in a fresh tensor, which inductor fuses into their readers; a
+    split's copies (a list) and ops that are not a view's copy stay as they are."""
+    from hostswap.runtime.compiled_method import view_copy_form
+
+    x = torch.arange(24.0).reshape(2, 3, 4)
+    for op, args in ((torch.ops.aten.slice_copy.Tensor, (x, 2, 2, 4)), (torch.ops.aten.select_copy.int, (x, 1, 1)),
+                     (torch.ops.aten.permute_copy.default, (x, [2, 0, 1]))):
+        got = view_copy_form(op)(*args)
+        assert torch.equal(got, op(*args)) and got.is_contiguous() and got.data_ptr() != x.data_ptr()
+    assert view_copy_form(torch.ops.aten.split_with_sizes_copy.default) is None
+    assert view_copy_form(torch.ops.aten._to_copy.default) is None and view_copy_form(torch.ops.aten.add.Tensor) is None
