@@ -213,7 +213,8 @@ def _generate(args) -> int:
         if draft is not None and draft == "":  # --draft alone: the one export-llm --draft wrote beside the program
             draft = base + ".draft"
         with llm.Generator(program + ".pte", program + ".ptd", weight_offload_budget_mb=args.budget_mb, host_memory_budget_mb=args.host_budget_mb,
-                           device=device, policy=args.policy, draft=draft, speculate_k=args.speculate_k if draft else None) as g:
+                           device=device, policy=args.policy, draft=draft, speculate_k=args.speculate_k if draft else None,
+                           draft_ahead=args.draft_ahead) as g:
             print(f"loaded{f' rank {rank}' if g.tensor_parallel else ''}: {g.memory_report()}", file=sys.stderr, flush=True)
             if tokenizer is not None and shown:
                 print(args.prompt, end="", flush=True)
@@ -226,7 +227,8 @@ def _generate(args) -> int:
             if g.last_speculation is not None:
                 spec = g.last_speculation
                 line += (f"; speculative: {spec.tokens_per_pass:.2f} tokens per weight pass, {100 * (spec.acceptance or 0):.0f} % of "
-                         f"{spec.drafted} drafted tokens accepted (draft {spec.draft_seconds:.2f} s, verify {spec.verify_seconds:.2f} s)")
+                         f"{spec.drafted} drafted tokens accepted (draft {spec.draft_seconds:.2f} s, verify {spec.verify_seconds:.2f} s"
+                         + (f"; {spec.ahead_rounds} of {spec.passes} rounds drafted during the pass before" if args.draft_ahead else "") + ")")
             per_token = g.stats["bytes_streamed_per_token"]
             if device.type == "cuda" and per_token:
                 bound = per_token / _pinned_bandwidth(device) * 1e3
@@ -317,6 +319,7 @@ def main(argv=None) -> int:
     g.add_argument("--draft", nargs="?", const="", default=None, metavar="PREFIX",
                    help="decode speculatively with this draft program, held on the device (alone: the draft export-llm --draft wrote beside the program)")
     g.add_argument("--speculate-k", type=int, default=None, help="tokens the draft proposes per round (default: all the program's verify method checks)")
+    g.add_argument("--draft-ahead", action="store_true", help="with --draft, greedy: draft the next round while each verify pass streams the weights")
     g.add_argument("--policy", choices=["planned", "lru"], default="planned")
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.set_defaults(func=_generate)

@@ -427,7 +427,8 @@ class Generator:
     compiled into one graph by TorchInductor where ``compile_draft`` (default: on CUDA, where
     possible: a draft that cannot be compiled runs as the executor runs it, with a warning;
     True: compiled or an error), since a resident draft's step is bound by its kernel
-    launches, not its bytes.
+    launches, not its bytes. ``draft_ahead`` (greedy decoding): the draft drafts the next
+    round on a stream of its own while the streamed verify pass runs.
 
     ``warm_up`` (default on) runs one prefill chunk and one decode step at load, then zeroes
     the KV cache: the one-time costs of a first call (graph capture, kernel selection and
@@ -438,7 +439,7 @@ class Generator:
 
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str = "auto", device="cuda", policy: str = "planned",
                  cuda_graph: bool | None = None, warm_up: bool = True, draft=None, speculate_k: int | None = None, compile_draft: bool | None = None,
-                 **module_options):
+                 draft_ahead: bool = False, **module_options):
         from hostswap.runtime import Module
         from hostswap.runtime.module import check_device_argument
 
@@ -452,6 +453,11 @@ class Generator:
         self._owns_draft = draft is not None and not isinstance(draft, Generator)
         if compile_draft is not None and not isinstance(compile_draft, bool):
             raise GenerationError(f"compile_draft must be True, False or None, got {compile_draft!r}")
+        if not isinstance(draft_ahead, bool):
+            raise GenerationError(f"draft_ahead must be True or False, got {draft_ahead!r}")
+        if draft_ahead and draft is None:
+            raise GenerationError("draft_ahead drafts the next round during each verify pass: it needs a draft")
+        self.draft_ahead = draft_ahead
         if compile_draft is not None and not self._owns_draft:
             raise GenerationError("compile_draft applies to a draft given by its path; a loaded draft Generator keeps how it was loaded (load it with compiled=...)")
         draft = _open_draft(draft, device, device.type == "cuda" if compile_draft is None else compile_draft, compile_draft is None) if self._owns_draft else draft
@@ -599,7 +605,8 @@ class Generator:
             self.last_speculation = SpeculationStats()
             sampler = None if sampling.greedy else Sampler(sampling, self.device)
             first = int(last.argmax()) if sampler is None else sampler.draw(sampler.probabilities(last))
-            new = speculate(self, self.draft, first, prompt, self.draft_k, max_new_tokens, eos, on_token, self.last_speculation, sampler)
+            new = speculate(self, self.draft, first, prompt, self.draft_k, max_new_tokens, eos, on_token, self.last_speculation, sampler,
+                            self.draft_ahead)
             self.last_logprobs = None
         else:
             choose = None if sampling.argmax and not logprobs else TokenChooser(sampling, self.device, self.vocab_size, ids)

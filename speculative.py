@@ -17,6 +17,7 @@ back to plain decode.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -38,6 +39,8 @@ class SpeculationStats:
     verify_seconds: float = 0.0
     rejections: int = 0  # rounds that ended at a proposal the target did not keep
     k: list[int] = dataclasses.field(default_factory=list)  # proposals per round
+    ahead_steps: int = 0  # draft steps queued beside a verify pass (drafting ahead), not in draft_steps or draft_seconds
+    ahead_rounds: int = 0  # rounds whose proposals were drafted during the verify pass before
 
     @property
     def acceptance(self) -> float | None:
@@ -53,7 +56,7 @@ class SpeculationStats:
         return {**dataclasses.asdict(self), "acceptance": self.acceptance, "tokens_per_pass": self.tokens_per_pass}
 
 
-def best_k(acceptance: float, draft_seconds: float, verify_seconds: float, most: int) -> int:
+def best_k(acceptance: float, draft_seconds: float, verify_seconds: float, most: int, ahead: bool = False) -> int:
     """The proposals per round that give the most tokens per second, where each proposal is
     kept with probability ``acceptance`` (the round ending at the first one that is not), a
     draft step costs ``draft_seconds`` and a verify pass ``verify_seconds``: a round of k
@@ -64,24 +67,32 @@ def best_k(acceptance: float, draft_seconds: float, verify_seconds: float, most:
     where the weights stream, a pass over k + 1 positions costs what a pass over one does
     (measured on an H200: 1.00 x at the floor and at 50 %, 1.10 x with every weight resident).
     A draft that costs about what the target's step costs (a small model whose decode is bound
-    by its kernels' launches, not by its bytes) does not pay."""
+    by its kernels' launches, not by its bytes) does not pay.
+
+    ``ahead``: the draft drafts the next round during each verify pass (``speculate``), its
+    k + 1 steps beside the pass; that round's proposals are ready where every proposal was
+    kept and the draft's guess at the target's own token was right (taken as a^(k + 1)), and
+    are drafted again, k steps after the pass, where not."""
     a = min(max(acceptance, 0.0), 1.0)
 
     def rate(k: int) -> float:
         tokens = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+        if ahead:
+            ready = a ** (k + 1)
+            return tokens / (max(verify_seconds, (k + 1) * draft_seconds) + (1 - ready) * k * draft_seconds)
         return tokens / ((k + a**k) * draft_seconds + verify_seconds)
 
     best = max(range(1, most + 1), key=rate)
     return best if rate(best) > 1.0 / verify_seconds else 0
 
 
-def _next_k(stats: SpeculationStats, most: int) -> int:
+def _next_k(stats: SpeculationStats, most: int, ahead: bool = False) -> int:
     """k for the next round from what the rounds so far measured (``most`` until two ran); 0:
     decode plainly from here on."""
-    if stats.passes < 2 or stats.drafted == 0:
+    if stats.passes < 2 or stats.drafted == 0 or stats.draft_steps == 0:
         return most
     acceptance = stats.accepted / (stats.accepted + stats.rejections) if stats.accepted + stats.rejections else 1.0
-    return best_k(acceptance, stats.draft_seconds / stats.draft_steps, stats.verify_seconds / stats.passes, most)
+    return best_k(acceptance, stats.draft_seconds / stats.draft_steps, stats.verify_seconds / stats.passes, most, ahead)
 
 
 def check_draft(target, draft) -> None:
@@ -154,7 +165,7 @@ def _token(value: int, device: torch.device) -> torch.Tensor:
 
 
 def speculate(target, draft, first_token: int, position: int, k: int | None, max_new_tokens: int, eos, on_token, stats: SpeculationStats,
-              sampler: Sampler | None = None) -> list[int]:
+              sampler: Sampler | None = None, ahead: bool = False) -> list[int]:
     """Tokens after a prompt that both caches hold: ``first_token`` (the target's choice after
     the prompt, to go at ``position``) and the rest, k drafted and checked per round (k up to
     the target's verify width less one: a shorter round pads the verify call, whose padding's
@@ -167,6 +178,13 @@ def speculate(target, draft, first_token: int, position: int, k: int | None, max
     input token the previous step's argmax and its position a slice of a device range, and
     reads the drafted and the chosen tokens in one copy at its end: one wait for the device
     per round, not one per drafted token.
+
+    ``ahead`` (greedy): while the verify pass runs, the draft drafts the next round on a stream
+    of its own, as if the pass keeps every proposal, from its own guess at the target's token
+    after them. The pass waits for the weights' copies; the draft's steps fill that time. Where
+    the pass kept every proposal and the guess was right, the next round starts at its verify
+    pass; where not, what was drafted ahead is dropped, its cache entries overwritten as a
+    rejection's are.
     """
     width = target.speculate_k + 1  # tokens the verify method takes
     fixed = k
@@ -178,9 +196,11 @@ def speculate(target, draft, first_token: int, position: int, k: int | None, max
     draft_positions = target_positions.to(draft.device)
     last = _token(first_token, target.device)  # the last new token, on the target's device
     pending = [(last.to(draft.device), position)]  # tokens the draft has not yet seen, with their positions
+    beside = _Beside(draft.device) if ahead and sampler is None else None
+    ready: list[torch.Tensor] = []  # the next round's proposals, drafted during the last verify pass
     while len(new) < max_new_tokens and new[-1] not in eos:
         at = position + len(new) - 1  # where the last new token goes
-        k = fixed if fixed is not None else _next_k(stats, width - 1)
+        k = fixed if fixed is not None else _next_k(stats, width - 1, beside is not None)
         if k == 0 or at + width > target.max_seq_len:
             # plain decode from here on: speculation does not pay, or the verify call's
             # positions do not fit
@@ -195,18 +215,28 @@ def speculate(target, draft, first_token: int, position: int, k: int | None, max
             stats.k.append(k)
             clock = _RoundClock(target.device)
             clock.mark(0)
-            for token, where in pending:  # the last of these gives the first proposal
-                (logits,) = draft.module.run_method(DECODE, [token, draft_positions[where : where + 1]])
-            if sampler is None:
-                n, drafts, after, last = _greedy_round(target, draft, logits, last, k, at, width, draft_positions, target_positions, clock)
+            if len(ready) >= k:  # drafted during the last pass: every proposal was kept, and the draft's guess at the target's token was right
+                proposals, steps = ready[:k], 0
+                stats.ahead_rounds += 1
             else:
-                n, drafts, after, last = _sampled_round(target, draft, logits, last, k, at, width, draft_positions, target_positions, clock, sampler)
+                for token, where in pending:  # the last of these gives the first proposal
+                    (logits,) = draft.module.run_method(DECODE, [token, draft_positions[where : where + 1]])
+                proposals, steps = logits, len(pending) + k - 1
+            if sampler is None:
+                # draft the next round beside this pass where it would run (k + 1 positions fit after this round's)
+                next_fits = beside is not None and at + k + 1 + width <= target.max_seq_len and len(new) + k + 1 < max_new_tokens
+                n, drafts, after, last, guessed = _greedy_round(target, draft, proposals, last, k, at, width, draft_positions, target_positions, clock,
+                                                                beside if next_fits else None)
+                ready = _kept_ahead(beside, guessed, n == k, after)
+                stats.ahead_steps += k + 1 if guessed else 0
+            else:
+                n, drafts, after, last = _sampled_round(target, draft, proposals, last, k, at, width, draft_positions, target_positions, clock, sampler)
             draft_seconds, verify_seconds = clock.seconds()
             stats.draft_seconds += draft_seconds
             stats.verify_seconds += verify_seconds
             stats.passes += 1
             stats.drafted += k
-            stats.draft_steps += len(pending) + k - 1
+            stats.draft_steps += steps
             stats.accepted += n
             stats.rejections += n < k
             accepted = drafts[:n] + [after]
@@ -222,26 +252,87 @@ def speculate(target, draft, first_token: int, position: int, k: int | None, max
     return new
 
 
-def _greedy_round(target, draft, logits, last, k, at, width, draft_positions, target_positions, clock) -> tuple[int, list[int], int, torch.Tensor]:
-    """k greedy proposals from the draft's ``logits`` on, checked by one verify pass after
-    ``last``: (proposals kept, the k proposals, the target's token after the kept ones, that
-    token as a [1, 1] tensor on the target's device)."""
+def _propose(draft, logits, at: int, k: int, positions) -> list[torch.Tensor]:
+    """k greedy proposals for positions ``at + 1`` on, the first from ``logits`` (the draft's
+    after the token at ``at``), each next from a draft step on the one before; [1, 1] tensors
+    on the draft's device, nothing read back to the host."""
     proposals = [logits[0, -1].argmax().reshape(1, 1)]
     for i in range(1, k):
-        (logits,) = draft.module.run_method(DECODE, [proposals[-1], draft_positions[at + i : at + i + 1]])
+        (logits,) = draft.module.run_method(DECODE, [proposals[-1], positions[at + i : at + i + 1]])
         proposals.append(logits[0, -1].argmax().reshape(1, 1))
+    return proposals
+
+
+def _greedy_round(target, draft, proposals, last, k, at, width, draft_positions, target_positions, clock, beside=None):
+    """k greedy proposals (``proposals``: drafted already, or the draft's logits to draft them
+    from), checked by one verify pass after ``last``: (proposals kept, the k proposals, the
+    target's token after the kept ones, that token as a [1, 1] tensor on the target's device,
+    what was drafted ahead). ``beside``: the draft meanwhile drafts the next round as if every
+    proposal is kept, on a stream of its own, from its guess at the target's token after them
+    (a step on the last proposal, a step on that guess, and k - 1 more): (the guess, the next
+    round's k proposals), or None."""
+    if isinstance(proposals, torch.Tensor):
+        proposals = _propose(draft, proposals, at, k, draft_positions)
     clock.mark(1)
     drafted = torch.cat(proposals, dim=1).to(target.device)
     ids = torch.cat([last, drafted] + [proposals[-1].to(target.device)] * (width - k - 1), dim=1)
     (logits,) = target.module.run_method(VERIFY, [ids, target_positions[at : at + width]])
     chosen = logits[0].argmax(-1)
     clock.mark(2)
-    values = torch.cat([drafted[0], chosen]).tolist()  # the round's one wait for the device
+    guessed = None
+    if beside is not None:
+        with beside.side(proposals[-1]):
+            (ahead_logits,) = draft.module.run_method(DECODE, [proposals[-1], draft_positions[at + k : at + k + 1]])
+            guess = ahead_logits[0, -1].argmax().reshape(1, 1)
+            (ahead_logits,) = draft.module.run_method(DECODE, [guess, draft_positions[at + k + 1 : at + k + 2]])
+            guessed = (guess, _propose(draft, ahead_logits, at + k + 1, k, draft_positions))
+    values = torch.cat([drafted[0], chosen]).tolist()  # the round's one wait for the device (the verify pass's stream alone)
     drafts, choices = values[:k], values[k:]
     n = 0
     while n < k and drafts[n] == choices[n]:
         n += 1
-    return n, drafts, choices[n], chosen[n : n + 1].reshape(1, 1)
+    return n, drafts, choices[n], chosen[n : n + 1].reshape(1, 1), guessed
+
+
+def _kept_ahead(beside, guessed, all_kept: bool, after: int) -> list[torch.Tensor]:
+    """The next round's proposals drafted during the pass, where they stand: every proposal was
+    kept and the draft guessed the target's token; else none. The draft's stream is joined
+    either way: its steps wrote the draft's cache, which the next draft step reads."""
+    if guessed is None:
+        return []
+    guess, proposals = guessed
+    beside.join([guess, *proposals])
+    return proposals if all_kept and int(guess) == after else []
+
+
+class _Beside:
+    """A second stream on the draft's device for drafting ahead: its steps run beside the
+    verify pass, whose stream waits for the weights' copies. On the CPU the steps run in line."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def side(self, read: torch.Tensor):
+        """Queue the block's work on the side stream, after what the main stream queued so
+        far; ``read``, made on the main stream, is kept from reuse until the side's work ends."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        read.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self, made: list[torch.Tensor]) -> None:
+        """The main stream waits for the side's work; ``made`` on the side, read on the main."""
+        if self.stream is None:
+            return
+        main = torch.cuda.current_stream(self.device)
+        main.wait_stream(self.stream)
+        for tensor in made:
+            tensor.record_stream(main)
 
 
 def _sampled_round(target, draft, logits, last, k, at, width, draft_positions, target_positions, clock, sampler) -> tuple[int, list[int], int, torch.Tensor]:

@@ -897,7 +897,7 @@ def _same_tokens(row: dict) -> str:
 
 
 def speculative_section(paths: list[str], plot_path: str | None) -> str:
-    """A row per (budget, draft, k): the draft's acceptance, tokens per weight pass of the target,
+    """A row per (budget, draft, k, drafting ahead or in turn): the draft's acceptance, tokens per weight pass of the target,
     whether the tokens equal plain greedy decode, and (on a GPU) the decode speed-up over plain
     decode at the same budget, with the draft's and the verify passes' shares; then the verify
     pass's cost against a decode step on the random Llama."""
@@ -911,7 +911,8 @@ def speculative_section(paths: list[str], plot_path: str | None) -> str:
             drafted += "; decode time here includes the draft's prefill of each prompt"
         head = f"{r['model']}, {r['dtype']} target, {r['new_tokens']} new tokens per question; {_machine(env)}{drafted}"
         timed = gpu and "draft_seconds" in (r["rows"] or [{}])[0]
-        rows = [[row["budget"], row["draft"], row["k"], f"{100 * row['acceptance']:.1f} %", f"{row['tokens_per_pass']:.2f}", _same_tokens(row)]
+        rows = [[row["budget"], row["draft"] + (" ahead" if row.get("ahead") else ""), row["k"], f"{100 * row['acceptance']:.1f} %",
+                 f"{row['tokens_per_pass']:.2f}", _same_tokens(row)]
                 + ([f"{row['speedup']:.2f}", f"{row['draft_seconds'] / row['seconds']:.2f}", f"{row['verify_seconds'] / row['seconds']:.2f}"] if timed else [])
                 for row in r["rows"]]
         headers = (["budget", "draft", "k", "drafted tokens accepted", "tokens per weight pass", "tokens = plain greedy"]

@@ -95,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default=None, help="the target's dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     parser.add_argument("--drafts", default=None, help="quantization schemes of the draft (default: int8,int4 on CUDA, int8 on the CPU)")
     parser.add_argument("--ks", default="2,4,8")
+    parser.add_argument("--ahead", choices=("no", "yes", "both"), default="both",
+                        help="draft the next round during each verify pass (Generator(draft_ahead=True)), in turn, or a row of each")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
     parser.add_argument("--mechanism-layers", type=int, default=12, help="layers of the random Llama whose verify pass is timed against decode (0: skip)")
@@ -144,9 +146,10 @@ def main(argv=None) -> int:
             plain_seconds = sum(seconds for _, seconds in reference)
             print(f"plain decode at {budget_name}: {plain_seconds:.2f} s", flush=True)
             for scheme, draft_path in draft_paths.items():
-                for k in ks:
-                    with llm.Generator(*target, weight_offload_budget_mb=budget / 2**20, device=device, draft=draft_path, speculate_k=k) as g:
-                        passes = accepted = drafted = 0
+                for k, ahead in ((k, ahead) for k in ks for ahead in {"no": (False,), "yes": (True,), "both": (False, True)}[args.ahead]):
+                    with llm.Generator(*target, weight_offload_budget_mb=budget / 2**20, device=device, draft=draft_path, speculate_k=k,
+                                       draft_ahead=ahead) as g:
+                        passes = accepted = drafted = ahead_rounds = 0
                         seconds, draft_seconds, verify_seconds, differ = 0.0, 0.0, 0.0, []
                         for prompt, (expected, _) in zip(prompts, reference):
                             out, took = timed_generate(g, prompt, args.new_tokens)
@@ -158,7 +161,9 @@ def main(argv=None) -> int:
                             drafted += s.drafted
                             draft_seconds += s.draft_seconds
                             verify_seconds += s.verify_seconds
-                    row = {"budget": budget_name, "budget_bytes": budget, "draft": scheme, "k": k, "acceptance": accepted / drafted,
+                            ahead_rounds += s.ahead_rounds
+                    row = {"budget": budget_name, "budget_bytes": budget, "draft": scheme, "k": k, "ahead": ahead, "ahead_rounds": ahead_rounds,
+                           "acceptance": accepted / drafted,
                            "tokens_per_pass": (accepted + passes) / passes, "same_tokens_as_plain": all(d is None for d in differ), "first_difference": differ,
                            "seconds": seconds, "plain_seconds": plain_seconds, "speedup": plain_seconds / seconds,
                            "draft_seconds": draft_seconds, "verify_seconds": verify_seconds, "verify_passes": passes}

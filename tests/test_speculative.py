@@ -6,6 +6,7 @@ both caches hold entries of rejected tokens that the next round must overwrite).
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -64,6 +65,25 @@ def test_greedy_output_is_the_targets_own(pair, k, draft):
         assert g.stats["new_tokens"] == NEW
 
 
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_drafting_ahead_keeps_the_targets_greedy_output(pair, draft):
+    """draft_ahead: the next round drafted during each verify pass, kept only where every
+    proposal was and the draft's guess at the target's token was right. The same weights are
+    always right, so every round after the first starts from what was drafted ahead; other
+    weights almost never are, and what they drafted ahead is dropped."""
+    with llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=getattr(pair, draft), speculate_k=4,
+                       draft_ahead=True) as g:
+        out = g.generate(_prompt(), NEW, eos_token_id=[])
+        assert torch.equal(out, pair.expected), (out.tolist(), pair.expected.tolist())
+        stats = g.last_speculation
+        assert stats.ahead_steps > 0 and stats.ahead_steps % 5 == 0  # k + 1 steps each time
+        if draft == "same":
+            assert stats.acceptance == 1.0 and stats.ahead_rounds == stats.passes - 1
+            assert stats.draft_steps == 4  # the first round's: the prompt's last token, then three proposals
+        else:
+            assert stats.ahead_rounds < stats.passes - 1
+
+
 class ScriptedDraft:
     """A draft that proposes the target's own greedy tokens, except at the positions in
     ``wrong``, where it proposes another token: rejections land where the test wants them."""
@@ -81,10 +101,12 @@ class ScriptedDraft:
         return [torch.nn.functional.one_hot(torch.tensor([[token]]), self.vocab_size).float()]
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-turn", "ahead"])
 @pytest.mark.parametrize("reject_at", range(5))
-def test_a_rejection_at_every_position_of_a_round_rolls_both_caches_back(tmp_path_factory, reject_at):
+def test_a_rejection_at_every_position_of_a_round_rolls_both_caches_back(tmp_path_factory, reject_at, ahead):
     """k = 4 (the verify call padded to its 9 tokens): in every round the draft is wrong at offset ``reject_at`` (0: its first proposal,
-    4: none of the four, the target's bonus token follows); the output stays the target's."""
+    4: none of the four, the target's bonus token follows); the output stays the target's. Drafting ahead, each round's
+    proposals come from the draft's steps during the pass before only where that pass kept all four (reject_at 4)."""
     pair = _pairs.get("Llama") or _pairs.setdefault("Llama", Pair("Llama", tmp_path_factory.mktemp("Llama")))
     truth = pair.expected[0].tolist()
     prompt = _prompt()
@@ -96,9 +118,12 @@ def test_a_rejection_at_every_position_of_a_round_rolls_both_caches_back(tmp_pat
         step = reject_at + 1 if reject_at < 4 else 5
         wrong = {start + 1 + reject_at + step * m for m in range(NEW)} if reject_at < 4 else set()
         stats = SpeculationStats()
-        new = speculate(g, ScriptedDraft(truth, wrong, g), int(last.argmax()), start, 4, NEW, frozenset(), None, stats)
+        new = speculate(g, ScriptedDraft(truth, wrong, g), int(last.argmax()), start, 4, NEW, frozenset(), None, stats, ahead=ahead)
         assert new == truth[start:], (new, truth[start:])
         assert stats.passes > 0
+        # k + 1 steps ahead per round with a next round in the cache, none beside the last
+        assert stats.ahead_steps % 5 == 0 and (0 < stats.ahead_steps <= 5 * (stats.passes - 1) if ahead else stats.ahead_steps == 0)
+        assert (stats.ahead_rounds > 0) == (ahead and reject_at == 4)
         # every round but the last accepts exactly reject_at drafts (the last may draft past the
         # known continuation, where the script has no truth to propose)
         assert (stats.passes - 1) * reject_at <= stats.accepted <= stats.passes * reject_at
@@ -120,6 +145,10 @@ def test_bad_drafts_and_requests_are_named(tmp_path_factory, tmp_path):
         llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=short[0])
     with pytest.raises(llm.GenerationError, match="has no verify method: export the target with speculate_k"):
         llm.Generator(*short, weight_offload_budget_mb=pair.budget, device="cpu", draft=pair.same)
+    with pytest.raises(llm.GenerationError, match="draft_ahead must be True or False, got 'yes'"):
+        llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=pair.same, draft_ahead="yes")
+    with pytest.raises(llm.GenerationError, match="draft_ahead drafts the next round during each verify pass: it needs a draft"):
+        llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft_ahead=True)
     with pytest.raises(llm.GenerationError, match=r"speculate_k must be an int from 1 to 8 \(the program's verify method checks 8\), got 9"):
         llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=pair.same, speculate_k=9)
     # where the target does not fit beside the draft, the error names the target's budget and the draft's weights and KV cache
@@ -159,6 +188,11 @@ def test_cli_exports_an_int8_self_draft_and_generates_the_plain_tokens(tmp_path)
     assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr[-2000:]
     assert drafted.stdout == plain.stdout and len(plain.stdout.split()) == 20
     assert "tokens per weight pass" in drafted.stderr and "drafted tokens accepted" in drafted.stderr
+    ahead = cli(*run, "--draft", "--draft-ahead")
+    assert ahead.returncode == 0 and ahead.stdout == plain.stdout, ahead.stderr[-2000:]
+    assert re.search(r"\d+ of \d+ rounds drafted during the pass before", ahead.stderr), ahead.stderr[-2000:]
+    alone = cli(*run, "--draft-ahead")  # without a draft: named
+    assert alone.returncode != 0 and "draft_ahead drafts the next round during each verify pass: it needs a draft" in alone.stderr
 
 
 def test_the_sampling_rule_draws_from_the_targets_distribution():
@@ -210,6 +244,12 @@ def test_k_follows_the_acceptance_and_the_costs(tmp_path_factory):
     # most of the target's (SmolLM2-135M in bf16 on an H200: int8 draft step 3.3 ms, verify pass 4.6 ms)
     assert best_k(0.0, draft_seconds=0.01, verify_seconds=10.0, most=8) == 0
     assert best_k(0.85, draft_seconds=3.3, verify_seconds=4.6, most=8) == 0
+    # drafting ahead hides the draft's steps in the pass while they fit in it: a draft step a
+    # fifth of the pass, always right, pays up to k = 4 (five steps beside the pass), where
+    # in turn the most the verify method checks pays best
+    assert best_k(1.0, draft_seconds=0.2, verify_seconds=1.0, most=8, ahead=True) == 4
+    assert best_k(1.0, draft_seconds=0.2, verify_seconds=1.0, most=8) == 8
+    assert best_k(0.97, draft_seconds=1.76, verify_seconds=5.4, most=8, ahead=True) > 0
     pair = _pairs.get("Llama") or _pairs.setdefault("Llama", Pair("Llama", tmp_path_factory.mktemp("Llama")))
     for draft in (pair.same, pair.other):
         with llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu", draft=draft) as g:
