@@ -276,12 +276,14 @@ def _greedy_round(target, draft, proposals, last, k, at, width, draft_positions,
     clock.mark(1)
     drafted = torch.cat(proposals, dim=1).to(target.device)
     ids = torch.cat([last, drafted] + [proposals[-1].to(target.device)] * (width - k - 1), dim=1)
-    (logits,) = target.module.run_method(VERIFY, [ids, target_positions[at : at + width]])
+    start = beside.mark() if beside is not None else None  # the draft's steps so far, not the pass queued next
+    with beside.first() if beside is not None else contextlib.nullcontext():
+        (logits,) = target.module.run_method(VERIFY, [ids, target_positions[at : at + width]])
     chosen = logits[0].argmax(-1)
     clock.mark(2)
     guessed = None
     if beside is not None:
-        with beside.side(proposals[-1]):
+        with beside.side(proposals[-1], start):
             (ahead_logits,) = draft.module.run_method(DECODE, [proposals[-1], draft_positions[at + k : at + k + 1]])
             guess = ahead_logits[0, -1].argmax().reshape(1, 1)
             (ahead_logits,) = draft.module.run_method(DECODE, [guess, draft_positions[at + k + 1 : at + k + 2]])
@@ -312,15 +314,42 @@ class _Beside:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # the verify pass's stream: where its kernels and the draft's are both ready, the
+        # pass's go first, so that its weight copies, which wait for its kernels, stay on time
+        self.urgent = torch.cuda.Stream(device, priority=-100) if device.type == "cuda" else None
 
     @contextlib.contextmanager
-    def side(self, read: torch.Tensor):
-        """Queue the block's work on the side stream, after what the main stream queued so
-        far; ``read``, made on the main stream, is kept from reuse until the side's work ends."""
+    def first(self):
+        """Run the block ahead of the side's work: on a stream of the highest priority, in
+        line with the main stream (after what it queued so far; what it queues next after
+        the block)."""
+        if self.urgent is None:
+            yield
+            return
+        main = torch.cuda.current_stream(self.device)
+        self.urgent.wait_stream(main)
+        with torch.cuda.stream(self.urgent):
+            yield
+        main.wait_stream(self.urgent)
+
+    def mark(self) -> torch.cuda.Event | None:
+        """A point on the main stream that side work queued later starts after (and not after
+        what the main stream queues meanwhile: the verify pass)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @contextlib.contextmanager
+    def side(self, read: torch.Tensor, start: torch.cuda.Event | None):
+        """Queue the block's work on the side stream, after the main stream's work up to
+        ``start`` (``mark``); ``read``, made on the main stream, is kept from reuse until the
+        side's work ends."""
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(start)
         read.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             yield

@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ks", default="2,4,8")
     parser.add_argument("--ahead", choices=("no", "yes", "both"), default="both",
                         help="draft the next round during each verify pass (Generator(draft_ahead=True)), in turn, or a row of each")
+    parser.add_argument("--budgets", default="floor,50%", help="budgets on a GPU: floor, 50%% or both (comma-separated)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
     parser.add_argument("--mechanism-layers", type=int, default=12, help="layers of the random Llama whose verify pass is timed against decode (0: skip)")
@@ -108,6 +109,9 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     drafts = (args.drafts or ("int8,int4" if cuda else "int8")).split(",")
     ks = [int(k) for k in args.ks.split(",")]
+    asked_budgets = args.budgets.split(",")
+    if unknown := set(asked_budgets) - {"floor", "50%"}:
+        raise SystemExit(f"--budgets takes floor and 50%, got {sorted(unknown)}")
     mechanism = mechanism_cost(args.mechanism_layers, ks, device) if cuda and args.mechanism_layers else []
     tokenizer, model = load_smollm2()
     model = model.to(dtype)
@@ -140,6 +144,8 @@ def main(argv=None) -> int:
         schedules = load_weight_schedules(target[0])
         floor, total = load_floor_bytes(schedules), schedules["decode"].total_bytes
         budgets = {"floor": floor, "50%": max(floor, total // 2)} if cuda else {"all": max(floor, total)}
+        if cuda:
+            budgets = {name: budgets[name] for name in asked_budgets}
         for budget_name, budget in budgets.items():
             with llm.Generator(*target, weight_offload_budget_mb=budget / 2**20, device=device) as plain:
                 reference = [timed_generate(plain, p, args.new_tokens) for p in prompts]

@@ -249,10 +249,13 @@ def test_speculative_decode_on_the_device_gives_the_plain_greedy_tokens(tmp_path
     with llm.Generator(*target, weight_offload_budget_mb=floor / MB, device="cuda") as plain:
         expected = plain.generate(prompt, 48, eos_token_id=[]).cpu()
     for draft in (str(tmp_path / "target"), str(tmp_path / "int8")):
-        for compiled in (False, True):  # the draft's decode as the executor's kernels, and as one inductor graph (the default on CUDA)
-            with llm.Generator(*target, weight_offload_budget_mb=floor / MB, device="cuda", draft=draft, compile_draft=compiled) as g:
+        # the draft's decode as the executor's kernels, and as one inductor graph (the default on
+        # CUDA); drafting in turn, and ahead on a stream of its own during each verify pass
+        for compiled, ahead in ((False, False), (True, False), (True, True), (False, True)):
+            with llm.Generator(*target, weight_offload_budget_mb=floor / MB, device="cuda", draft=draft, compile_draft=compiled, draft_ahead=ahead) as g:
                 assert isinstance(g.draft.module._probed[llm.DECODE].executor, CompiledExecutor) == compiled
-                assert torch.equal(g.generate(prompt, 48, eos_token_id=[]).cpu(), expected), (draft, compiled)
+                assert torch.equal(g.generate(prompt, 48, eos_token_id=[]).cpu(), expected), (draft, compiled, ahead)
+                assert (g.last_speculation.ahead_rounds > 0) == ahead, (draft, compiled, ahead)
                 if draft.endswith("target"):
                     # the same weights: every proposal agrees (compiled, within inductor's rounding of fp32 sums)
                     assert g.last_speculation.acceptance == 1.0 if not compiled else g.last_speculation.acceptance > 0.9
