@@ -33,7 +33,7 @@ import torch
 
 from hostswap import llm
 from hostswap.llm import DECODE, PREFILL, GenerationError
-from hostswap.sampling import SamplingParams, TokenChooser
+from hostswap.sampling import SamplingParams, TokenChooser, check_drawn
 
 MAX_BATCH_SIZE = llm.MAX_BATCH_SIZE
 
@@ -323,7 +323,7 @@ class BatchGenerator:
         if sequence.chooser is None:
             return int(logits.argmax())
         token, _ = sequence.chooser(logits)
-        return int(token)
+        return check_drawn(int(token))
 
     # --- a list of prompts -------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens, *, eos_token_id=None, sampling: SamplingParams | list | None = None) -> list[list[int]]:

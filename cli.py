@@ -228,7 +228,7 @@ def _generate(args) -> int:
                 spec = g.last_speculation
                 line += (f"; speculative: {spec.tokens_per_pass:.2f} tokens per weight pass, {100 * (spec.acceptance or 0):.0f} % of "
                          f"{spec.drafted} drafted tokens accepted (draft {spec.draft_seconds:.2f} s, verify {spec.verify_seconds:.2f} s"
-                         + (f"; {spec.ahead_rounds} of {spec.passes} rounds drafted during the pass before" if args.draft_ahead else "") + ")")
+                         + (f"; {spec.ahead_rounds} of {spec.passes} rounds drafted during the pass before" if g.draft_ahead else "") + ")")
             per_token = g.stats["bytes_streamed_per_token"]
             if device.type == "cuda" and per_token:
                 bound = per_token / _pinned_bandwidth(device) * 1e3
@@ -319,7 +319,8 @@ def main(argv=None) -> int:
     g.add_argument("--draft", nargs="?", const="", default=None, metavar="PREFIX",
                    help="decode speculatively with this draft program, held on the device (alone: the draft export-llm --draft wrote beside the program)")
     g.add_argument("--speculate-k", type=int, default=None, help="tokens the draft proposes per round (default: all the program's verify method checks)")
-    g.add_argument("--draft-ahead", action="store_true", help="with --draft, greedy: draft the next round while each verify pass streams the weights")
+    g.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --draft, greedy: draft the next round while each verify pass streams the weights (default: on a GPU)")
     g.add_argument("--policy", choices=["planned", "lru"], default="planned")
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.set_defaults(func=_generate)

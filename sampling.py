@@ -70,8 +70,34 @@ def sampled_logprobs(scores: torch.Tensor, params: SamplingParams) -> torch.Tens
     return torch.log_softmax(scores, dim=-1)
 
 
+NO_TOKEN = -1  # what a draw gives where the logits hold no distribution (a NaN)
+
+
+def draw(probabilities: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index [1] drawn from ``probabilities`` [n], or ``NO_TOKEN`` where they are not a
+    distribution (a NaN or a negative), all on their device.
+
+    ``torch.multinomial(probabilities, 1)`` draws by the same race (the largest p / q, each q
+    exponential), so the same generator state gives the same index; but it first checks its
+    input with two reads to the host, which make the host wait for each decode step before
+    it can queue the next. Here the check is one more device op, and the host learns of a
+    bad distribution when it reads the token (``check_drawn``)."""
+    race = torch.empty_like(probabilities).exponential_(1, generator=generator)
+    index = (probabilities / race).argmax().reshape(1)
+    return torch.where((probabilities >= 0).all(), index, NO_TOKEN)
+
+
+def check_drawn(token: int) -> int:
+    """``token`` as read by the host, or ``SamplingError`` where the draw had no distribution."""
+    if token == NO_TOKEN:
+        raise SamplingError("the model's logits for this step hold a NaN (or the sampling settings left no token with a probability): "
+                            "no token can be drawn; the weights or an overflow in the model's arithmetic are the likely cause")
+    return token
+
+
 class TokenChooser:
-    """Chooses each next token from a step's last logits, on their device."""
+    """Chooses each next token from a step's last logits, on their device (``NO_TOKEN`` where
+    they hold no distribution: the host's read of it raises, ``check_drawn``)."""
 
     def __init__(self, params: SamplingParams, device: torch.device, vocab_size: int, prompt: torch.Tensor):
         self.params = params
@@ -98,8 +124,8 @@ class TokenChooser:
             logprob = torch.log_softmax(scores, dim=-1)[token]
         else:
             logprobs = sampled_logprobs(scores, p)
-            token = torch.multinomial(logprobs.exp(), 1, generator=self.generator)
-            logprob = logprobs[token]
+            token = draw(logprobs.exp(), self.generator)
+            logprob = logprobs[token.clamp(min=0)]
         if self.seen is not None:
-            self.seen[token] = True
+            self.seen[token.clamp(min=0)] = True
         return token.reshape(1, 1), logprob.reshape(1)

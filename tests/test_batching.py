@@ -8,12 +8,13 @@ logits may differ from batch-1 logits only by the rounding of batched kernels (s
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
 
 from hostswap import batching, llm
-from hostswap.sampling import SamplingParams
+from hostswap.sampling import SamplingError, SamplingParams, TokenChooser
 from hostswap.schedules.serialization import load_weight_schedules
 from hostswap.schedules.weight_schedule import load_floor_bytes
 
@@ -116,6 +117,11 @@ def test_seeded_sampling_in_a_batch_is_reproducible(tmp_path_factory):
             runs.append(b.generate(prompts, 10, eos_token_id=[], sampling=sampling))
     assert runs[0] == runs[1]
     assert runs[0][0] != runs[0][1]
+    # a sequence whose logits hold a NaN gets an error naming it, not a token
+    with batching.BatchGenerator(batched.pte, batched.ptd, weight_offload_budget_mb=batched.total / MB, device="cpu") as b:
+        chooser = TokenChooser(sampling[0], torch.device("cpu"), VOCAB, torch.tensor([[1]]))
+        with pytest.raises(SamplingError, match="hold a NaN"):
+            b._choose(types.SimpleNamespace(chooser=chooser), torch.full((VOCAB,), float("nan")))
 
 
 def test_bad_requests_and_programs_are_named(tmp_path_factory, tmp_path):

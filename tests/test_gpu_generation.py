@@ -248,6 +248,8 @@ def test_speculative_decode_on_the_device_gives_the_plain_greedy_tokens(tmp_path
     prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     with llm.Generator(*target, weight_offload_budget_mb=floor / MB, device="cuda") as plain:
         expected = plain.generate(prompt, 48, eos_token_id=[]).cpu()
+    with llm.Generator(*target, weight_offload_budget_mb=floor / MB, device="cuda", draft=str(tmp_path / "int8")) as g:
+        assert g.draft_ahead  # the default on CUDA
     for draft in (str(tmp_path / "target"), str(tmp_path / "int8")):
         # the draft's decode as the executor's kernels, and as one inductor graph (the default on
         # CUDA); drafting in turn, and ahead on a stream of its own during each verify pass

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hostswap.llm as llm
-from hostswap.sampling import SamplingError, SamplingParams, TokenChooser
+from hostswap.sampling import NO_TOKEN, SamplingError, SamplingParams, TokenChooser, draw
 
 from real_models import BY_NAME, VOCAB, build
 
@@ -52,6 +52,35 @@ def test_repetition_penalty_lowers_tokens_already_seen():
 def test_the_same_seed_draws_the_same_tokens():
     a, b = _draws(SamplingParams(temperature=1.0, seed=7), n=50), _draws(SamplingParams(temperature=1.0, seed=7), n=50)
     assert torch.equal(a, b) and not torch.equal(a, _draws(SamplingParams(temperature=1.0, seed=8), n=50))
+
+
+def test_a_draw_is_torch_multinomials_draw_for_the_same_generator_state():
+    """``draw`` (no read to the host) takes the index torch.multinomial takes and leaves the
+    generator where it leaves it: sampled tokens did not change when it replaced it."""
+    for seed in range(100):
+        p = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(seed)) * 3, -1)
+        mine, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        for _ in range(3):
+            assert int(draw(p, mine)) == int(torch.multinomial(p, 1, generator=theirs))
+
+
+def test_logits_with_a_nan_stop_decoding_with_an_error_and_reach_no_step():
+    nan = float("nan")
+    chooser = TokenChooser(SamplingParams(temperature=1.0, seed=0), torch.device("cpu"), 5, torch.tensor([[0]]))
+    assert int(chooser(torch.tensor([1.0, nan, 0.0, 0.0, 0.0]))[0]) == NO_TOKEN
+    fed = []
+
+    def step(method, token, positions):  # the third step's logits hold a NaN
+        fed.append(int(token))
+        logits = torch.zeros(1, 1, 5)
+        logits[..., 2] = nan if len(fed) == 3 else 0.0
+        return logits
+
+    kept = []
+    with pytest.raises(SamplingError, match="hold a NaN"):
+        llm.decode_tokens(step, torch.zeros(1, 1, 5), 0, 8, on_token=kept.append,
+                          choose=TokenChooser(SamplingParams(temperature=1.0, seed=0), torch.device("cpu"), 5, torch.tensor([[0]])))
+    assert len(kept) == 3 and all(0 <= t < 5 for t in kept + fed)  # the tokens before it, and no NO_TOKEN fed to a step
 
 
 @pytest.fixture(scope="module")
