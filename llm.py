@@ -368,7 +368,7 @@ def decode_tokens(step: Step, logits: torch.Tensor, position: int, max_new_token
             token = pick(step(DECODE, token if choose is None else token.clamp(min=0), positions)[0, -1])
             positions = positions + 1
             tokens.push(token)
-        new.append(tokens.pop() if choose is None else check_drawn(tokens.pop()))
+        new.append(check_drawn(tokens.pop()))
         if on_token:
             on_token(new[-1])
         if len(new) == max_new_tokens or new[-1] in eos:
@@ -460,7 +460,7 @@ class Generator:
         if draft_ahead and draft is None:
             raise GenerationError("draft_ahead drafts the next round during each verify pass: it needs a draft")
         # on the CPU the steps ahead would run in line, before the pass: nothing to gain
-        self.draft_ahead = draft is not None and device.type == "cuda" if draft_ahead is None else draft_ahead
+        self.draft_ahead = (draft is not None and device.type == "cuda") if draft_ahead is None else draft_ahead
         if compile_draft is not None and not self._owns_draft:
             raise GenerationError("compile_draft applies to a draft given by its path; a loaded draft Generator keeps how it was loaded (load it with compiled=...)")
         draft = _open_draft(draft, device, device.type == "cuda" if compile_draft is None else compile_draft, compile_draft is None) if self._owns_draft else draft

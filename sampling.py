@@ -78,10 +78,10 @@ def draw(probabilities: torch.Tensor, generator: torch.Generator | None) -> torc
     distribution (a NaN or a negative), all on their device.
 
     ``torch.multinomial(probabilities, 1)`` draws by the same race (the largest p / q, each q
-    exponential), so the same generator state gives the same index; but it first checks its
-    input with two reads to the host, which make the host wait for each decode step before
-    it can queue the next. Here the check is one more device op, and the host learns of a
-    bad distribution when it reads the token (``check_drawn``)."""
+    exponential), so the same generator state gives the same index; but its input checks are
+    assertions, on CUDA device-side ones that end the process's CUDA context. Here the check
+    is one device op, and the host learns of a bad distribution when it reads the token
+    (``check_drawn``)."""
     race = torch.empty_like(probabilities).exponential_(1, generator=generator)
     index = (probabilities / race).argmax().reshape(1)
     return torch.where((probabilities >= 0).all(), index, NO_TOKEN)
@@ -125,7 +125,7 @@ class TokenChooser:
         else:
             logprobs = sampled_logprobs(scores, p)
             token = draw(logprobs.exp(), self.generator)
-            logprob = logprobs[token.clamp(min=0)]
+            logprob = logprobs[token.clamp(min=0)]  # a valid index where the draw gave NO_TOKEN
         if self.seen is not None:
             self.seen[token.clamp(min=0)] = True
         return token.reshape(1, 1), logprob.reshape(1)

@@ -24,6 +24,7 @@ import time
 import torch
 
 from hostswap.llm import DECODE, VERIFY, GenerationError, decode_tokens
+from hostswap.sampling import check_drawn, draw, sampled_logprobs
 
 
 @dataclasses.dataclass
@@ -140,24 +141,22 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, proposed: int, generato
     total = residual.sum()
     if not bool(total > 0):  # p == q up to rounding: nothing to correct toward
         residual, total = p, p.sum()
-    return False, int(torch.multinomial(residual / total, 1, generator=generator))
+    return False, check_drawn(int(draw(residual / total, generator)))
 
 
 class Sampler:
     """Draws the draft's proposals and applies the rule, with one seeded generator on the device."""
 
     def __init__(self, params, device: torch.device):
-        from hostswap.sampling import sampled_logprobs
-
-        self.params, self._logprobs = params, sampled_logprobs
+        self.params = params
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        return self._logprobs(logits.float(), self.params).exp()
+        return sampled_logprobs(logits.float(), self.params).exp()
 
     def draw(self, probabilities: torch.Tensor) -> int:
-        return int(torch.multinomial(probabilities, 1, generator=self.generator))
+        return check_drawn(int(draw(probabilities, self.generator)))
 
 
 def _token(value: int, device: torch.device) -> torch.Tensor:

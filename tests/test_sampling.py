@@ -55,7 +55,7 @@ def test_the_same_seed_draws_the_same_tokens():
 
 
 def test_a_draw_is_torch_multinomials_draw_for_the_same_generator_state():
-    """``draw`` (no read to the host) takes the index torch.multinomial takes and leaves the
+    """``draw`` (its check a device op, not an assertion) takes the index torch.multinomial takes and leaves the
     generator where it leaves it: sampled tokens did not change when it replaced it."""
     for seed in range(100):
         p = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(seed)) * 3, -1)
