@@ -33,7 +33,7 @@ import torch
 
 from hostswap import llm
 from hostswap.llm import DECODE, PREFILL, GenerationError
-from hostswap.sampling import SamplingParams, TokenChooser, check_drawn
+from hostswap.sampling import SamplingParams, TokenChooser, check_drawn, warm_up_sampling
 
 MAX_BATCH_SIZE = llm.MAX_BATCH_SIZE
 
@@ -228,7 +228,8 @@ class BatchGenerator:
             # one-time costs (lazy initialisation, the decode graph's capture) before the first request
             self.module.run_method(PREFILL, [torch.zeros(1, self.prefill_chunk, dtype=torch.long), torch.arange(self.prefill_chunk)[None], torch.zeros(1, dtype=torch.long)])
             every = torch.arange(self.max_batch_size)
-            self.module.run_method(DECODE, [torch.zeros(self.max_batch_size, 1, dtype=torch.long), torch.zeros(self.max_batch_size, 1, dtype=torch.long), every])
+            (logits,) = self.module.run_method(DECODE, [torch.zeros(self.max_batch_size, 1, dtype=torch.long), torch.zeros(self.max_batch_size, 1, dtype=torch.long), every])
+            warm_up_sampling(logits[0])  # the sampling kernels' first launch, not the first sampled request's
             self.module.reset_state()
         except BaseException:
             self.module.close()

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from hostswap.sampling import SamplingParams, TokenChooser, check_drawn
+from hostswap.sampling import SamplingParams, TokenChooser, check_drawn, warm_up_sampling
 
 PREFIX = "hostswap_llm_"
 MAX_SEQ_LEN = PREFIX + "max_seq_len"
@@ -432,9 +432,9 @@ class Generator:
     measured faster at every k and budget): the draft drafts the next round on a stream of its
     own while the streamed verify pass runs.
 
-    ``warm_up`` (default on) runs one prefill chunk and one decode step at load, then zeroes
-    the KV cache: the one-time costs of a first call (graph capture, kernel selection and
-    compilation, first use of the copy paths) are paid there and reported on their own
+    ``warm_up`` (default on) runs one prefill chunk, one decode step and one sampled choice at
+    load, then zeroes the KV cache: the one-time costs of a first call (graph capture, kernel
+    selection, compilation and first launch, first use of the copy paths) are paid there and reported on their own
     (``warm_up_seconds``), so every ``generate`` call, the first included, measures
     steady-state speed. Other keywords go to ``hostswap.runtime.Module``.
     """
@@ -518,13 +518,14 @@ class Generator:
         return asked
 
     def _warm_up(self) -> float:
-        """One prefill chunk and one decode step on token 0, then the KV cache zeroed as at
-        load; returns the seconds it took."""
+        """One prefill chunk, one decode step on token 0 and one sampled choice from its
+        logits, then the KV cache zeroed as at load; returns the seconds it took."""
         self._sync()
         start = time.perf_counter()
         ids = torch.zeros(1, self.prefill_chunk, dtype=torch.long)
         self._step(PREFILL, ids, 0)
-        self._step(DECODE, ids[:, :1].to(self.device), torch.zeros(1, dtype=torch.long).to(self.device))
+        logits = self._step(DECODE, ids[:, :1].to(self.device), torch.zeros(1, dtype=torch.long).to(self.device))
+        warm_up_sampling(logits)
         if self.draft is not None:
             width = self.speculate_k + 1
             self._step(VERIFY, torch.zeros(1, width, dtype=torch.long).to(self.device), torch.arange(width, dtype=torch.long).to(self.device))

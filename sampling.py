@@ -129,3 +129,18 @@ class TokenChooser:
         if self.seen is not None:
             self.seen[token.clamp(min=0)] = True
         return token.reshape(1, 1), logprob.reshape(1)
+
+
+# every sampling op at once: temperature, top-k, top-p and the repetition penalty
+_WARM_UP = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=0)
+
+
+def warm_up_sampling(logits: torch.Tensor) -> None:
+    """Chooses one token from one position's logits [vocab] with every sampling op, and reads it.
+
+    CUDA loads a kernel's code at its first launch: a load's warm-up that only decoded greedily
+    would leave that one-time cost to the first sampled request's decode time (docs/design.md,
+    sampling)."""
+    chooser = TokenChooser(_WARM_UP, logits.device, logits.shape[-1], torch.zeros(1, dtype=torch.long))
+    token, _ = chooser(logits.reshape(-1, logits.shape[-1])[-1])
+    int(token)  # waits for every op queued before it

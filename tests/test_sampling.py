@@ -116,3 +116,13 @@ def test_generate_cli_samples_with_a_seed_and_names_a_bad_parameter(program):
     assert first.stdout == second.stdout and first.stdout.strip()
     bad = run("--top-p", "0")
     assert bad.returncode == 2 and "top_p must be a number above 0.0" in bad.stderr
+
+
+def test_the_sampling_warm_up_chooses_without_touching_the_global_generator_or_raising_on_a_nan():
+    from hostswap.sampling import warm_up_sampling
+
+    logits = torch.randn(1, 1, 50)
+    state = torch.random.get_rng_state()
+    warm_up_sampling(logits)
+    warm_up_sampling(torch.full((50,), float("nan")))  # a warm-up's logits are not a request's: no error
+    assert torch.equal(torch.random.get_rng_state(), state)
