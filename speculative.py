@@ -160,7 +160,11 @@ class Sampler:
 
 
 def _token(value: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([[value]], dtype=torch.long).to(device)
+    """``value`` as a [1, 1] tensor on ``device``, copied without waiting: a copy from pageable
+    memory waits for the current stream, which after drafting ahead waits for the draft's
+    steps, so the host would wait for them too before queuing the next round."""
+    cuda = device.type == "cuda"
+    return torch.tensor([[value]], dtype=torch.long, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
 def speculate(target, draft, first_token: int, position: int, k: int | None, max_new_tokens: int, eos, on_token, stats: SpeculationStats,
@@ -285,6 +289,7 @@ def _greedy_round(target, draft, proposals, last, k, at, width, draft_positions,
         with beside.side(proposals[-1], start):
             (ahead_logits,) = draft.module.run_method(DECODE, [proposals[-1], draft_positions[at + k : at + k + 1]])
             guess = ahead_logits[0, -1].argmax().reshape(1, 1)
+            beside.publish(guess)
             (ahead_logits,) = draft.module.run_method(DECODE, [guess, draft_positions[at + k + 1 : at + k + 2]])
             guessed = (guess, _propose(draft, ahead_logits, at + k + 1, k, draft_positions))
     values = torch.cat([drafted[0], chosen]).tolist()  # the round's one wait for the device (the verify pass's stream alone)
@@ -298,12 +303,14 @@ def _greedy_round(target, draft, proposals, last, k, at, width, draft_positions,
 def _kept_ahead(beside, guessed, all_kept: bool, after: int) -> list[torch.Tensor]:
     """The next round's proposals drafted during the pass, where they stand: every proposal was
     kept and the draft guessed the target's token; else none. The draft's stream is joined
-    either way: its steps wrote the draft's cache, which the next draft step reads."""
+    either way, on the device: its steps wrote the draft's cache, which the next draft step
+    reads. The host waits for the guess's step only: the next round is queued while the steps
+    after it run, and its pass starts on the device when they end."""
     if guessed is None:
         return []
     guess, proposals = guessed
     beside.join([guess, *proposals])
-    return proposals if all_kept and int(guess) == after else []
+    return proposals if all_kept and beside.read_guess(guess) == after else []
 
 
 class _Beside:
@@ -316,6 +323,10 @@ class _Beside:
         # the verify pass's stream: where its kernels and the draft's are both ready, the
         # pass's go first, so that its weight copies, which wait for its kernels, stay on time
         self.urgent = torch.cuda.Stream(device, priority=-100) if device.type == "cuda" else None
+        # the draft's guess at the target's token, copied for the host by the step that makes
+        # it: the host reads it without waiting for the steps after it
+        self.guess_host = torch.empty(1, dtype=torch.long, pin_memory=True) if device.type == "cuda" else None
+        self.guess_copied = torch.cuda.Event() if device.type == "cuda" else None
 
     @contextlib.contextmanager
     def first(self):
@@ -352,6 +363,22 @@ class _Beside:
         read.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             yield
+
+    def publish(self, guess: torch.Tensor) -> None:
+        """Inside ``side``: copy ``guess`` [1, 1] for the host as soon as the step that makes it
+        ends (``read_guess``)."""
+        if self.stream is None:
+            return
+        self.guess_host.copy_(guess.reshape(1), non_blocking=True)
+        self.guess_copied.record(self.stream)
+
+    def read_guess(self, guess: torch.Tensor) -> int:
+        """The published guess on the host, once its step ended: not after the side's later
+        steps, which the next round's pass (or the draft's next steps) waits for on the device."""
+        if self.stream is None:
+            return int(guess)
+        self.guess_copied.synchronize()
+        return int(self.guess_host[0])
 
     def join(self, made: list[torch.Tensor]) -> None:
         """The main stream waits for the side's work; ``made`` on the side, read on the main."""
