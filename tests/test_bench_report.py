@@ -192,3 +192,19 @@ def test_weights_quantized_rows_get_their_own_table_bound_speed_up_and_quality(t
         True, "lowest 2.00 x (floor); floor: 2.00, 50%: 5.83")
     assert checks["decode, int4: <= 1.10 x bound (quantized bytes) at every streamed budget"] == (False, "not measured: no streamed row")
     assert "decode, int8: >= 1.8 x faster" in full
+
+
+def test_an_all_resident_moe_figure_measured_before_the_sampling_warm_up_is_flagged(tmp_path):
+    """A sampled all-resident MoE row that a load's warm-up did not precede with the sampling
+    kernels' first launch bounds its ratios low: the report says so, and only there."""
+    import json
+
+    source = pathlib.Path(__file__).parents[1] / "bench" / "results" / "moe_h200_mixtral.json"
+    result = json.loads(source.read_text())
+    flag = "so a ratio whose bound is this figure reads low"
+    for warmed, path in ((False, tmp_path / "moe_cold.json"), (True, tmp_path / "moe_warm.json")):
+        result.pop("sampling_warmed_up", None)
+        if warmed:
+            result["sampling_warmed_up"] = True
+        path.write_text(json.dumps(result))
+        assert (flag in _report.moe_section([str(path)], None)) == (not warmed)
