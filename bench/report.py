@@ -972,7 +972,7 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
                 f"{r['checkpoint']['bytes'] / 2**30:.2f} GiB bf16 checkpoint; {_machine(r['environment'])}; pinned H2D {r['pinned_h2d_bytes_per_s'] / 1e9:.1f} GB/s, "
                 f"all-resident routed decode {r['all_resident_ms_per_token']:.2f} ms/token"
                 + ("" if r.get("sampling_warmed_up") or not r.get("temperature") else
-                   " (the process's first sampled decode, measured before a load's warm-up launched the sampling kernels: it includes their "
+                   " (the process's first sampled decode, with no warm-up of the sampling kernels: it includes their "
                    "one-time first launch, about 0.15 to 0.35 ms/token on a 2-layer model of this kind, so a ratio whose bound is this figure reads low)")
                 + "; "
                 + (f"decode sampled at temperature {r['temperature']:g}, seeded" if r.get("temperature") else "greedy decode"))

@@ -194,7 +194,7 @@ def test_weights_quantized_rows_get_their_own_table_bound_speed_up_and_quality(t
     assert "decode, int8: >= 1.8 x faster" in full
 
 
-def test_an_all_resident_moe_figure_measured_before_the_sampling_warm_up_is_flagged(tmp_path):
+def test_an_all_resident_moe_figure_measured_without_the_sampling_warm_up_is_flagged(tmp_path):
     """A sampled all-resident MoE row that a load's warm-up did not precede with the sampling
     kernels' first launch bounds its ratios low: the report says so, and only there."""
     import json
