@@ -123,7 +123,7 @@ def _export_llm(args) -> int:
 
                 say(f"writing the draft: the same weights quantized to {args.draft}, to {args.out}.draft")
                 draft = llm.quantize(copy.deepcopy(model), args.draft)
-                llm.export(draft, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say)
+                llm.export(draft, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say, fuse_linears=True)
             pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say,
                                   max_batch_size=args.max_batch_size, speculate_k=speculate_k, tensor_parallel=args.tensor_parallel)
     except (llm.GenerationError, OSError) as e:  # OSError: a full disk (DiskFullError names the file), an unwritable folder

@@ -190,7 +190,7 @@ def default_prefill_chunk(max_seq_len: int) -> int:
 
 def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1,
            gather_from_host: bool = True, progress: Callable[[str], None] | None = None, max_batch_size: int | None = None,
-           speculate_k: int | None = None, tensor_parallel: int | None = None):
+           speculate_k: int | None = None, tensor_parallel: int | None = None, fuse_linears: bool = False):
     """Write ``<path>.pte`` (methods ``prefill`` and ``decode``, their schedules, the KV cache
     as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths.
 
@@ -203,7 +203,8 @@ def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: i
     ``speculate_k``: add a ``verify`` method that checks that many drafted tokens in one pass
     (``Generator(..., draft=...)``). ``tensor_parallel``: write one program and ``.ptd`` per rank
     of that many, each with its shard of the weights (hostswap/tensor_parallel.py); returns the
-    lists of their paths."""
+    lists of their paths. ``fuse_linears``: linears that read one input run as one
+    (passes/fuse_sibling_linears.py), for a program held whole on the device, such as a draft."""
     from hostswap.passes import save
 
     if tensor_parallel is not None:
@@ -212,7 +213,7 @@ def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: i
         return export_ranks(model, path, world=tensor_parallel, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                             prefetch_depth=prefetch_depth, gather_from_host=gather_from_host, progress=progress,
                             max_batch_size=max_batch_size, speculate_k=speculate_k)
-    programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
+    programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth, fuse_linears=fuse_linears,
                                           gather_from_host=gather_from_host, progress=progress, max_batch_size=max_batch_size,
                                           speculate_k=speculate_k)
     return save(programs, path, constant_methods=constants, progress=progress)
@@ -228,7 +229,7 @@ def export_checkpoint(folder: str | os.PathLike, path: str | os.PathLike, **opti
 
 def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
                     progress: Callable[[str], None] | None = None, device: str = "cpu", max_batch_size: int | None = None,
-                    speculate_k: int | None = None) -> tuple[dict, dict]:
+                    speculate_k: int | None = None, fuse_linears: bool = False) -> tuple[dict, dict]:
     """The probed ``prefill`` and ``decode`` programs of ``export``, and the constant methods
     that describe them, before lowering. ``device``: of the example inputs, the model's own
     (``"meta"`` for a model traced without values). ``max_batch_size``: a KV cache of that many
@@ -236,6 +237,7 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
     ``verify`` method of ``speculate_k + 1`` tokens, for speculative decoding with a draft
     (hostswap/speculative.py)."""
     from hostswap.passes import apply_weight_offload
+    from hostswap.passes.fuse_sibling_linears import fuse_sibling_linears
 
     if max_batch_size is not None:
         from hostswap import batching
@@ -267,6 +269,8 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
         with torch.no_grad():
             ep = wrapper.export(input_ids=ids, cache_position=torch.arange(length, dtype=torch.long, device=device))
             reset_state(ep)
+        if fuse_linears:
+            fuse_sibling_linears(ep)
         programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host)
     eos = _eos_ids(model)
     vocab = model.get_input_embeddings().num_embeddings

@@ -37,6 +37,9 @@ from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
 from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
 
 
+FUSED = "-fused"
+
+
 def smollm2_shaped(layers: int, vocab: int):
     """A Llama of SmolLM2-135M's shape (hidden 576, 9 heads, 3 key/value heads, tied head)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -85,7 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--vocab", type=int, default=49152)
-    p.add_argument("--schemes", default=None, help="none (the model's dtype), int8, int4 (default: none,int8 on CUDA, none on the CPU)")
+    p.add_argument("--schemes", default=None, help="none (the model's dtype), int8, int4, each optionally with -fused: its sibling linears "
+                   "(q/k/v, gate/up) exported as one (default: none,int8 on CUDA, none on the CPU)")
     p.add_argument("--dtype", default=None, help="the model's dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=512)
@@ -107,8 +111,10 @@ def main(argv=None) -> int:
         for scheme in schemes:
             counts, paths = {}, {}
             for layers, m in ((1, one_layer), (args.layers, model)):
-                draft = copy.deepcopy(m) if scheme == "none" else llm.quantize(copy.deepcopy(m), scheme)
-                paths[layers] = llm.export(draft, os.path.join(folder, f"{scheme}-{layers}"), max_seq_len=args.max_seq_len, prefill_chunk=32)
+                base = scheme.removesuffix(FUSED)
+                draft = copy.deepcopy(m) if base == "none" else llm.quantize(copy.deepcopy(m), base)
+                paths[layers] = llm.export(draft, os.path.join(folder, f"{scheme}-{layers}"), max_seq_len=args.max_seq_len, prefill_chunk=32,
+                                           fuse_linears=scheme.endswith(FUSED))
                 with llm.Generator(*paths[layers], weight_offload_budget_mb=every_weight_mb(paths[layers][0]), device=device, warm_up=False) as g:
                     counts[layers] = step_kernels(g)
             total, single = sum(counts[args.layers].values()), sum(counts[1].values())

@@ -35,6 +35,7 @@ from hostswap.demo import chat_prompt, load_smollm2  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
 from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
 
+FUSED = "-fused"  # a draft scheme with this suffix: its sibling linears (q/k/v, gate/up) exported as one each
 VERIFY_WIDTH_K = 16  # the target's verify method checks up to this many drafted tokens
 
 QUESTIONS = [
@@ -93,7 +94,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="the target's dtype (default: bfloat16 on CUDA, float32 on the CPU)")
-    parser.add_argument("--drafts", default=None, help="quantization schemes of the draft (default: int8,int4 on CUDA, int8 on the CPU)")
+    parser.add_argument("--drafts", default=None, help="quantization schemes of the draft (default: int8,int4 on CUDA, int8 on the CPU); "
+                        f"a scheme ending in {FUSED} exports the draft with fuse_linears")
     parser.add_argument("--ks", default="2,4,8")
     parser.add_argument("--ahead", choices=("no", "yes", "both"), default="both",
                         help="draft the next round during each verify pass (Generator(draft_ahead=True)), in turn, or a row of each")
@@ -108,6 +110,8 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     drafts = (args.drafts or ("int8,int4" if cuda else "int8")).split(",")
+    if bad := [d for d in drafts if d.removesuffix(FUSED) not in llm.QUANTIZATION_SCHEMES]:
+        raise SystemExit(f"--drafts takes {', '.join(llm.QUANTIZATION_SCHEMES)}, each optionally with {FUSED}; got {bad}")
     ks = [int(k) for k in args.ks.split(",")]
     asked_budgets = args.budgets.split(",")
     if unknown := set(asked_budgets) - {"floor", "50%"}:
@@ -131,11 +135,12 @@ def main(argv=None) -> int:
         os.makedirs(folder, exist_ok=True)
         tag = f"{result['dtype']}-{max_seq_len}"  # a kept program is reused only for the same dtype and length
         draft_paths = {}
-        for scheme in drafts:
-            draft_paths[scheme] = os.path.join(folder, f"draft-{scheme}-{tag}")
-            if not all(os.path.exists(draft_paths[scheme] + e) for e in (".pte", ".ptd")):
+        for name in drafts:
+            scheme, fused = name.removesuffix(FUSED), name.endswith(FUSED)
+            draft_paths[name] = os.path.join(folder, f"draft-{name}-{tag}")
+            if not all(os.path.exists(draft_paths[name] + e) for e in (".pte", ".ptd")):
                 draft = llm.quantize(copy.deepcopy(model).to(torch.bfloat16 if scheme == "int4" else dtype), scheme)
-                llm.export(draft, draft_paths[scheme], max_seq_len=max_seq_len, prefill_chunk=32)
+                llm.export(draft, draft_paths[name], max_seq_len=max_seq_len, prefill_chunk=32, fuse_linears=fused)
         target_base = os.path.join(folder, f"target-{tag}-k{widest}")
         target = (target_base + ".pte", target_base + ".ptd")
         if not all(os.path.exists(p) for p in target):

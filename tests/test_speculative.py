@@ -264,16 +264,17 @@ def test_k_follows_the_acceptance_and_the_costs(tmp_path_factory):
 
 def test_draft_cost_bench_counts_each_layers_kernels(tmp_path):
     """bench/draft_cost.py on the CPU: a decode step's kernels, per layer from two depths of the
-    same shape, the seven projections of a Llama layer among them."""
+    same shape, the seven projections of a Llama layer among them (four with q/k/v and gate/up
+    fused)."""
     import json
 
     from bench_scripts import load
 
-    assert load("draft_cost").main(["--device", "cpu", "--layers", "2", "--vocab", "128", "--schemes", "none", "--steps", "2",
+    assert load("draft_cost").main(["--device", "cpu", "--layers", "2", "--vocab", "128", "--schemes", "none,none-fused", "--steps", "2",
                                     "--max-seq-len", "64", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "drafts_cpu.json").read_text())["rows"]
-    assert [row["compiled"] for row in rows] == [False, True]  # the executor's kernels, then one inductor graph
-    for row in rows:
+    assert [(row["scheme"], row["compiled"]) for row in rows] == [("none", False), ("none", True), ("none-fused", False), ("none-fused", True)]
+    for row in rows:  # the executor's kernels, then one inductor graph
         assert row["kernels_per_step"] == 2 * row["kernels_per_layer"] + row["kernels_outside_layers"]
-        assert row["operators_per_layer"]["mm.out"] == 7 and row["kernels_per_layer"] > 20
+        assert row["operators_per_layer"]["mm.out"] == (4 if row["scheme"].endswith("-fused") else 7) and row["kernels_per_layer"] > 20
         assert row["ms_per_step"] > 0 and row["gpu_kernels_per_step"] is None
