@@ -14,7 +14,9 @@ A step looks its top-k up; each miss takes the least recently used slot that no 
 same step holds, and its rows are copied from the tables in mapped host memory by a kernel
 that skips the hits (kernels/row_copy.py): a hit reads no host byte. The step's experts are
 then read from the slots. Index ``num_experts`` of ``slot_of`` is a sink: writes that a hit
-must not make go there, so no step branches on the host.
+must not make go there, so no step branches on the host. On CUDA with Triton the bookkeeping
+of a call is one kernel (kernels/cache_place.py) instead of some forty small ones; elsewhere
+it is the torch ops below, which leave the same state.
 
 A block's misses are on the decode step's critical path: nothing after the block can run
 until its rows are in. So the block before it guesses them (``prefetch``): the routed-experts
@@ -37,7 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from hostswap.kernels.row_copy import masked_row_copy
+from hostswap.kernels.cache_place import FILL, GUESS, LOOKUP, cache_place
+from hostswap.kernels.row_copy import masked_row_copy, triton_available
 from hostswap.schedules.experts import plan_expert_cache, resident_blocks
 
 POLICY = "lru"
@@ -49,7 +52,8 @@ class ExpertCache:
     """``slots`` experts of one block's stacked tables on the device, least recently used
     evicted, looked up and filled by device ops only."""
 
-    def __init__(self, block: str, num_experts: int, unit_bytes: int, slots: int, top_k: int, device: torch.device, prefetch: bool = False):
+    def __init__(self, block: str, num_experts: int, unit_bytes: int, slots: int, top_k: int, device: torch.device, prefetch: bool = False,
+                 fused: bool | None = None):
         if not top_k <= slots < num_experts:
             raise ValueError(f"an expert cache of {block} needs top_k ({top_k}) to {num_experts - 1} slots, not {slots}")
         self.block, self.slots, self.top_k, self.num_experts = block, slots, top_k, num_experts
@@ -57,47 +61,39 @@ class ExpertCache:
         self.tables: tuple[torch.Tensor | None, ...] | None = None  # made at the first lookup, in the kernel's order of tables
         self.sources: tuple[torch.Tensor | None, ...] | None = None  # the block's tables, as the first lookup gave them
         self.prefetching = prefetch
+        # the bookkeeping as one Triton kernel (default: on CUDA where Triton is there) or torch ops
+        self.fused = (device.type == "cuda" and triton_available()) if fused is None else fused
         # a prefetch runs beside the compute on the GPU; on the CPU in line (the same bookkeeping)
         self.stream = torch.cuda.Stream(device) if prefetch and device.type == "cuda" else None
         self._pending = False  # a prefetch was queued that no lookup has waited for yet
         self.fresh = torch.zeros(slots, dtype=torch.bool, device=device)
-        self.prefetched = torch.zeros((), dtype=torch.int64, device=device)
-        self.prefetch_hits = torch.zeros((), dtype=torch.int64, device=device)
         self.slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64, device=device)
         self.expert_of = torch.full((slots,), num_experts, dtype=torch.int64, device=device)
-        # stamps: an empty slot's is the lowest, a guess's below any lookup's (GUESSED + time)
-        self.last_use = torch.full((slots,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=device)
+        # stamps: an empty slot's is the lowest (one per slot, the first slot first), a guess's
+        # below any lookup's (GUESSED + time)
+        self.last_use = torch.iinfo(torch.int64).min + torch.arange(slots, dtype=torch.int64, device=device)
         self.clock = torch.zeros((), dtype=torch.int64, device=device)
-        self.hits = torch.zeros((), dtype=torch.int64, device=device)
-        self.misses = torch.zeros((), dtype=torch.int64, device=device)
-        self.filled = torch.zeros((), dtype=torch.int64, device=device)
+        # hits, misses, prefetched, prefetch hits, filled: one tensor, so one kernel adds to it
+        self._counters = torch.zeros(5, dtype=torch.int64, device=device)
+        self.hits, self.misses, self.prefetched, self.prefetch_hits, self.filled = self._counters.unbind()
         self._never = torch.iinfo(torch.int64).max
 
     def lookup(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
         """The slots of ``ids`` (one token's distinct top-k), the missed ones filled from
         ``sources`` (the block's tables, in the order the cache was built with)."""
-        target, hit, guessed = self._use(ids, sources)
-        self.prefetch_hits += (hit & guessed).sum()
-        self.hits += hit.sum()
-        self.misses += (~hit).sum()
-        return target
+        return self._use(ids, sources, LOOKUP)
 
     def fill(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> None:
         """Bring ``ids`` (distinct experts: a prefill chunk's last row's) in as a lookup of them
         would, counted as filled rather than as hits or misses. Eager: a captured step never fills."""
-        _, hit, _ = self._use(ids, sources)
-        self.filled += (~hit).sum()
+        self._use(ids, sources, FILL)
 
-    def _use(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Place ``ids`` as used now, once any queued prefetch is in: (slot per id, hit per id,
-        whether the slot held an unread guess). Their slots are no longer guesses."""
+    def _use(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], mode: int) -> torch.Tensor:
+        """Place ``ids`` as used now, once any queued prefetch is in: the slot per id."""
         ids = ids.reshape(-1)
         self._make_tables(sources, ids.device)
         self.settle()
-        target, hit = self._place(ids, sources)
-        guessed = self.fresh[target]
-        self.fresh.index_put_((target,), torch.zeros_like(guessed))
-        return target, hit, guessed
+        return self._place(ids, sources, mode)
 
     def _make_tables(self, sources: tuple[torch.Tensor | None, ...], device: torch.device) -> None:
         """The slots' tables, made at the first call (a warm-up forward runs before any capture)."""
@@ -125,9 +121,7 @@ class ExpertCache:
         self._pending = True
 
     def _prefetch(self, ids: torch.Tensor) -> None:
-        target, hit = self._place(ids, self.sources, used=False)
-        self.fresh.index_put_((target,), hit.logical_not() | self.fresh[target])
-        self.prefetched += (~hit).sum()
+        self._place(ids, self.sources, GUESS)
 
     def settle(self) -> None:
         """Make the current stream wait for a queued prefetch (before the slots are read)."""
@@ -135,12 +129,26 @@ class ExpertCache:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             self._pending = False
 
-    def _place(self, ids: torch.Tensor, sources, used: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _place(self, ids: torch.Tensor, sources, mode: int) -> torch.Tensor:
         """Give each of ``ids`` a slot (its own on a hit; else the least recently used slot
-        no hit of these ids holds), copy the missed rows in, and stamp the slots as used now:
-        (slot per id, hit per id). A guess (``used=False``) stamps nothing it found, and its
-        misses below every expert a lookup read: a wrong guess is the first to go, so
-        guesses evict mostly earlier guesses, not what lookups keep reading."""
+        no hit of these ids holds), copy the missed rows in, stamp the slots and count the
+        call as ``mode`` (LOOKUP, FILL or GUESS): the slot per id. A lookup or fill stamps
+        its slots as used now and marks them read; a guess (GUESS) stamps nothing it
+        found, and its misses below every expert a lookup read: a wrong guess is the first to
+        go, so guesses evict mostly earlier guesses, not what lookups keep reading."""
+        if self.fused:
+            target, copy = cache_place(ids, self.slot_of, self.expert_of, self.last_use, self.fresh, self.clock, self._counters, mode,
+                                       self._never, GUESSED)
+        else:
+            target, copy = self._place_ops(ids, mode)
+        for source, table in zip(sources, self.tables):
+            if table is not None:
+                masked_row_copy(source, table, ids, target, copy)
+        return target
+
+    def _place_ops(self, ids: torch.Tensor, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_place``'s bookkeeping as torch ops: (slot per id, 1 where its rows must be copied in)."""
+        used = mode != GUESS
         self.clock += 1
         slot = self.slot_of[ids]
         hit = slot >= 0
@@ -162,11 +170,14 @@ class ExpertCache:
         order = torch.arange(k, device=ids.device) + torch.where(miss, k, 0)
         stamp = self.clock * (2 * self.slots) + order
         self.last_use.index_put_((target,), stamp if used else torch.where(miss, stamp + GUESSED, self.last_use[target]))
-        copy = miss.to(torch.int32)
-        for source, table in zip(sources, self.tables):
-            if table is not None:
-                masked_row_copy(source, table, ids, target, copy)
-        return target, hit
+        guessed = self.fresh[target]  # the slot held a guess no lookup has read
+        self.fresh.index_put_((target,), miss | guessed if mode == GUESS else torch.zeros_like(guessed))
+        counted = {LOOKUP: (hit, miss, None, hit & guessed, None), FILL: (None, None, None, None, miss),
+                   GUESS: (None, None, miss, None, None)}[mode]
+        for counter, add in zip(self._counters.unbind(), counted):
+            if add is not None:
+                counter += add.sum()
+        return target, miss.to(torch.int32)
 
     def counts(self) -> tuple[int, int, int, int, int]:
         """(hits, misses, prefetched, prefetch hits, filled) since load: a host sync."""
