@@ -241,7 +241,8 @@ class _LinearQuantizer:
 def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None,
                       dtype: torch.dtype | str | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
                       progress: Callable[[str], None] | None = None, show_bar: bool = False, quantize: str | None = None,
-                      max_batch_size: int | None = None, speculate_k: int | None = None, tensor_parallel: int | None = None):
+                      max_batch_size: int | None = None, speculate_k: int | None = None, tensor_parallel: int | None = None,
+                      fuse_linears: bool = False):
     """Write ``<out>.pte`` and ``<out>.ptd`` for the transformers causal LM in ``folder`` (its
     config and safetensors shards) without loading the model: the same program, weight bytes
     and weights digest as ``hostswap.llm.export`` of the loaded model. ``dtype``: the weights'
@@ -252,7 +253,9 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
     a program for that many sequences at once (``hostswap.batching``). ``speculate_k``: a verify
     method for speculative decoding (``hostswap.speculative``). ``tensor_parallel``: one program
     and ``.ptd`` per rank of that many, written side by side: each tensor is read once and
-    split as it is written (hostswap/tensor_parallel.py); returns the lists of their paths."""
+    split as it is written (hostswap/tensor_parallel.py); returns the lists of their paths.
+    ``fuse_linears``: as ``hostswap.llm.export``'s, for a program held whole on the device (a
+    draft); a stacked weight is written as its parts, read in turn and concatenated."""
     import contextlib
 
     from hostswap.passes.lowering import save_streamed_together
@@ -273,15 +276,18 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
         from hostswap.llm import prepare_for_export
         from hostswap.tensor_parallel import TensorParallelError, plan_tensor_parallel
 
-        if quantizer is not None or speculate_k is not None:
-            raise TensorParallelError("tensor_parallel cannot be combined with quantize or speculate_k yet")
+        if quantizer is not None or speculate_k is not None or fuse_linears:
+            raise TensorParallelError("tensor_parallel cannot be combined with quantize, speculate_k or fuse_linears yet")
         prepare_for_export(model)  # experts routed first: their tables are what the plan splits
         plan = plan_tensor_parallel(model, tensor_parallel)
     full_shapes = {MODEL_PREFIX + n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
     shards = {MODEL_PREFIX + s.name: s for s in plan.shards} if plan else {}
+    stacked: dict = {}  # a fused linear's stacked parameter -> its parts (passes/fuse_sibling_linears.py)
 
     def tensor_for(entry) -> torch.Tensor:
         """The whole tensor of ``entry``, read (and converted) from the checkpoint."""
+        if entry.fqn in stacked:
+            return torch.cat([tensor_for(PtdTensor(fqn, dtype, shape)) for fqn, shape, dtype in stacked[entry.fqn]])
         if quantizer is not None and quantizer.weight_of(entry.fqn):
             return quantizer.inner_tensor(entry.fqn, lambda fqn, shape: tensor_for(PtdTensor(fqn, dtype, shape)))
         candidates = names.get(entry.fqn, ())
@@ -326,7 +332,8 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
         with sharded(model, plan, rank) if plan else contextlib.nullcontext():
             programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
                                                   gather_from_host=gather_from_host, progress=progress, device="meta",
-                                                  max_batch_size=max_batch_size, speculate_k=speculate_k)
+                                                  max_batch_size=max_batch_size, speculate_k=speculate_k, fuse_linears=fuse_linears,
+                                                  stacked=stacked)
         if plan:
             say(f"rank {rank} of {plan.world} traced")
             constants[TENSOR_PARALLEL] = [rank, plan.world]

@@ -106,7 +106,7 @@ def _export_llm(args) -> int:
             if args.draft:
                 say(f"writing the draft: the same checkpoint quantized to {args.draft}, to {args.out}.draft")
                 export_checkpoint(args.checkpoint, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
-                                  dtype=args.dtype, progress=say, quantize=args.draft)
+                                  dtype=args.dtype, progress=say, quantize=args.draft, fuse_linears=True)
         else:
             why = "--in-memory" if args.in_memory else "the checkpoint has no safetensors shards to stream"
             say(f"loading {args.checkpoint} into memory ({why})")

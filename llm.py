@@ -229,13 +229,15 @@ def export_checkpoint(folder: str | os.PathLike, path: str | os.PathLike, **opti
 
 def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
                     progress: Callable[[str], None] | None = None, device: str = "cpu", max_batch_size: int | None = None,
-                    speculate_k: int | None = None, fuse_linears: bool = False) -> tuple[dict, dict]:
+                    speculate_k: int | None = None, fuse_linears: bool = False, stacked: dict | None = None) -> tuple[dict, dict]:
     """The probed ``prefill`` and ``decode`` programs of ``export``, and the constant methods
     that describe them, before lowering. ``device``: of the example inputs, the model's own
     (``"meta"`` for a model traced without values). ``max_batch_size``: a KV cache of that many
     slots, for ``hostswap.batching.BatchGenerator`` (hostswap/batching.py). ``speculate_k``: a
     ``verify`` method of ``speculate_k + 1`` tokens, for speculative decoding with a draft
-    (hostswap/speculative.py)."""
+    (hostswap/speculative.py). ``stacked``: a dict that takes the parameters ``fuse_linears``
+    stacked, each with its parts (``FuseSiblingLinearsPass.stacked``), for a writer that reads
+    weights by name."""
     from hostswap.passes import apply_weight_offload
     from hostswap.passes.fuse_sibling_linears import fuse_sibling_linears
 
@@ -270,7 +272,9 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
             ep = wrapper.export(input_ids=ids, cache_position=torch.arange(length, dtype=torch.long, device=device))
             reset_state(ep)
         if fuse_linears:
-            fuse_sibling_linears(ep)
+            parts = fuse_sibling_linears(ep)
+            if stacked is not None:
+                stacked.update(parts)
         programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host)
     eos = _eos_ids(model)
     vocab = model.get_input_embeddings().num_embeddings

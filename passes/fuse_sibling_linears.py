@@ -35,6 +35,9 @@ class FuseSiblingLinearsPass:
 
     def __init__(self, exported_program: ExportedProgram):
         self.ep = exported_program
+        # stacked parameter's FQN -> (FQN, shape, dtype) of each part, in row order: what a
+        # writer that reads weights by name (checkpoint.py) concatenates for it
+        self.stacked: dict[str, tuple[tuple[str, tuple[int, ...], torch.dtype], ...]] = {}
 
     def call(self, graph_module: torch.fx.GraphModule) -> int:
         """Fuses in place; returns how many linears were removed."""
@@ -89,26 +92,31 @@ class FuseSiblingLinearsPass:
         if biases[0] is None:
             return None
         with graph.inserting_before(next(n for n in graph.nodes if n.op == "placeholder" and n.name in _user_inputs(self.ep))):
-            return _create_parameter(self.ep, graph, f"{name}_bias", torch.cat([self._parameter(b) for b in biases]))
+            return self._stack(graph, f"{name}_bias", biases)
+
+    def _stack(self, graph, name: str, parts: list[torch.fx.Node]) -> torch.fx.Node:
+        """A parameter of ``parts``' tensors stacked by rows, recorded in ``stacked``."""
+        tensors = [self._parameter(p) for p in parts]
+        node = _create_parameter(self.ep, graph, name, torch.cat(tensors))
+        self.stacked[self.ep.graph_signature.inputs_to_parameters[node.name]] = tuple(
+            (self.ep.graph_signature.inputs_to_parameters[p.name], tuple(t.shape), t.dtype) for p, t in zip(parts, tensors))
+        return node
 
     def _fuse(self, graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
         first_input = next(n for n in graph.nodes if n.op == "placeholder" and n.name in _user_inputs(self.ep))
         names = [_stem(self.ep.graph_signature.inputs_to_parameters[(n.args[1] if n.target is LINEAR else n.args[1][0]).name]) for n in nodes]
         fused_name = _common_prefix(names) + "_".join(name[len(_common_prefix(names)):] for name in names)
         if nodes[0].target is LINEAR:
-            weights = [self._parameter(n.args[1]) for n in nodes]
-            rows = [w.shape[0] for w in weights]
+            rows = [self._parameter(n.args[1]).shape[0] for n in nodes]
             with graph.inserting_before(first_input):
-                weight = _create_parameter(self.ep, graph, f"{fused_name}_weight", torch.cat(weights))
+                weight = self._stack(graph, f"{fused_name}_weight", [n.args[1] for n in nodes])
             args = (nodes[0].args[0], weight, self._stacked_bias(graph, nodes, 2, fused_name))
         else:
-            inner = [[self._parameter(t) for t in n.args[1]] for n in nodes]
             spec = json.loads(nodes[0].args[3])
             rows = [json.loads(n.args[3])["size"][0] for n in nodes]
             spec["size"] = [sum(rows), *spec["size"][1:]]
             with graph.inserting_before(first_input):
-                stacked = [_create_parameter(self.ep, graph, f"{fused_name}_{name}", torch.cat([parts[i] for parts in inner]))
-                           for i, name in enumerate(spec["names"])]
+                stacked = [self._stack(graph, f"{fused_name}_{name}", [n.args[1][i] for n in nodes]) for i, name in enumerate(spec["names"])]
             args = (nodes[0].args[0], stacked, self._stacked_bias(graph, nodes, 2, fused_name), json.dumps(spec))
         position = min(nodes, key=_order(graph))
         with graph.inserting_before(position):
@@ -123,9 +131,12 @@ class FuseSiblingLinearsPass:
                 start += n
 
 
-def fuse_sibling_linears(exported_program: ExportedProgram) -> int:
-    """Fuse ``exported_program``'s sibling linears in place; returns how many it removed."""
-    return FuseSiblingLinearsPass(exported_program).call(exported_program.graph_module)
+def fuse_sibling_linears(exported_program: ExportedProgram) -> dict[str, tuple[tuple[str, tuple[int, ...], torch.dtype], ...]]:
+    """Fuse ``exported_program``'s sibling linears in place; returns each stacked parameter's
+    parts (``FuseSiblingLinearsPass.stacked``), empty where nothing fused."""
+    fuse = FuseSiblingLinearsPass(exported_program)
+    fuse.call(exported_program.graph_module)
+    return fuse.stacked
 
 
 def _user_inputs(ep: ExportedProgram) -> set[str]:

@@ -238,6 +238,32 @@ def test_quantized_streamed_export_is_the_quantized_in_memory_export(name, tmp_p
     assert torch.equal(tokens[0], tokens[1])
 
 
+@pytest.mark.parametrize("name, quantize", [("Llama", "int8"), ("Qwen2", None)])
+def test_streamed_export_with_fused_linears_is_the_in_memory_one(name, quantize, tmp_path):
+    """fuse_linears while writing (a draft's q/k/v and gate/up stacked, each part read by its
+    name, quantized or not, Qwen2's biases too): the weights, checksums and tokens of
+    hostswap.llm.export(fuse_linears=True) on the loaded model."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = _saved(name, tmp_path / "ckpt")
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    if quantize:
+        loaded = llm.quantize(loaded, quantize)
+    pte_a, ptd_a = llm.export(loaded, tmp_path / "loaded", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, fuse_linears=True)
+    pte_b, ptd_b = export_checkpoint(ckpt, tmp_path / "streamed", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, quantize=quantize,
+                                     fuse_linears=True)
+    with PtdFile(ptd_a) as fa, PtdFile(ptd_b) as fb:
+        assert any("q_proj_k_proj_v_proj" in f for f in fb.entries) and not any(".k_proj." in f for f in fb.entries)
+        assert fa.index.checksums == fb.index.checksums
+    assert saved_weights_digest(read_program(pte_a)) == saved_weights_digest(read_program(pte_b))
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    tokens = []
+    for pte, ptd in ((pte_a, ptd_a), (pte_b, ptd_b)):
+        with llm.Generator(pte, ptd, weight_offload_budget_mb="auto", device="cpu") as g:
+            tokens.append(g.generate(prompt, 6, eos_token_id=[]))
+    assert torch.equal(tokens[0], tokens[1])
+
+
 def test_quantized_streamed_export_refuses_what_it_cannot_quantize(tmp_path):
     ckpt = _saved("Llama", tmp_path / "ckpt")
     with pytest.raises(llm.GenerationError, match="quantization must be one of"):
