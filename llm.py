@@ -246,6 +246,8 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
 
         if speculate_k is not None:
             raise GenerationError("speculate_k and max_batch_size cannot be combined yet: export a batched program or a speculative one")
+        if fuse_linears:
+            raise GenerationError("fuse_linears and max_batch_size cannot be combined yet: fused linears are for a draft, which is not batched")
 
         return batching.export_programs(model, max_seq_len=max_seq_len, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
                                         prefetch_depth=prefetch_depth, gather_from_host=gather_from_host, progress=progress, device=device)

@@ -63,3 +63,8 @@ def test_linears_that_read_different_inputs_or_mix_biases_stay_apart():
 
     ep = torch.export.export(Block().eval(), (torch.randn(2, 8),))
     assert fuse_sibling_linears(ep) == {}
+
+
+def test_a_batched_program_with_fused_linears_is_refused_by_name():
+    with pytest.raises(llm.GenerationError, match="fuse_linears and max_batch_size cannot be combined"):
+        llm.export_programs(_llama(), max_seq_len=32, prefill_chunk=8, max_batch_size=2, fuse_linears=True)
