@@ -6,7 +6,7 @@ torch ops that is about forty small kernels a block per decode step, each a laun
 microseconds in a replayed CUDA graph: on a many-expert model, more time than the misses'
 bytes take on the bus where the cache hits well. Here it is one program of one block, the
 picks one per lane and the slots one per lane of a second range: the same state afterwards
-as the torch ops leave, op for op (``tests/test_experts.py`` compares the two).
+as the torch ops leave, call for call (``tests/test_cache_place.py`` compares the two).
 
 Victims are the slots of lowest stamp that no hit of the call holds, lowest slot first among
 equal stamps; an empty slot's stamp is below any used one and distinct per slot, so the order
