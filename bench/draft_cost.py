@@ -30,14 +30,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from speculative import FUSED  # noqa: E402
 from weights import add_row, environment, result_path  # noqa: E402
 
 from hostswap import llm  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
 from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
-
-
-FUSED = "-fused"
 
 
 def smollm2_shaped(layers: int, vocab: int):

@@ -181,7 +181,7 @@ class ExpertCache:
 
     def counts(self) -> tuple[int, int, int, int, int]:
         """(hits, misses, prefetched, prefetch hits, filled) since load: a host sync."""
-        return tuple(int(c) for c in torch.stack([self.hits, self.misses, self.prefetched, self.prefetch_hits, self.filled]).tolist())
+        return tuple(self._counters.tolist())
 
 
 def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: bool = False) -> tuple[frozenset[str], dict[str, ExpertCache]]:
