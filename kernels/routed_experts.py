@@ -40,6 +40,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from hostswap.kernels.routed_gemv import routed_gemv, supports as routed_gemv_supports
+
 # activation name -> function (the gate of a gated expert, or the whole activation of a plain one)
 ACTIVATIONS = {
     "silu": F.silu,
@@ -132,15 +134,22 @@ def _check_ids(ids: torch.Tensor, num_experts: int, block: str) -> None:
 
 
 def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed):
-    """Each (token, expert) pair through its expert's rows, batched: transformers'
-    ``batched_mm_experts_forward`` arithmetic."""
+    """Each (token, expert) pair through its expert's rows: transformers'
+    ``batched_mm_experts_forward`` arithmetic (its gathered batched matmul, or on CUDA the same
+    products read in place)."""
     tokens, k = ids.shape
     flat = ids.reshape(-1)
-    selected = hidden.repeat_interleave(k, dim=0)
+    # on CUDA each pick's rows are read where they lie (kernels/routed_gemv.py), one token's
+    # vector shared by its picks; elsewhere gathered and multiplied batched
+    gemv = tokens == 1 and routed_gemv_supports(hidden, gate_up) and routed_gemv_supports(hidden, down)
+    selected = hidden if gemv else hidden.repeat_interleave(k, dim=0)
 
     def linear(x, table, bias):
-        w = table[flat]
-        out = torch.bmm(x.unsqueeze(1), w).squeeze(1) if transposed else torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+        if gemv:
+            out = routed_gemv(x, table, flat, transposed)
+        else:
+            w = table[flat]
+            out = torch.bmm(x.unsqueeze(1), w).squeeze(1) if transposed else torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
         if bias is not None:
             out.add_(bias[flat])
         return out
