@@ -287,7 +287,9 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
     def tensor_for(entry) -> torch.Tensor:
         """The whole tensor of ``entry``, read (and converted) from the checkpoint."""
         if entry.fqn in stacked:
-            return torch.cat([tensor_for(PtdTensor(fqn, dtype, shape)) for fqn, shape, dtype in stacked[entry.fqn]])
+            # the parts' names do not reuse ``dtype``: Python 3.12 inlines a comprehension, and its
+            # loop variable would shadow the export's dtype in the quantizer's lambda below
+            return torch.cat([tensor_for(PtdTensor(part, part_dtype, part_shape)) for part, part_shape, part_dtype in stacked[entry.fqn]])
         if quantizer is not None and quantizer.weight_of(entry.fqn):
             return quantizer.inner_tensor(entry.fqn, lambda fqn, shape: tensor_for(PtdTensor(fqn, dtype, shape)))
         candidates = names.get(entry.fqn, ())
