@@ -133,20 +133,30 @@ def _check_ids(ids: torch.Tensor, num_experts: int, block: str) -> None:
         raise ExpertIndexError(f"{message} (expert {bad})")
 
 
-def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed):
+def _reads_in_place(hidden, gate_up, down) -> bool:
+    """Whether one token's pairs run as products read in place (kernels/routed_gemv.py): on
+    CUDA with Triton. Elsewhere the picked rows are gathered and multiplied batched."""
+    return hidden.shape[0] == 1 and routed_gemv_supports(hidden, gate_up) and routed_gemv_supports(hidden, down)
+
+
+def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, fill=None):
     """Each (token, expert) pair through its expert's rows: transformers'
     ``batched_mm_experts_forward`` arithmetic (its gathered batched matmul, or on CUDA the same
-    products read in place)."""
+    products read in place). ``fill`` = ((gate_up source, down source), source rows, copy):
+    ``gate_up`` and ``down`` are a cache's slots whose missed rows (``copy`` set) the products
+    read from the sources and fill as they go (products read in place only)."""
     tokens, k = ids.shape
     flat = ids.reshape(-1)
-    # on CUDA each pick's rows are read where they lie (kernels/routed_gemv.py), one token's
-    # vector shared by its picks; elsewhere gathered and multiplied batched
-    gemv = tokens == 1 and routed_gemv_supports(hidden, gate_up) and routed_gemv_supports(hidden, down)
+    # one token's vector is shared by its picks where the products are read in place
+    gemv = _reads_in_place(hidden, gate_up, down)
+    if fill is not None and not gemv:
+        raise AssertionError("only products read in place fill a cache's missed rows")
     selected = hidden if gemv else hidden.repeat_interleave(k, dim=0)
+    gate_up_source, down_source = fill[0] if fill is not None else (None, None)
 
-    def linear(x, table, bias):
+    def linear(x, table, bias, source):
         if gemv:
-            out = routed_gemv(x, table, flat, transposed)
+            out = routed_gemv(x, table, flat, transposed, None if source is None else (source, fill[1], fill[2]))
         else:
             w = table[flat]
             out = torch.bmm(x.unsqueeze(1), w).squeeze(1) if transposed else torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
@@ -154,7 +164,7 @@ def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activat
             out.add_(bias[flat])
         return out
 
-    out = linear(activate(linear(selected, gate_up, gate_up_bias)), down, down_bias)
+    out = linear(activate(linear(selected, gate_up, gate_up_bias, gate_up_source)), down, down_bias, down_source)
     out = out * weights.reshape(-1).unsqueeze(-1)
     return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
@@ -214,11 +224,14 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
     cache = caches.get(block) if caches else None
     if top_k_index.shape[0] == 1:  # one token: its top-k, gathered (k experts of scratch)
         _record(block, top_k_index.numel(), unit_bytes(*tables))
-        rows, read = top_k_index, tables
-        if cache is not None:  # the picks' slots, the missed ones filled first
-            rows, read = cache.lookup(top_k_index, tables).view_as(top_k_index), cache.tables
+        rows, read, fill = top_k_index, tables, None
+        if cache is not None:  # the picks' slots; the missed ones filled first, or by the products that read them
+            in_pass = (0, 1) if _reads_in_place(hidden, gate_up, down) else ()
+            slots, missed = cache.lookup(top_k_index, tables, left=in_pass)
+            rows, read = slots.view_as(top_k_index), cache.tables
+            fill = ((gate_up, down), top_k_index.reshape(-1), missed) if in_pass else None
         _prefetch_next(caches, next_block, next_logits)  # behind this block's misses on the bus
-        return _pairs(hidden, rows, top_k_weights, *read, gate_of, transposed)
+        return _pairs(hidden, rows, top_k_weights, *read, gate_of, transposed, fill)
     if cache is not None:
         cache.settle()  # no prefetch is left unjoined (a CUDA graph's capture must end on one stream)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot learn the union

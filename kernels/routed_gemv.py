@@ -41,19 +41,28 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def routed_gemv(x_ptr, w_ptr, rows_ptr, out_ptr, n_out, stride_xp, stride_we, stride_wn, stride_wk,
-                    K_IN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def routed_gemv(x_ptr, w_ptr, rows_ptr, out_ptr, src_ptr, src_rows_ptr, copy_ptr, n_out, stride_xp, stride_we, stride_se, stride_wn, stride_wk,
+                    K_IN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FILL: tl.constexpr):
         # K_IN is a constant of the compiled kernel: a model has two (hidden, expert width)
         pick = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row = tl.load(rows_ptr + pick).to(tl.int64)
         w_row = w_ptr + row * stride_we + n[:, None].to(tl.int64) * stride_wn
+        read_row = w_row
+        if FILL:  # a missed pick reads its source row and leaves it in its slot row as it goes
+            fill = tl.load(copy_ptr + pick) != 0
+            source = tl.load(src_rows_ptr + pick).to(tl.int64)
+            read_row = tl.where(fill, src_ptr + source * stride_se, w_ptr + row * stride_we) + n[:, None].to(tl.int64) * stride_wn
         x_row = x_ptr + pick.to(tl.int64) * stride_xp
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for start in range(0, K_IN, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + k, mask=k < K_IN, other=0.0).to(tl.float32)
-            w = tl.load(w_row + k[None, :].to(tl.int64) * stride_wk, mask=(n[:, None] < n_out) & (k[None, :] < K_IN), other=0.0)
+            ok = (n[:, None] < n_out) & (k[None, :] < K_IN)
+            at = k[None, :].to(tl.int64) * stride_wk
+            w = tl.load(read_row + at, mask=ok, other=0.0)
+            if FILL:
+                tl.store(w_row + at, w, mask=ok & fill)
             acc += w.to(tl.float32) * x[None, :]
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + pick.to(tl.int64) * n_out + n, out.to(out_ptr.dtype.element_ty), mask=n < n_out)
@@ -66,11 +75,17 @@ def supports(x: torch.Tensor, table: torch.Tensor) -> bool:
     return x.is_cuda and table.is_cuda and x.dtype == table.dtype and table.dtype in DTYPES and table.dim() == 3 and triton_available()
 
 
-def routed_gemv(x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, transposed: bool) -> torch.Tensor:
+def routed_gemv(x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, transposed: bool,
+                fill_from: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``out[p] = table[rows[p]] @ x[p]`` ([experts, N, K] table), or ``x[p] @ table[rows[p]]``
     where ``transposed`` ([experts, K, N]). ``x`` is [picks, K], or [1, K] for one vector shared
     by every pick; ``rows`` a 1-D device tensor of the picks' rows. Returns [picks, N] in the
-    table's dtype. No host sync, no copy of the table's rows."""
+    table's dtype. No host sync, no copy of the table's rows.
+
+    ``fill_from`` = (source, source_rows, copy): ``table`` is an expert cache's slots, and a pick
+    whose ``copy`` is set missed. It reads row ``source_rows[p]`` of ``source`` (the block's
+    table, in mapped host memory) instead, and writes what it reads into its slot row: the miss
+    is filled by the pass that uses it, while the hits' reads run beside it."""
     picks = rows.numel()
     n_out, k_in = (table.shape[2], table.shape[1]) if transposed else (table.shape[1], table.shape[2])
     stride_wn, stride_wk = (table.stride(2), table.stride(1)) if transposed else (table.stride(1), table.stride(2))
@@ -78,10 +93,14 @@ def routed_gemv(x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, transp
         x = x.contiguous()
     if x.shape[-1] != k_in or x.shape[0] not in (1, picks):
         raise ValueError(f"routed_gemv: x {tuple(x.shape)} does not fit {picks} picks of a {tuple(table.shape)} table")
+    source, source_rows, copy = fill_from if fill_from is not None else (table, rows, rows)
+    if source.shape[1:] != table.shape[1:] or source.stride()[1:] != table.stride()[1:] or source.dtype != table.dtype:
+        raise ValueError(f"routed_gemv: rows of the source {tuple(source.shape)} ({source.dtype}) are not laid out as the slots' "
+                         f"{tuple(table.shape)} ({table.dtype})")
     out = torch.empty(picks, n_out, dtype=table.dtype, device=x.device)
     stride_xp = 0 if x.shape[0] == 1 else x.stride(0)
     grid = (picks, -(-n_out // BLOCK_N))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _kernel()[grid](x, table, rows, out, n_out, stride_xp, table.stride(0), stride_wn, stride_wk,
-                        K_IN=k_in, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+        _kernel()[grid](x, table, rows, out, source, source_rows, copy, n_out, stride_xp, table.stride(0), source.stride(0), stride_wn, stride_wk,
+                        K_IN=k_in, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, FILL=fill_from is not None, num_warps=NUM_WARPS)
     return out

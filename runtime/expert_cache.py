@@ -78,22 +78,24 @@ class ExpertCache:
         self.hits, self.misses, self.prefetched, self.prefetch_hits, self.filled = self._counters.unbind()
         self._never = torch.iinfo(torch.int64).max
 
-    def lookup(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], left: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots of ``ids`` (one token's distinct top-k), the missed ones filled from
-        ``sources`` (the block's tables, in the order the cache was built with)."""
-        return self._use(ids, sources, LOOKUP)
+        ``sources`` (the block's tables, in the order the cache was built with), and 1 per id
+        that missed. The tables at positions ``left`` are not copied: the caller's products
+        fill their missed rows as they read them (``routed_gemv``'s ``fill_from``)."""
+        ids = ids.reshape(-1)
+        self._make_tables(sources, ids.device)
+        self.settle()
+        return self._place(ids, sources, LOOKUP, left)
 
     def fill(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> None:
         """Bring ``ids`` (distinct experts: a prefill chunk's last row's) in as a lookup of them
         would, counted as filled rather than as hits or misses. Eager: a captured step never fills."""
-        self._use(ids, sources, FILL)
-
-    def _use(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], mode: int) -> torch.Tensor:
-        """Place ``ids`` as used now, once any queued prefetch is in: the slot per id."""
         ids = ids.reshape(-1)
         self._make_tables(sources, ids.device)
         self.settle()
-        return self._place(ids, sources, mode)
+        self._place(ids, sources, FILL)
+
 
     def _make_tables(self, sources: tuple[torch.Tensor | None, ...], device: torch.device) -> None:
         """The slots' tables, made at the first call (a warm-up forward runs before any capture)."""
@@ -129,22 +131,23 @@ class ExpertCache:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             self._pending = False
 
-    def _place(self, ids: torch.Tensor, sources, mode: int) -> torch.Tensor:
+    def _place(self, ids: torch.Tensor, sources, mode: int, left: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Give each of ``ids`` a slot (its own on a hit; else the least recently used slot
         no hit of these ids holds), copy the missed rows in, stamp the slots and count the
         call as ``mode`` (LOOKUP, FILL or GUESS): the slot per id. A lookup or fill stamps
         its slots as used now and marks them read; a guess (GUESS) stamps nothing it
         found, and its misses below every expert a lookup read: a wrong guess is the first to
-        go, so guesses evict mostly earlier guesses, not what lookups keep reading."""
+        go, so guesses evict mostly earlier guesses, not what lookups keep reading. The tables
+        at positions ``left`` are not copied. Returns (slot per id, 1 where it missed)."""
         if self.fused:
             target, copy = cache_place(ids, self.slot_of, self.expert_of, self.last_use, self.fresh, self.clock, self._counters, mode,
                                        self._never, GUESSED)
         else:
             target, copy = self._place_ops(ids, mode)
-        for source, table in zip(sources, self.tables):
-            if table is not None:
+        for at, (source, table) in enumerate(zip(sources, self.tables)):
+            if table is not None and at not in left:
                 masked_row_copy(source, table, ids, target, copy)
-        return target
+        return target, copy
 
     def _place_ops(self, ids: torch.Tensor, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``_place``'s bookkeeping as torch ops: (slot per id, 1 where its rows must be copied in)."""

@@ -37,8 +37,8 @@ def _same_state_over_a_run(device: torch.device, experts: int, k: int, slots: in
             guess = torch.randperm(experts, generator=gen)[:k].to(device)
             for cache in (fused, ops):
                 cache.prefetch(guess)
-        got, want = fused.lookup(ids.view(1, k), tables), ops.lookup(ids.view(1, k), tables)
-        assert torch.equal(got, want), step
+        (got, got_missed), (want, want_missed) = fused.lookup(ids.view(1, k), tables), ops.lookup(ids.view(1, k), tables)
+        assert torch.equal(got, want) and torch.equal(got_missed, want_missed), step
         for name in STATE:
             assert torch.equal(getattr(fused, name), getattr(ops, name)), (step, name)
         assert torch.equal(fused.tables[0][got], gate_up[ids.cpu()].to(device)) and torch.equal(fused.tables[1][got], down[ids.cpu()].to(device))

@@ -312,7 +312,7 @@ def test_expert_cache_evicts_the_least_recently_used_and_holds_the_experts_rows(
             guess = ids.tolist()[:2] + others
             cache.prefetch(torch.tensor(guess))
             prefetched += len(use(guess, guess=True))
-        target = cache.lookup(ids.view(1, k), (gate_up, down, None))
+        target, _ = cache.lookup(ids.view(1, k), (gate_up, down, None))
         hits += sum(e in lru for e in ids.tolist())
         prefetch_hits += sum(e in fresh for e in ids.tolist())
         use(ids.tolist())

@@ -41,6 +41,16 @@ def _products_match(device: torch.device) -> None:
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
                 else:  # the float32 sum rounded once: within a unit in the last place of bfloat16
                     assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-6).all(), (dtype, transposed)
+            # a cache's slots: picks 0 and 2 missed and read their source rows, filling their slots
+            slots = torch.randn((3, *shape[1:]), generator=gen).to(dtype).to(device)
+            kept = slots[0].clone()
+            slot_rows, source_rows = torch.tensor([2, 0, 1]).to(device), torch.tensor([4, 0, 5]).to(device)
+            copy = torch.tensor([1, 0, 1], dtype=torch.int32).to(device)
+            x = torch.randn(1, k_in, generator=gen).to(dtype).to(device)
+            got = routed_gemv(x, slots, slot_rows, transposed, (table, source_rows, copy))
+            assert torch.equal(slots[2], table[4]) and torch.equal(slots[1], table[5]) and torch.equal(slots[0], kept)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, _gathered(x, slots, slot_rows, transposed), rtol=1e-5, atol=1e-4)
 
 
 @needs_triton
@@ -51,6 +61,14 @@ def test_products_are_the_gathered_matmuls_interpreted():
             "from test_routed_gemv import _products_match; _products_match(torch.device('cpu'))")
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_a_source_laid_out_unlike_the_slots_is_refused():
+    slots, rows = torch.zeros(2, 8, 16), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"rows of the source \(4, 16, 8\) \(torch.float32\) are not laid out as the slots' \(2, 8, 16\)"):
+        routed_gemv(torch.zeros(1, 16), slots, rows, False, (torch.zeros(4, 16, 8), rows, rows))
+    with pytest.raises(ValueError, match="not laid out as the slots'"):
+        routed_gemv(torch.zeros(1, 16), slots, rows, False, (torch.zeros(4, 8, 16, dtype=torch.float16), rows, rows))
 
 
 def test_a_vector_that_does_not_fit_the_table_is_refused_by_shape():
