@@ -65,3 +65,16 @@ def test_moe_bench_skews_the_routers_of_a_written_checkpoint_in_place(tmp_path):
     bias = after["model.layers.1.mlp.gate.weight"][:, 0].float()
     ranks = torch.tensor(told["popularity_rank"])
     assert torch.equal(torch.argsort(bias, descending=True, stable=True), torch.argsort(ranks, stable=True))  # the most popular biased most
+
+
+def test_expert_guess_trace_counts_the_next_blocks_picks_it_finds():
+    """bench/expert_guess.py on a tiny Mixtral: shares in [0, 1], the guess made before and
+    after a layer's experts counted over the same picks."""
+    guess = bench_scripts.load("expert_guess")
+    row = guess.main(["--shape", "tiny", "--tokens", "6"])
+    assert row["decode_steps"] == 5
+    for key in ("guess_found", "guess_after_experts_found", "same_as_previous_token"):
+        assert 0.0 <= row[key] <= 1.0, (key, row)
+    assert row["guess_found"] > 0  # two of four experts: a guess finds some of them
+    with pytest.raises(SystemExit, match="--shape must be mixtral, many or tiny, got 'big'"):
+        guess.main(["--shape", "big"])

@@ -1,0 +1,102 @@
+"""How often a routed block's guess at the next block's experts is right, on the MoE bench's
+random weights (CPU, no program: transformers' own forward with hooks).
+
+The guess (experts.py) is the next block's router, through the next block's input norm, on
+this layer's residual stream before its experts. The trace decodes ``--tokens`` tokens from a
+random prompt (sampled at ``--temperature`` with a fixed seed, as bench/moe.py does; 0:
+greedy) and counts, for each pair of consecutive layers, the next block's picks found among
+the guess's top-k; it also counts the same guess made after this layer's experts (the next
+layer's input), and the picks a block shares with its own picks of the token before.
+
+    python bench/expert_guess.py --shape many      # 4 layers of the Qwen3-MoE shape
+    python bench/expert_guess.py --shape mixtral   # 3 layers of the Mixtral shape, experts 8x narrower
+    python bench/expert_guess.py --shape tiny      # the script's paths, in seconds
+
+Every value is drawn from N(0, 0.02), norms included, as bench/checkpoints.py writes them.
+The Mixtral shape's experts are narrowed to fit a CPU's memory; on these weights the experts'
+output is small beside the residual stream, so the width hardly moves the routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def config_for(shape: str):
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    common = dict(max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    if shape == "mixtral":
+        return MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336 // 8, num_hidden_layers=3, num_attention_heads=32,
+                             num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, **common)
+    if shape == "many":
+        return Qwen3MoeConfig(vocab_size=32000, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=4,
+                              num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, **common)
+    if shape == "tiny":
+        return MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **common)
+    raise SystemExit(f"--shape must be mixtral, many or tiny, got {shape!r}")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="many")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+
+    config = config_for(args.shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    layers, k = model.model.layers, config.num_experts_per_tok
+    before_experts, after_layer = {}, {}
+    for i, layer in enumerate(layers):
+        layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a, i=i: before_experts.__setitem__(i, a[0][:, -1]))
+        layer.register_forward_hook(lambda m, a, out, i=i: after_layer.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[:, -1]))
+
+    def picks(i: int, x: torch.Tensor) -> set[int]:
+        norm = layers[i].post_attention_layernorm
+        logits = torch.nn.functional.linear(type(norm).forward(norm, x), layers[i].mlp.gate.weight)  # the class's forward: no hook
+        return set(torch.topk(logits.float(), k).indices.reshape(-1).tolist())
+
+    counts = {"early": 0, "late": 0, "guessed": 0, "repeated": 0, "picks": 0}
+    previous: dict[int, set[int]] = {}
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    past = None
+    with torch.no_grad():
+        for step in range(args.tokens):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            if step:  # decode steps only, as the cache sees them
+                for i in range(len(layers) - 1):
+                    true = picks(i + 1, before_experts[i + 1])
+                    counts["early"] += len(true & picks(i + 1, before_experts[i]))
+                    counts["late"] += len(true & picks(i + 1, after_layer[i]))
+                    counts["guessed"] += k
+                for i in range(len(layers)):
+                    now = picks(i, before_experts[i])
+                    counts["repeated"] += len(now & previous.get(i, set()))
+                    counts["picks"] += k
+                    previous[i] = now
+            logits = out.logits[0, -1].float()
+            ids = (torch.multinomial(torch.softmax(logits / args.temperature, -1), 1, generator=gen) if args.temperature
+                   else logits.argmax().view(1)).view(1, 1)
+    steps = args.tokens - 1
+    result = {"shape": args.shape, "temperature": args.temperature, "decode_steps": steps,
+              "guess_found": counts["early"] / counts["guessed"], "guess_after_experts_found": counts["late"] / counts["guessed"],
+              # a block's picks of the token before it also picked (the first decode step has none before it)
+              "same_as_previous_token": counts["repeated"] / (counts["picks"] - len(layers) * k)}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
