@@ -21,24 +21,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 
 def config_for(shape: str):
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    """bench/moe.py's shape, made to fit a CPU: the Qwen3-MoE shape's first 4 layers, the
+    Mixtral shape's experts 8 times narrower."""
+    from moe import shape_config
 
-    common = dict(max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
-    if shape == "mixtral":
-        return MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336 // 8, num_hidden_layers=3, num_attention_heads=32,
-                             num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, **common)
+    config = shape_config(shape)
+    config.dtype = None  # the trace casts the model itself
     if shape == "many":
-        return Qwen3MoeConfig(vocab_size=32000, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=4,
-                              num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, **common)
-    if shape == "tiny":
-        return MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **common)
-    raise SystemExit(f"--shape must be mixtral, many or tiny, got {shape!r}")
+        config.num_hidden_layers = 4
+    elif shape == "mixtral":
+        config.intermediate_size //= 8
+    return config
 
 
 def main(argv=None) -> dict:
