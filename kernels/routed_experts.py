@@ -9,11 +9,12 @@ mapped host pages.
 
 Three ways through, chosen by the call's tokens (and whether a CUDA graph is being captured):
 
-- **pairs** (one token: a decode step): each of its top-k experts' rows are gathered by index
-  and multiplied batched (from an expert cache's device slots where the runtime gives the
-  block one, ``using_caches``). The expert ids stay on the device: no host sync, so a graphed decode
-  step can hold it.
-  The arithmetic is transformers' ``batched_mm`` experts implementation, op for op.
+- **pairs** (one token: a decode step): each of its top-k experts' products, read where the
+  rows lie (kernels/routed_gemv.py, on CUDA) or gathered by index and multiplied batched
+  (elsewhere: transformers' ``batched_mm`` experts implementation, op for op); from an expert
+  cache's device slots where the runtime gives the block one (``using_caches``), its misses
+  filled by the products that read them. The expert ids stay on the device: no host sync, so a
+  graphed decode step can hold it.
 - **grouped** (prefill chunks, batched decode steps run eagerly): the host learns the union
   of the call's experts once, and each expert of it is read once and applied to its tokens,
   as transformers' eager experts loop does; a block with a cache then gets the last row's
@@ -222,7 +223,7 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
     tables = (gate_up, down, gate_up_bias, down_bias)
     caches = getattr(_context, "caches", None)
     cache = caches.get(block) if caches else None
-    if top_k_index.shape[0] == 1:  # one token: its top-k, gathered (k experts of scratch)
+    if top_k_index.shape[0] == 1:  # one token: its top-k (gathered off CUDA: k experts of scratch)
         _record(block, top_k_index.numel(), unit_bytes(*tables))
         rows, read, fill = top_k_index, tables, None
         if cache is not None:  # the picks' slots; the missed ones filled first, or by the products that read them

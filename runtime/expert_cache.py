@@ -13,7 +13,9 @@ tensors updated by device ops, the same ops every step:
 A step looks its top-k up; each miss takes the least recently used slot that no hit of the
 same step holds, and its rows are copied from the tables in mapped host memory by a kernel
 that skips the hits (kernels/row_copy.py): a hit reads no host byte. The step's experts are
-then read from the slots. Index ``num_experts`` of ``slot_of`` is a sink: writes that a hit
+then read from the slots. Where the routed-experts kernel reads its products in place (CUDA),
+it leaves the gate/up and down rows out of the lookup's copy (``left``) and its products fill
+the missed slots as they read the rows from the tables. Index ``num_experts`` of ``slot_of`` is a sink: writes that a hit
 must not make go there, so no step branches on the host. On CUDA with Triton the bookkeeping
 of a call is one kernel (kernels/cache_place.py) instead of some forty small ones; elsewhere
 it is the torch ops below, which leave the same state.
@@ -83,19 +85,19 @@ class ExpertCache:
         ``sources`` (the block's tables, in the order the cache was built with), and 1 per id
         that missed. The tables at positions ``left`` are not copied: the caller's products
         fill their missed rows as they read them (``routed_gemv``'s ``fill_from``)."""
-        ids = ids.reshape(-1)
-        self._make_tables(sources, ids.device)
-        self.settle()
-        return self._place(ids, sources, LOOKUP, left)
+        return self._use(ids, sources, LOOKUP, left)
 
     def fill(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> None:
         """Bring ``ids`` (distinct experts: a prefill chunk's last row's) in as a lookup of them
         would, counted as filled rather than as hits or misses. Eager: a captured step never fills."""
+        self._use(ids, sources, FILL)
+
+    def _use(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], mode: int, left: tuple[int, ...] = ()):
+        """Place ``ids`` as used now, once any queued prefetch is in: (slot per id, 1 where it missed)."""
         ids = ids.reshape(-1)
         self._make_tables(sources, ids.device)
         self.settle()
-        self._place(ids, sources, FILL)
-
+        return self._place(ids, sources, mode, left)
 
     def _make_tables(self, sources: tuple[torch.Tensor | None, ...], device: torch.device) -> None:
         """The slots' tables, made at the first call (a warm-up forward runs before any capture)."""
