@@ -17,7 +17,8 @@ same run, or the all-resident decode where that is slower. Where the budget leav
 beyond the streamed weights, experts take it (whole tables, or a device cache per block), and
 a row records the decode steps' cache hit rate. Where a row has a cache it is measured twice:
 as it is by default, and with each block's guess at the next block's experts prefetched
-(``expert_prefetch=True``); the row records how many prefetched experts a lookup then read. The routed bound counts the
+(``expert_prefetch=--prefetch``: the best scored experts the cache lacks, that many a block and
+step); the row records how many prefetched experts a lookup then read. The routed bound counts the
 experts a token needed over the bus (its misses, prefetched or not), not wrong guesses.
 
 Peers, on the same checkpoint and budgets (``--peers``, on a GPU): accelerate
@@ -123,7 +124,7 @@ def skew_routers(folder: str, config, exponent: float, seed: int = 0) -> dict:
 
 
 def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_tokens: int, device: torch.device, temperature: float = 0.0,
-             expert_prefetch: bool = False) -> dict:
+             expert_prefetch: int = 0) -> dict:
     with llm.Generator(pte, ptd, weight_offload_budget_mb=budget_bytes / 2**20, device=device, expert_prefetch=expert_prefetch) as g:
         out = g.generate(prompt, new_tokens, eos_token_id=[], sampling=SamplingParams(temperature=temperature, seed=0) if temperature else None)
         s = g.stats
@@ -191,11 +192,13 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default=None, help="folder for the checkpoint and programs (default: a temporary one)")
     parser.add_argument("--peers", default="accelerate,airllm", help="peers to measure on a GPU (comma-separated; empty: none)")
     parser.add_argument("--peer-tokens", type=int, default=6, help="new tokens per peer measurement")
+    parser.add_argument("--prefetch", type=int, default=1, help="guessed experts a block prefetches per step in the rows measured again with the guess (0: none)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     config = shape_config(args.shape)
-    result = {"environment": environment(device), "shape": args.shape, "config": config.to_dict(), "temperature": args.temperature, "rows": []}
+    result = {"environment": environment(device), "shape": args.shape, "config": config.to_dict(), "temperature": args.temperature,
+              "expert_prefetch": args.prefetch, "rows": []}
     result["pinned_h2d_bytes_per_s"] = h2d_bandwidth(device, torch.empty(256 * 2**20, dtype=torch.uint8).pin_memory()) if device.type == "cuda" else None
     os.makedirs(args.out, exist_ok=True)
     path = result_path(args.out, "moe", device, args.shape)
@@ -225,8 +228,8 @@ def main(argv=None) -> int:
         def with_guess(row, program, budget):
             """A row with a cache is measured again with the next-layer guess prefetching."""
             r = row["routed"]
-            if r["cache_slots"] and not r["resident_blocks"]:
-                row["routed, guess prefetched"] = generate(*program, budget, prompt, args.new_tokens, device, args.temperature, expert_prefetch=True)
+            if r["cache_slots"] and not r["resident_blocks"] and args.prefetch:
+                row["routed, guess prefetched"] = generate(*program, budget, prompt, args.new_tokens, device, args.temperature, expert_prefetch=args.prefetch)
                 row["prefetch_speedup"] = r["ms_per_token"] / row["routed, guess prefetched"]["ms_per_token"]
 
         def add(row):

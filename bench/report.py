@@ -975,7 +975,8 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
                    " (the process's first sampled decode, with no warm-up of the sampling kernels: it includes their "
                    "one-time first launch, about 0.15 to 0.35 ms/token on a 2-layer model of this kind, so a ratio whose bound is this figure reads low)")
                 + "; "
-                + (f"decode sampled at temperature {r['temperature']:g}, seeded" if r.get("temperature") else "greedy decode"))
+                + (f"decode sampled at temperature {r['temperature']:g}, seeded" if r.get("temperature") else "greedy decode")
+                + f"; guess prefetch N = {r.get('expert_prefetch', c['num_experts_per_tok'])}")
         rows, skewed, peers = [], [], []
         for row in r["rows"]:
             if row.get("routing") == "peer":
@@ -1145,9 +1146,10 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
            "route alike and would flatter the cache); the routed bound is max(all-resident decode, (streamed + expert bytes read over the bus "
            "per token that the token needed: its misses, prefetched or not) / pinned H2D of the same run). Budget beyond the streamed weights "
            "holds experts: whole tables where they fit, else a device cache of the same number of slots per block, least recently used evicted; "
-           "the hit rate counts decode steps' lookups. Rows with a cache are measured again with `expert_prefetch=True`: each block guesses "
-           "the next block's experts a layer early (the next norm and router on this layer's residual stream) and prefetches them on a side "
-           "stream; guesses used counts the prefetched experts a lookup then read. Skewed rows: the same checkpoint with its routers biased (the script's docstring says how) and exported again.",
+           "the hit rate counts decode steps' lookups. Rows with a cache are measured again with `expert_prefetch=N` (N in each shape's line): "
+           "each block scores the next block's experts a layer early (the next norm and router on this layer's residual stream) and, once its "
+           "own experts are queued, prefetches the N best scored that the next block's cache lacks on a side stream, while the next attention "
+           "runs; guesses used counts the prefetched experts a lookup then read. Skewed rows: the same checkpoint with its routers biased (the script's docstring says how) and exported again.",
     "batch": "`hostswap.batching.BatchGenerator` on a program exported with `max_batch_size` = the row's sequences (`bench/batch.py`); the bound "
              "is max(bytes streamed per step / pinned H2D, the all-resident step at that batch). transformers' `generate` runs batched with "
              "every weight on the GPU, in the same process.",

@@ -23,10 +23,11 @@ Three ways through, chosen by the call's tokens (and whether a CUDA graph is bei
   where not picked); each expert read once, with no host sync and no gathered copies.
 
 A decode step also gives the cache of the next routed block (``next_block``) a guess at its
-experts: the top-k of ``next_logits``, that block's router applied to this layer's residual
-stream (experts.py), prefetched while this block and the next attention run
-(runtime/expert_cache.py). The guess never decides what is computed: the next block looks
-its own router's picks up, and only its misses wait for the bus.
+experts: ``next_logits``, that block's router applied to this layer's residual stream
+(experts.py), whose best scored experts the cache lacks are prefetched once this block's
+products are queued, while the next attention runs (runtime/expert_cache.py). The guess
+never decides what is computed: the next block looks its own router's picks up, and only its
+misses wait for the bus.
 
 An expert id outside ``0..E-1`` stops the call with ``ExpertIndexError`` naming the block
 (on the GPU without a host sync: a device-side assertion), never a read of other bytes.
@@ -212,7 +213,7 @@ def _prefetch_next(caches, next_block: str, next_logits: torch.Tensor | None) ->
     """Queue the next routed block's guessed experts into its cache (when it has one)."""
     cache = caches.get(next_block) if caches and next_block and next_logits is not None else None
     if cache is not None and cache.prefetching:
-        cache.prefetch(torch.topk(next_logits.reshape(-1), cache.top_k).indices)
+        cache.prefetch(cache.guess(next_logits))
 
 
 def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, activation, gated, interleaved, transposed, alpha, limit, block,
@@ -231,8 +232,10 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
             slots, missed = cache.lookup(top_k_index, tables, left=in_pass)
             rows, read = slots.view_as(top_k_index), cache.tables
             fill = ((gate_up, down), top_k_index.reshape(-1), missed) if in_pass else None
-        _prefetch_next(caches, next_block, next_logits)  # behind this block's misses on the bus
-        return _pairs(hidden, rows, top_k_weights, *read, gate_of, transposed, fill)
+        out = _pairs(hidden, rows, top_k_weights, *read, gate_of, transposed, fill)
+        # after this block's products, whose misses use the bus: the guess takes it while the next attention runs
+        _prefetch_next(caches, next_block, next_logits)
+        return out
     if cache is not None:
         cache.settle()  # no prefetch is left unjoined (a CUDA graph's capture must end on one stream)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot learn the union

@@ -21,11 +21,14 @@ of a call is one kernel (kernels/cache_place.py) instead of some forty small one
 it is the torch ops below, which leave the same state.
 
 A block's misses are on the decode step's critical path: nothing after the block can run
-until its rows are in. So the block before it guesses them (``prefetch``): the routed-experts
-kernel of block L scores block L+1's experts with L+1's own router on L's residual stream
-(a layer early), and the cache brings the guessed experts in on a side stream while L's
-experts and L+1's attention run. L+1's lookup waits for that copy (``settle``) and then
-misses only where the guess was wrong. A guessed expert takes the least recently used slot
+until its rows are in. So the block before it guesses them (``guess``, ``prefetch``): the
+routed-experts kernel of block L scores block L+1's experts with L+1's own router on L's
+residual stream (a layer early), and once L's experts are read, the cache brings the best
+scored experts it lacks in on a side stream, while L+1's attention runs and the bus would
+otherwise be idle. L+1's lookup waits for that copy (``settle``) and then misses only where
+the guess was wrong. The guess is a few experts (``prefetch``, at most the block's top-k): the
+bus is idle for about one attention, and a guess that has not landed when the lookup comes
+holds the step up, whether it was right or wrong. A guessed expert takes the least recently used slot
 and counts as never used until a lookup reads it, so a wrong guess is evicted first;
 ``fresh`` marks the slots a prefetch filled until a lookup reads them, so ``stats`` can say
 how many guesses were used (``prefetch_hits``) against those made (``prefetched``).
@@ -54,15 +57,17 @@ class ExpertCache:
     """``slots`` experts of one block's stacked tables on the device, least recently used
     evicted, looked up and filled by device ops only."""
 
-    def __init__(self, block: str, num_experts: int, unit_bytes: int, slots: int, top_k: int, device: torch.device, prefetch: bool = False,
+    def __init__(self, block: str, num_experts: int, unit_bytes: int, slots: int, top_k: int, device: torch.device, prefetch: int = 0,
                  fused: bool | None = None):
         if not top_k <= slots < num_experts:
             raise ValueError(f"an expert cache of {block} needs top_k ({top_k}) to {num_experts - 1} slots, not {slots}")
+        if not 0 <= prefetch <= top_k:
+            raise ValueError(f"expert_prefetch asks {int(prefetch)} guessed experts per block; {block} picks {top_k} per token")
         self.block, self.slots, self.top_k, self.num_experts = block, slots, top_k, num_experts
         self.nbytes = slots * unit_bytes
         self.tables: tuple[torch.Tensor | None, ...] | None = None  # made at the first lookup, in the kernel's order of tables
         self.sources: tuple[torch.Tensor | None, ...] | None = None  # the block's tables, as the first lookup gave them
-        self.prefetching = prefetch
+        self.prefetching = int(prefetch)  # guessed experts brought in per call of ``guess`` (0: none)
         # the bookkeeping as one Triton kernel (default: on CUDA where Triton is there) or torch ops
         self.fused = (device.type == "cuda" and triton_available()) if fused is None else fused
         # a prefetch runs beside the compute on the GPU; on the CPU in line (the same bookkeeping)
@@ -107,6 +112,14 @@ class ExpertCache:
         if sum(t.numel() * t.element_size() for t in self.tables if t is not None) != self.nbytes:
             raise ValueError(f"the expert cache of {self.block} was sized for {self.nbytes} bytes; its tables' rows take another size")
         self.sources = tuple(sources)
+
+    def guess(self, scores: torch.Tensor) -> torch.Tensor:
+        """The ``prefetching`` best scored of the experts not in the cache, best first, from
+        ``scores`` (one token's router logits for this block); read on the current stream, in
+        order with the lookups. Fewer missing experts than that: the rest are cached ones, which
+        a prefetch leaves as they are."""
+        scores = scores.reshape(-1)
+        return torch.topk(scores.masked_fill(self.slot_of[: self.num_experts] >= 0, float("-inf")), self.prefetching).indices
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Bring ``ids`` (a guess at the next lookup's experts) into slots ahead of that lookup:
@@ -189,9 +202,10 @@ class ExpertCache:
         return tuple(self._counters.tolist())
 
 
-def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: bool = False) -> tuple[frozenset[str], dict[str, ExpertCache]]:
+def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: int = 0) -> tuple[frozenset[str], dict[str, ExpertCache]]:
     """The blocks kept whole on the device, and a cache for each block given fewer slots than
-    it has experts (``plan_expert_cache`` over ``room_bytes``), prefetching where ``prefetch``."""
+    it has experts (``plan_expert_cache`` over ``room_bytes``), each prefetching up to
+    ``prefetch`` guessed experts a step."""
     slots = plan_expert_cache(blocks, room_bytes)
     caches = {b.block: ExpertCache(b.block, b.num_experts, b.unit_bytes, slots[b.block], b.top_k, device, prefetch)
               for b in blocks if 0 < slots[b.block] < b.num_experts}
@@ -208,7 +222,7 @@ def expert_read_stats(block, reads, resident: bool, cache: ExpertCache | None) -
             "bytes": (reads.experts - hits + prefetched + filled) * block.unit_bytes, "resident": resident,
             "cache_slots": block.num_experts if resident else cache.slots if cache is not None else 0,
             "cache_policy": POLICY if cache is not None else None,
-            "prefetch": PREFETCH if cache is not None and cache.prefetching else None,
+            "prefetch": f"{PREFETCH}, {cache.prefetching} per step" if cache is not None and cache.prefetching else None,
             # the decode steps' lookups alone (a prefill chunk reads its union in place)
             "cache_hits": cache_hits, "cache_misses": cache_misses,
             # experts a guess brought in, and those of them a lookup then read (counted among cache_hits)

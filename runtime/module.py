@@ -143,9 +143,11 @@ class Module:
     ``cuda_graph`` then fails unless ``cuda_graph_where_possible``). The lru policy keeps every
     streamed weight pinned.
 
-    ``expert_prefetch=True`` has each MoE block with a device cache prefetch the experts the
-    block before it guesses, a layer early (runtime/expert_cache.py). Off by default: on the
-    benchmark's random routers the wrong guesses cost more bus time than the overlap saves.
+    ``expert_prefetch=N`` (``True``: 1) has each MoE block with a device cache prefetch the N
+    experts it lacks that the block before it scores highest, a layer early, while the
+    attention between them runs (runtime/expert_cache.py). Off by default: it pays where an
+    expert moves over the bus in about an attention's time (many small experts) and the guess
+    is mostly right; a big expert (Mixtral's) moved on a wrong guess costs more than it saves.
 
     ``compiled=True`` (or the names of methods) runs each method as one graph compiled by
     TorchInductor instead of a kernel per instruction (runtime/compiled_method.py): for a
@@ -163,7 +165,7 @@ class Module:
     """
 
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool | tuple[str, ...] = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False,
-                 host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False, expert_prefetch: bool = False,
+                 host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False, expert_prefetch: bool | int = False,
                  compiled: bool | tuple[str, ...] = False, compiled_where_possible: bool = False):
         t0 = time.perf_counter()
         self._closed = True  # until loaded
@@ -178,9 +180,9 @@ class Module:
             raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
         if not isinstance(verify, bool):
             raise ValueError(f"verify must be True or False, got {verify!r}")
-        if not isinstance(expert_prefetch, bool):
-            raise ValueError(f"expert_prefetch must be True or False, got {expert_prefetch!r}")
-        self._expert_prefetch = expert_prefetch
+        if not isinstance(expert_prefetch, int) or expert_prefetch < 0:
+            raise ValueError(f"expert_prefetch must be True, False or a number of experts (0 or more), got {expert_prefetch!r}")
+        self._expert_prefetch = int(expert_prefetch)
         _check_method_names_argument("cuda_graph", cuda_graph)
         _check_method_names_argument("compiled", compiled)
         self.pte_path = os.fspath(pte_path)

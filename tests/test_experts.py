@@ -23,7 +23,7 @@ import hostswap.llm as llm
 from hostswap.experts import UnroutedExpertsWarning, route_experts
 from hostswap.kernels.routed_experts import ExpertIndexError
 from hostswap.passes.routed_experts import routed_experts
-from hostswap.runtime.expert_cache import PREFETCH
+from hostswap.runtime.expert_cache import PREFETCH, ExpertCache
 from hostswap.schedules.experts import ExpertBlock, bytes_read_per_call, plan_expert_cache, resident_blocks
 from hostswap.schedules.policies import BudgetError
 from hostswap.schedules.serialization import load_weight_schedules
@@ -175,10 +175,37 @@ def test_with_the_guess_each_block_prefetches_the_next_and_the_tokens_stay(moe):
             # over the bus: the misses, every guessed expert brought in and the prefill's fills
             assert r["bytes"] == (r["misses"] + r["prefetched"] + r["filled"]) * moe.schedules["decode"].expert_blocks[0].unit_bytes
             # the block before guesses every block but the first; a guess a lookup read is a hit
-            assert r["prefetch"] == PREFETCH and (r["prefetched"] > 0) == (i > 0), (block, r)
+            assert r["prefetch"] == f"{PREFETCH}, 1 per step" and (r["prefetched"] > 0) == (i > 0), (block, r)
             assert 0 <= r["prefetch_hits"] <= min(r["prefetched"], r["cache_hits"])
-    with pytest.raises(ValueError, match="expert_prefetch must be True or False, got 'yes'"):
-        llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.cached / MB, device="cpu", expert_prefetch="yes")
+            # one guess a step, and only of an expert the cache lacks: each is a copy
+            assert r["prefetched"] <= r["calls"], (block, r)
+    top_k = moe.schedules["decode"].expert_blocks[0].top_k
+    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.cached / MB, device="cpu", expert_prefetch=top_k) as g:
+        assert torch.equal(g.generate(prompt, 12, eos_token_id=[]), moe.transformers_tokens(prompt, 12))
+        assert all(r["prefetch"].endswith(f", {top_k} per step") for r in g.stats["expert_reads"].values())
+    for bad in ("yes", -1, 1.5):
+        with pytest.raises(ValueError, match=f"expert_prefetch must be True, False or a number of experts \\(0 or more\\), got {re.escape(repr(bad))}"):
+            llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.cached / MB, device="cpu", expert_prefetch=bad)
+    with pytest.raises(ValueError, match=f"expert_prefetch asks {top_k + 1} guessed experts per block; .* picks {top_k} per token"):
+        llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.cached / MB, device="cpu", expert_prefetch=top_k + 1)
+
+
+def test_a_guess_is_the_best_scored_experts_the_cache_lacks():
+    experts, k, slots = 8, 2, 4
+    gate_up, down = torch.randn(experts, 6, 3), torch.randn(experts, 3, 3)
+    cache = ExpertCache("block", experts, (6 * 3 + 3 * 3) * 4, slots, k, torch.device("cpu"), prefetch=2)
+    held = lambda: sorted(e for e in cache.expert_of.tolist() if e < experts)  # noqa: E731
+    cache.lookup(torch.tensor([[5, 1]]), (gate_up, down, None))
+    scores = torch.tensor([0.0, 9.0, 1.0, 7.0, 2.0, 8.0, 3.0, 4.0])
+    assert cache.guess(scores).tolist() == [3, 7]  # 1 and 5, scored higher, are in
+    cache.prefetch(cache.guess(scores))
+    assert held() == [1, 3, 5, 7] and cache.counts()[2] == 2
+    # the lookup's miss evicts the older unread guess, not an expert a lookup read
+    cache.lookup(torch.tensor([[1, 6]]), (gate_up, down, None))
+    assert held() == [1, 5, 6, 7]
+    # with equal scores, any two the cache lacks, never one twice
+    guess = cache.guess(torch.zeros(experts)).tolist()
+    assert len(set(guess)) == 2 and not set(guess) & {1, 5, 6, 7}
 
 
 def test_logits_bitwise_equal_to_the_exported_program_and_the_all_experts_schedule(moe, tmp_path_factory):
@@ -272,8 +299,6 @@ def test_expert_cache_evicts_the_least_recently_used_and_holds_the_experts_rows(
     right, part wrong) and a prefill's fill before some: same hits, same experts held, each
     slot's rows the expert's rows of the tables, and the guesses and fills counted."""
     import collections
-
-    from hostswap.runtime.expert_cache import ExpertCache
 
     experts, k, slots = 16, 4, 6
     gen = torch.Generator().manual_seed(0)
