@@ -1025,9 +1025,17 @@ def moe_headline(paths: list[str]) -> str:
     for r in runs:
         floor = next(row for row in r["rows"] if row["budget"] == "floor" and row.get("routing", "uniform") == "uniform")
         airllm = next((row for row in r["rows"] if row.get("config") == "AirLLM" and row.get("ms_per_token")), None)
+        accelerate = next((row for row in r["rows"] if row.get("config") == "accelerate device_map" and row.get("budget") == "floor"
+                           and row.get("ms_per_token")), None)
         parts.append(f"{r['shape']} shape {floor['routed']['ms_per_token']:.0f} ms/token, {floor['speedup_over_all_experts']:.1f} x the all-experts schedule, "
-                     f"{floor['routed_ratio_to_bound']:.2f} x its bound" + (f", AirLLM {airllm['ms_per_token'] / 1e3:.1f} s/token" if airllm else ""))
-    return ("MoE decode at the GPU floor, reading only the routed experts: " + "; ".join(parts) + f" ({runs[0]['environment'].get('gpu')}).")
+                     f"{floor['routed_ratio_to_bound']:.2f} x its bound"
+                     + (f", accelerate {accelerate['ms_per_token']:.0f} ms/token" if accelerate else "")
+                     + (f", AirLLM {airllm['ms_per_token'] / 1e3:.1f} s/token" if airllm else ""))
+    on_cpu = all(row.get("weights_on_gpu_bytes") == 0 for r in runs for row in r["rows"]
+                 if row.get("config") == "accelerate device_map" and row.get("budget") == "floor")
+    return ("MoE decode at the GPU floor, reading only the routed experts: " + "; ".join(parts) + f" ({runs[0]['environment'].get('gpu')})."
+            + (" accelerate keeps no weight on the GPU at that budget: transformers runs on the host's CPU cores, reading the routed experts from RAM "
+               "instead of over the bus." if on_cpu else ""))
 
 
 # --- batched decode and the server ------------------------------------------------------------
