@@ -186,8 +186,9 @@ def test_with_the_guess_each_block_prefetches_the_next_and_the_tokens_stay(moe):
     for bad in ("yes", -1, 1.5):
         with pytest.raises(ValueError, match=f"expert_prefetch must be True, False or a number of experts \\(0 or more\\), got {re.escape(repr(bad))}"):
             llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.cached / MB, device="cpu", expert_prefetch=bad)
-    with pytest.raises(ValueError, match=f"expert_prefetch asks {top_k + 1} guessed experts per block; .* picks {top_k} per token"):
-        llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.cached / MB, device="cpu", expert_prefetch=top_k + 1)
+    for budget in (moe.floor, moe.cached):  # no cache at the floor: refused all the same
+        with pytest.raises(ValueError, match=f"expert_prefetch asks {top_k + 1} guessed experts per block; .* picks {top_k} per token"):
+            llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=budget / MB, device="cpu", expert_prefetch=top_k + 1)
 
 
 def test_a_guess_is_the_best_scored_experts_the_cache_lacks():
