@@ -675,8 +675,10 @@ class Generator:
         cached = [r for r in s["expert_reads"].values() if r["cache_policy"]]
         lookups = sum(r["cache_hits"] + r["cache_misses"] for r in cached)
         if lookups:
+            prefetched = sum(r["prefetched"] for r in cached)
+            guessed = f", {sum(r['prefetch_hits'] for r in cached) / prefetched:.0%} of {prefetched} guessed experts read" if prefetched else ""
             disk += (f" (expert cache: {min(r['cache_slots'] for r in cached)} experts a block on the device, "
-                     f"{sum(r['cache_hits'] for r in cached) / lookups:.0%} of decode lookups hit since load)")
+                     f"{sum(r['cache_hits'] for r in cached) / lookups:.0%} of decode lookups hit since load{guessed})")
         once = f"load {s['load_s']:.2f} s" + (f", warm-up {s['warm_up_s']:.2f} s" if s["warm_up_s"] is not None else ", no warm-up (the first call's costs are in its times)")
         return (f"prefill {s['prefill_ms']:.1f} ms ({s['prompt_tokens']} tokens), {ms}, {s['new_tokens']} new tokens; "
                 f"streamed {per_token / 2**20 if per_token is not None else 0:.1f} MiB/token{disk}; device memory: weights "

@@ -179,6 +179,7 @@ def test_with_the_guess_each_block_prefetches_the_next_and_the_tokens_stay(moe):
             assert 0 <= r["prefetch_hits"] <= min(r["prefetched"], r["cache_hits"])
             # one guess a step, and only of an expert the cache lacks: each is a copy
             assert r["prefetched"] <= r["calls"], (block, r)
+        assert re.search(r"of decode lookups hit since load, \d+% of \d+ guessed experts read\)", g.summary()), g.summary()
     top_k = moe.schedules["decode"].expert_blocks[0].top_k
     with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.cached / MB, device="cpu", expert_prefetch=top_k) as g:
         assert torch.equal(g.generate(prompt, 12, eos_token_id=[]), moe.transformers_tokens(prompt, 12))
