@@ -140,6 +140,10 @@ def _export_llm(args) -> int:
     return 0
 
 
+EXPERT_PREFETCH_HELP = ("MoE: each block with an expert cache prefetches the N experts it lacks that the block before it scores highest "
+                        "(default 0: none; pays where experts are small, see docs/design.md)")
+
+
 def _budget_mb(text: str):
     """--budget-mb: "auto" or a number of MB."""
     if text == "auto":
@@ -214,7 +218,7 @@ def _generate(args) -> int:
             draft = base + ".draft"
         with llm.Generator(program + ".pte", program + ".ptd", weight_offload_budget_mb=args.budget_mb, host_memory_budget_mb=args.host_budget_mb,
                            device=device, policy=args.policy, draft=draft, speculate_k=args.speculate_k if draft else None,
-                           draft_ahead=args.draft_ahead) as g:
+                           draft_ahead=args.draft_ahead, expert_prefetch=args.expert_prefetch) as g:
             print(f"loaded{f' rank {rank}' if g.tensor_parallel else ''}: {g.memory_report()}", file=sys.stderr, flush=True)
             if tokenizer is not None and shown:
                 print(args.prompt, end="", flush=True)
@@ -257,7 +261,7 @@ def _serve(args) -> int:
 
     try:
         serve(base, budget_mb=args.budget_mb, device=device, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("HOSTSWAP_API_KEY"),
-              max_queue=args.max_queue, model_id=args.model_id, on_ready=ready)
+              max_queue=args.max_queue, model_id=args.model_id, on_ready=ready, expert_prefetch=args.expert_prefetch)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"hostswap serve: {e}", file=sys.stderr)
         return 2
@@ -322,6 +326,7 @@ def main(argv=None) -> int:
     g.add_argument("--draft-ahead", action=argparse.BooleanOptionalAction, default=None,
                    help="with --draft, greedy: draft the next round while each verify pass streams the weights (default: on a GPU)")
     g.add_argument("--policy", choices=["planned", "lru"], default="planned")
+    g.add_argument("--expert-prefetch", type=int, default=0, metavar="N", help=EXPERT_PREFETCH_HELP)
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.set_defaults(func=_generate)
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a program written by export-llm")
@@ -333,6 +338,7 @@ def main(argv=None) -> int:
     sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait for their turn; more are answered 429 (default 64)")
     sv.add_argument("--model-id", help="the model name clients send (default: the program's file name)")
     sv.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    sv.add_argument("--expert-prefetch", type=int, default=0, metavar="N", help=EXPERT_PREFETCH_HELP)
     sv.set_defaults(func=_serve)
     d = sub.add_parser("demo", help="streamed generation with a built-in random-weight transformers Llama (no downloads)")
     d.add_argument("--out", default="out", help="folder for demo.pte / demo.ptd (default: out)")

@@ -192,6 +192,17 @@ def test_with_the_guess_each_block_prefetches_the_next_and_the_tokens_stay(moe):
             llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=budget / MB, device="cpu", expert_prefetch=top_k + 1)
 
 
+def test_generate_command_takes_expert_prefetch_and_names_a_bad_count(moe, capsys):
+    from hostswap import cli
+
+    top_k = moe.schedules["decode"].expert_blocks[0].top_k
+    common = ["generate", moe.pte, "--budget-mb", str(moe.cached / MB), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--device", "cpu"]
+    assert cli.main([*common, "--expert-prefetch", "1"]) == 0
+    assert re.search(r"of decode lookups hit since load, \d+% of \d+ guessed experts read\)", capsys.readouterr().err)
+    assert cli.main([*common, "--expert-prefetch", str(top_k + 1)]) == 2
+    assert f"hostswap generate: expert_prefetch asks {top_k + 1} guessed experts per block" in capsys.readouterr().err
+
+
 def test_a_guess_is_the_best_scored_experts_the_cache_lacks():
     experts, k, slots = 8, 2, 4
     gate_up, down = torch.randn(experts, 6, 3), torch.randn(experts, 3, 3)
