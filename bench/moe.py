@@ -197,6 +197,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     config = shape_config(args.shape)
+    if not 0 <= args.prefetch <= config.num_experts_per_tok:
+        raise SystemExit(f"--prefetch must be 0 to the shape's top-k ({config.num_experts_per_tok}), got {args.prefetch}")
     result = {"environment": environment(device), "shape": args.shape, "config": config.to_dict(), "temperature": args.temperature,
               "expert_prefetch": args.prefetch, "rows": []}
     result["pinned_h2d_bytes_per_s"] = h2d_bandwidth(device, torch.empty(256 * 2**20, dtype=torch.uint8).pin_memory()) if device.type == "cuda" else None

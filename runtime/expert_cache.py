@@ -26,7 +26,7 @@ routed-experts kernel of block L scores block L+1's experts with L+1's own route
 residual stream (a layer early), and once L's products are queued, the cache brings the best
 scored experts it lacks in on a side stream, while L+1's attention runs and the bus would
 otherwise be idle. L+1's lookup waits for that copy (``settle``) and then misses only where
-the guess was wrong. The guess is a few experts (``prefetch``, at most the block's top-k): the
+the guess was wrong. The guess is a few experts (``prefetching``, at most the block's top-k): the
 bus is idle for about one attention, and a guess that has not landed when the lookup comes
 holds the step up, whether it was right or wrong. A guessed expert takes the least recently
 used slot and counts as never used until a lookup reads it, so a wrong guess is evicted first;
@@ -61,7 +61,7 @@ class ExpertCache:
                  fused: bool | None = None):
         if not top_k <= slots < num_experts:
             raise ValueError(f"an expert cache of {block} needs top_k ({top_k}) to {num_experts - 1} slots, not {slots}")
-        _check_prefetch(prefetch, block, top_k)
+        check_prefetch(prefetch, ((block, top_k),))
         self.block, self.slots, self.top_k, self.num_experts = block, slots, top_k, num_experts
         self.nbytes = slots * unit_bytes
         self.tables: tuple[torch.Tensor | None, ...] | None = None  # made at the first lookup, in the kernel's order of tables
@@ -117,6 +117,7 @@ class ExpertCache:
         ``scores`` (one token's router logits for this block); read on the current stream, in
         order with the lookups. Fewer missing experts than that: the rest are cached ones, which
         a prefetch leaves as they are."""
+        self.settle()  # a prefetch no lookup joined (the next block failed before its lookup) is in before slot_of is read
         scores = scores.reshape(-1)
         return torch.topk(scores.masked_fill(self.slot_of[: self.num_experts] >= 0, float("-inf")), self.prefetching).indices
 
@@ -201,18 +202,19 @@ class ExpertCache:
         return tuple(self._counters.tolist())
 
 
-def _check_prefetch(prefetch: int, block: str, top_k: int) -> None:
-    if not 0 <= prefetch <= top_k:
-        raise ValueError(f"expert_prefetch asks {int(prefetch)} guessed experts per block; {block} picks {top_k} per token")
+def check_prefetch(prefetch: int, blocks) -> None:
+    """Refuse a guess of more experts than a block picks: ``blocks`` are (name, top_k) pairs,
+    every routed block of the program, cached or not (a budget that gives no block a cache
+    does not hide a bad value)."""
+    for block, top_k in blocks:
+        if not 0 <= prefetch <= top_k:
+            raise ValueError(f"expert_prefetch asks {int(prefetch)} guessed experts per block; {block} picks {top_k} per token")
 
 
 def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: int = 0) -> tuple[frozenset[str], dict[str, ExpertCache]]:
     """The blocks kept whole on the device, and a cache for each block given fewer slots than
     it has experts (``plan_expert_cache`` over ``room_bytes``), each prefetching up to
-    ``prefetch`` guessed experts a step. ``prefetch`` is checked against every block, cached or
-    not: a budget that gives no block a cache does not hide a bad value."""
-    for b in blocks:
-        _check_prefetch(prefetch, b.block, b.top_k)
+    ``prefetch`` guessed experts a step."""
     slots = plan_expert_cache(blocks, room_bytes)
     caches = {b.block: ExpertCache(b.block, b.num_experts, b.unit_bytes, slots[b.block], b.top_k, device, prefetch)
               for b in blocks if 0 < slots[b.block] < b.num_experts}

@@ -16,7 +16,7 @@ from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, ch
 from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_host_tiers
-from hostswap.runtime.expert_cache import expert_read_stats, place_experts
+from hostswap.runtime.expert_cache import check_prefetch, expert_read_stats, place_experts
 from hostswap.runtime.instructions import ListRef, ProgramError
 from hostswap.runtime.method_loader import state_memory_ids
 from hostswap.runtime.lru_pool import LruPool
@@ -198,6 +198,8 @@ class Module:
             self.schedules = {name: dataclasses.replace(s, prefetch_depth=prefetch_depth) for name, s in self.schedules.items()}
         self.method_name = next(iter(self.schedules))  # what __call__ runs
         self.schedule = _one_weight_order(self.schedules, self.pte_path)
+        # before the .ptd is opened: a bad count is named without the load's work
+        check_prefetch(self._expert_prefetch, ((b.block, b.top_k) for b in self.schedule.expert_blocks))
         graphed = self._method_names("cuda_graph", cuda_graph)
         self._compiled_names = self._method_names("compiled", compiled)
         self._compiled_where_possible = bool(compiled_where_possible)
