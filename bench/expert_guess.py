@@ -8,6 +8,15 @@ greedy) and counts, for each pair of consecutive layers, the next block's picks 
 the guess's top-k; it also counts the same guess made after this layer's experts (the next
 layer's input), and the picks a block shares with its own picks of the token before.
 
+It then replays the trace's decode steps through ``ExpertCache`` (runtime/expert_cache.py, its
+torch ops on the CPU: the bookkeeping the GPU's kernel matches call for call) with
+``--slots`` slots per block, as a decode step drives it: block L looks its picks up, then
+prefetches block L+1's guess. Three ways: no guess; the guess as built (``ExpertCache.guess``:
+the N best scored experts the cache lacks, alone); and the guess held (the predicted top-k,
+of which at most the N best scored missing ones: the cached ones among the predicted come
+along as hits, so the guessed misses cannot evict them). It counts hits and the guesses a
+lookup read. Rows go to stdout; the routing is the random router's.
+
     python bench/expert_guess.py --shape many      # 4 layers of the Qwen3-MoE shape
     python bench/expert_guess.py --shape mixtral   # 3 layers of the Mixtral shape, experts 8x narrower
     python bench/expert_guess.py --shape tiny      # the script's paths, in seconds
@@ -43,11 +52,49 @@ def config_for(shape: str):
     return config
 
 
+# slots per block of the GPU bench's caches (bench/moe.py at 25 % and 50 % of the weights)
+SLOTS = {"many": (27, 60), "mixtral": (3,), "tiny": (2, 3)}
+GUESSES = ("none", "lacking", "held")
+
+
+def held_guess(cache, scores: torch.Tensor, n: int) -> torch.Tensor:
+    """The predicted top-k (``cache.top_k`` best of ``scores``) with at most the ``n`` best
+    scored missing experts: the other missing ones give way to the next best cached ones."""
+    scores = scores.reshape(-1).float()
+    missing = cache.slot_of[: cache.num_experts] < 0
+    allowed = ~missing
+    allowed[torch.topk(scores.masked_fill(~missing, float("-inf")), n).indices] = True
+    return torch.topk(scores.masked_fill(~allowed, float("-inf")), cache.top_k).indices
+
+
+def replay(steps: list, experts: int, k: int, slots: int, guess: str, n: int) -> dict:
+    """The decode steps' picks (per step, per block: top-k ids) and guess scores (per step,
+    per block after the first: that block's router on the block before's residual stream)
+    through one ``ExpertCache`` per block."""
+    from hostswap.runtime.expert_cache import ExpertCache
+
+    blocks = len(steps[0][0])
+    tables = (torch.zeros(experts, 1, 1), torch.zeros(experts, 1, 1), None)  # the rows' values do not matter here
+    caches = [ExpertCache(f"block {i}", experts, 8, slots, k, torch.device("cpu"), prefetch=n if guess != "none" else 0) for i in range(blocks)]
+    for picks, scores in steps:
+        for i, cache in enumerate(caches):
+            cache.lookup(picks[i].view(1, k), tables)
+            if guess != "none" and i + 1 < blocks:
+                after = caches[i + 1]
+                after.prefetch(after.guess(scores[i + 1]) if guess == "lacking" else held_guess(after, scores[i + 1], n))
+    hits, misses, prefetched, used, _ = (sum(c) for c in zip(*(cache.counts() for cache in caches)))
+    return {"slots": slots, "guess": guess, "hit_rate": hits / (hits + misses), "prefetched_per_lookup": prefetched / (hits + misses),
+            "guesses_read": used / prefetched if prefetched else None}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="many")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--slots", type=lambda v: [int(x) for x in v.split(",") if x], default=None,
+                        help="cache slots per block to replay (default: the GPU bench's for the shape)")
+    parser.add_argument("--prefetch", type=int, default=1, help="guessed experts per block and step in the replay")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -63,10 +110,18 @@ def main(argv=None) -> dict:
         layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a, i=i: before_experts.__setitem__(i, a[0][:, -1]))
         layer.register_forward_hook(lambda m, a, out, i=i: after_layer.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[:, -1]))
 
-    def picks(i: int, x: torch.Tensor) -> set[int]:
+    def scores(i: int, x: torch.Tensor) -> torch.Tensor:
         norm = layers[i].post_attention_layernorm
-        logits = torch.nn.functional.linear(type(norm).forward(norm, x), layers[i].mlp.gate.weight)  # the class's forward: no hook
-        return set(torch.topk(logits.float(), k).indices.reshape(-1).tolist())
+        return torch.nn.functional.linear(type(norm).forward(norm, x), layers[i].mlp.gate.weight).float()  # the class's forward: no hook
+
+    def picks(i: int, x: torch.Tensor) -> set[int]:
+        return set(torch.topk(scores(i, x), k).indices.reshape(-1).tolist())
+
+    experts = layers[0].mlp.gate.weight.shape[0]
+    slots = args.slots if args.slots is not None else SLOTS[args.shape]
+    if any(not k <= s < experts for s in slots) or not 0 < args.prefetch <= k:
+        raise SystemExit(f"--slots must be {k} to {experts - 1} and --prefetch 1 to {k}, got {slots} and {args.prefetch}")
+    trace: list = []  # per decode step: (each block's top-k ids, each block's guess scores)
 
     counts = {"early": 0, "late": 0, "guessed": 0, "repeated": 0, "picks": 0}
     previous: dict[int, set[int]] = {}
@@ -83,6 +138,8 @@ def main(argv=None) -> dict:
                     counts["early"] += len(true & picks(i + 1, before_experts[i]))
                     counts["late"] += len(true & picks(i + 1, after_layer[i]))
                     counts["guessed"] += k
+                trace.append(([torch.topk(scores(i, before_experts[i]), k).indices.reshape(-1) for i in range(len(layers))],
+                              [None] + [scores(i + 1, before_experts[i]).reshape(-1) for i in range(len(layers) - 1)]))
                 for i in range(len(layers)):
                     now = picks(i, before_experts[i])
                     counts["repeated"] += len(now & previous.get(i, set()))
@@ -95,7 +152,8 @@ def main(argv=None) -> dict:
     result = {"shape": args.shape, "temperature": args.temperature, "decode_steps": steps,
               "guess_found": counts["early"] / counts["guessed"], "guess_after_experts_found": counts["late"] / counts["guessed"],
               # a block's picks of the token before it also picked (the first decode step has none before it)
-              "same_as_previous_token": counts["repeated"] / (counts["picks"] - len(layers) * k)}
+              "same_as_previous_token": counts["repeated"] / (counts["picks"] - len(layers) * k),
+              "cache": [replay(trace, experts, k, s, guess, args.prefetch) for s in slots for guess in GUESSES]}
     print(json.dumps(result))
     return result
 

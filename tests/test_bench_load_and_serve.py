@@ -76,5 +76,28 @@ def test_expert_guess_trace_counts_the_next_blocks_picks_it_finds():
     for key in ("guess_found", "guess_after_experts_found", "same_as_previous_token"):
         assert 0.0 <= row[key] <= 1.0, (key, row)
     assert row["guess_found"] > 0  # two of four experts: a guess finds some of them
+    # the cache replay: each slot count with no guess, the guess as built and the guess held
+    assert [(r["slots"], r["guess"]) for r in row["cache"]] == [(s, g) for s in (2, 3) for g in ("none", "lacking", "held")]
+    for r in row["cache"]:
+        assert 0.0 <= r["hit_rate"] <= 1.0 and (r["prefetched_per_lookup"] == 0) == (r["guess"] == "none"), r
     with pytest.raises(SystemExit, match="--shape must be mixtral, many or tiny, got 'big'"):
         guess.main(["--shape", "big"])
+    with pytest.raises(SystemExit, match="--slots must be 2 to 3 and --prefetch 1 to 2, got \\[4\\] and 1"):
+        guess.main(["--shape", "tiny", "--tokens", "2", "--slots", "4"])
+
+
+def test_a_held_guess_keeps_the_predicted_cached_experts_and_at_most_n_missing():
+    from hostswap.runtime.expert_cache import ExpertCache
+
+    guess = bench_scripts.load("expert_guess")
+    cache = ExpertCache("block", 8, 8, 3, 2, torch.device("cpu"), prefetch=1)
+    tables = (torch.zeros(8, 1, 1), torch.zeros(8, 1, 1), None)
+    cache.lookup(torch.tensor([[2, 3]]), tables)
+    cache.lookup(torch.tensor([[0, 1]]), tables)  # holds 0, 1 and 3 (3 least recently used)
+    scores = torch.tensor([0.0, 0.0, 0.0, 9.0, 0.0, 5.0, 0.0, 8.0])
+    # built: the best missing expert alone, which evicts 3, the predicted pick
+    assert cache.guess(scores).tolist() == [7]
+    # held: 3 (cached) comes along as a hit, 7 the one missing; 5, missing too, gives way
+    assert guess.held_guess(cache, scores, 1).tolist() == [3, 7]
+    cache.prefetch(guess.held_guess(cache, scores, 1))
+    assert sorted(e for e in cache.expert_of.tolist() if e < 8) == [1, 3, 7]  # 0, the least recently used apart from 3, went
