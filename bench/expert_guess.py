@@ -15,7 +15,8 @@ prefetches block L+1's guess. Three ways: no guess; the guess as built (``Expert
 the N best scored experts the cache lacks, alone); and the guess held (the predicted top-k,
 of which at most the N best scored missing ones: the cached ones among the predicted come
 along as hits, so the guessed misses cannot evict them). It counts hits and the guesses a
-lookup read. Rows go to stdout; the routing is the random router's.
+lookup read. The routing is the random router's. The result goes to stdout and, with
+``--out``, to ``<out>/guess_cpu_<shape>.json`` (bench/report.py renders it).
 
     python bench/expert_guess.py --shape many      # 4 layers of the Qwen3-MoE shape
     python bench/expert_guess.py --shape mixtral   # 3 layers of the Mixtral shape, experts 8x narrower
@@ -95,6 +96,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--slots", type=lambda v: [int(x) for x in v.split(",") if x], default=None,
                         help="cache slots per block to replay (default: the GPU bench's for the shape)")
     parser.add_argument("--prefetch", type=int, default=1, help="guessed experts per block and step in the replay")
+    parser.add_argument("--out", default=None, help="folder for guess_cpu_<shape>.json (default: stdout only)")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -149,12 +151,19 @@ def main(argv=None) -> dict:
             ids = (torch.multinomial(torch.softmax(logits / args.temperature, -1), 1, generator=gen) if args.temperature
                    else logits.argmax().view(1)).view(1, 1)
     steps = args.tokens - 1
-    result = {"shape": args.shape, "temperature": args.temperature, "decode_steps": steps,
+    from weights import environment
+
+    result = {"environment": environment(torch.device("cpu")), "shape": args.shape, "layers": len(layers), "experts": experts, "top_k": k,
+              "temperature": args.temperature, "decode_steps": steps, "prefetch": args.prefetch,
               "guess_found": counts["early"] / counts["guessed"], "guess_after_experts_found": counts["late"] / counts["guessed"],
               # a block's picks of the token before it also picked (the first decode step has none before it)
               "same_as_previous_token": counts["repeated"] / (counts["picks"] - len(layers) * k),
               "cache": [replay(trace, experts, k, s, guess, args.prefetch) for s in slots for guess in GUESSES]}
     print(json.dumps(result))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"guess_cpu_{args.shape}.json"), "w") as f:
+            json.dump(result, f, indent=1)
     return result
 
 
