@@ -162,7 +162,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.rank_run:
         run_rank(args)
-        return 0
+        # its rows are written and its process group destroyed: skip the interpreter's teardown,
+        # where a native thread left joinable (in a library, not here) now and then aborts the
+        # rank ("terminate called without an active exception", no Python frame) and fails the run
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     device = torch.device(args.device)
     path = result_path(args.out, "fsdp", device)
     result = {"benchmark": "fsdp", "environment": environment(device), "rows": [],

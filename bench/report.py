@@ -1019,6 +1019,23 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
     return "\n\n".join(parts)
 
 
+def guess_section(paths: list[str], plot_path: str | None) -> str:
+    """Per shape: how often the next-layer guess finds the next block's picks, and the trace
+    replayed through the expert cache with no guess, the guess as built and the guess held."""
+    parts = []
+    for path in paths:
+        r = json.load(open(path))
+        head = (f"**{r['shape']}**: {r['layers']} layers, {r['experts']} experts, top-{r['top_k']}; {r['decode_steps']} decode steps sampled at "
+                f"temperature {r['temperature']:g}; {_machine(r['environment'])}. The guess finds {r['guess_found']:.1%} of the next block's picks "
+                f"({r['guess_after_experts_found']:.1%} made after this layer's experts); a block shares {r['same_as_previous_token']:.1%} of its "
+                f"picks with the token before. Replayed with N = {r['prefetch']}:")
+        rows = [[c["slots"], c["guess"], f"{c['hit_rate']:.1%}", f"{c['prefetched_per_lookup']:.3f}",
+                 "-" if c["guesses_read"] is None else f"{c['guesses_read']:.0%}"] for c in r["cache"]]
+        parts.append(head + "\n\n" + tabulate(rows, headers=["slots per block", "guess", "decode cache hits", "guessed experts per lookup", "guesses read"],
+                                               tablefmt="github", disable_numparse=True))
+    return "\n\n".join(parts)
+
+
 def moe_headline(paths: list[str]) -> str:
     runs = [json.load(open(p)) for p in paths]
     parts = []
@@ -1113,14 +1130,21 @@ def fsdp_section(paths: list[str], plot_path: str | None) -> str:
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
             "export": export_section, "tiers": disk_tier_section, "load": load_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
             "speculative": speculative_section, "drafts": draft_cost_section, "tp": tensor_parallel_section,
-            "fsdp": fsdp_section}
+            "fsdp": fsdp_section, "guess": guess_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
           "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "load": "Load time against depth", "moe": "Mixture of experts: only the routed experts",
           "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding",
           "drafts": "What a resident draft's decode step costs",
-          "tp": "Tensor-parallel streaming over several GPUs", "fsdp": "Sharded training (FSDP2) with host offloads"}
+          "tp": "Tensor-parallel streaming over several GPUs", "fsdp": "Sharded training (FSDP2) with host offloads",
+          "guess": "MoE: the next-layer guess and the expert cache, traced"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
+    "guess": "`bench/expert_guess.py`: transformers' own forward of the MoE bench's shape (made to fit a CPU) with bench/moe.py's random "
+             "weights and random router, its routing traced, then each decode step's picks and guess scores replayed through `ExpertCache` "
+             "(its torch ops, which the GPU's kernel matches call for call): block L looks its picks up, then prefetches block L+1's guess. "
+             "Guess \"lacking\": the N best scored experts the cache lacks (`ExpertCache.guess`, what `expert_prefetch=N` does); \"held\": the "
+             "predicted top-k with at most those N missing, so the cached ones among the predicted come along as hits and no guessed miss "
+             "evicts them. The trace is short and has no prefill, so its hit rates sit below the GPU runs'; the order of the three is what it shows.",
     "generate": "Greedy decoding of a transformers `LlamaForCausalLM` (hidden 2048, GQA, bf16, random weights). Decode cells: ms per token "
                 "(ratio to the bound max(hostswap's all-resident decode, bytes streamed per token / pinned H2D bandwidth of the same run)).",
     "weights": "One forward of the Llama (no KV cache), with its ratio to max(all-resident forward, bytes streamed "

@@ -67,12 +67,15 @@ def test_moe_bench_skews_the_routers_of_a_written_checkpoint_in_place(tmp_path):
     assert torch.equal(torch.argsort(bias, descending=True, stable=True), torch.argsort(ranks, stable=True))  # the most popular biased most
 
 
-def test_expert_guess_trace_counts_the_next_blocks_picks_it_finds():
+def test_expert_guess_trace_counts_the_next_blocks_picks_it_finds(tmp_path):
     """bench/expert_guess.py on a tiny Mixtral: shares in [0, 1], the guess made before and
-    after a layer's experts counted over the same picks."""
+    after a layer's experts counted over the same picks; the result file renders."""
     guess = bench_scripts.load("expert_guess")
-    row = guess.main(["--shape", "tiny", "--tokens", "6"])
+    row = guess.main(["--shape", "tiny", "--tokens", "6", "--out", str(tmp_path)])
     assert row["decode_steps"] == 5
+    assert json.loads((tmp_path / "guess_cpu_tiny.json").read_text()) == row
+    section = bench_scripts.load("report").guess_section([str(tmp_path / "guess_cpu_tiny.json")], None)
+    assert "**tiny**: 2 layers, 4 experts, top-2; 5 decode steps" in section and section.count("| held ") == 2
     for key in ("guess_found", "guess_after_experts_found", "same_as_previous_token"):
         assert 0.0 <= row[key] <= 1.0, (key, row)
     assert row["guess_found"] > 0  # two of four experts: a guess finds some of them
