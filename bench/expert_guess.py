@@ -58,13 +58,13 @@ SLOTS = {"many": (27, 60), "mixtral": (3,), "tiny": (2, 3)}
 GUESSES = ("none", "lacking", "held")
 
 
-def held_guess(cache, scores: torch.Tensor, n: int) -> torch.Tensor:
-    """The predicted top-k (``cache.top_k`` best of ``scores``) with at most the ``n`` best
-    scored missing experts: the other missing ones give way to the next best cached ones."""
+def held_guess(cache, scores: torch.Tensor) -> torch.Tensor:
+    """The predicted top-k (``cache.top_k`` best of ``scores``) with at most the cache's own
+    guess missing (``ExpertCache.guess``: its ``prefetching`` best scored missing experts): the
+    other missing ones give way to the next best cached ones."""
     scores = scores.reshape(-1).float()
-    missing = cache.slot_of[: cache.num_experts] < 0
-    allowed = ~missing
-    allowed[torch.topk(scores.masked_fill(~missing, float("-inf")), n).indices] = True
+    allowed = cache.slot_of[: cache.num_experts] >= 0
+    allowed[cache.guess(scores)] = True
     return torch.topk(scores.masked_fill(~allowed, float("-inf")), cache.top_k).indices
 
 
@@ -82,7 +82,7 @@ def replay(steps: list, experts: int, k: int, slots: int, guess: str, n: int) ->
             cache.lookup(picks[i].view(1, k), tables)
             if guess != "none" and i + 1 < blocks:
                 after = caches[i + 1]
-                after.prefetch(after.guess(scores[i + 1]) if guess == "lacking" else held_guess(after, scores[i + 1], n))
+                after.prefetch(after.guess(scores[i + 1]) if guess == "lacking" else held_guess(after, scores[i + 1]))
     hits, misses, prefetched, used, _ = (sum(c) for c in zip(*(cache.counts() for cache in caches)))
     return {"slots": slots, "guess": guess, "hit_rate": hits / (hits + misses), "prefetched_per_lookup": prefetched / (hits + misses),
             "guesses_read": used / prefetched if prefetched else None}
@@ -116,8 +116,8 @@ def main(argv=None) -> dict:
         norm = layers[i].post_attention_layernorm
         return torch.nn.functional.linear(type(norm).forward(norm, x), layers[i].mlp.gate.weight).float()  # the class's forward: no hook
 
-    def picks(i: int, x: torch.Tensor) -> set[int]:
-        return set(torch.topk(scores(i, x), k).indices.reshape(-1).tolist())
+    def top(logits: torch.Tensor) -> torch.Tensor:
+        return torch.topk(logits, k).indices.reshape(-1)
 
     experts = layers[0].mlp.gate.weight.shape[0]
     slots = args.slots if args.slots is not None else SLOTS[args.shape]
@@ -135,15 +135,17 @@ def main(argv=None) -> dict:
             out = model(input_ids=ids, past_key_values=past, use_cache=True)
             past = out.past_key_values
             if step:  # decode steps only, as the cache sees them
+                # each block's own picks, and the guess at each block after the first (its router on the block before's input)
+                own = [top(scores(i, before_experts[i])) for i in range(len(layers))]
+                early = [None] + [scores(i + 1, before_experts[i]).reshape(-1) for i in range(len(layers) - 1)]
+                trace.append((own, early))
                 for i in range(len(layers) - 1):
-                    true = picks(i + 1, before_experts[i + 1])
-                    counts["early"] += len(true & picks(i + 1, before_experts[i]))
-                    counts["late"] += len(true & picks(i + 1, after_layer[i]))
+                    true = set(own[i + 1].tolist())
+                    counts["early"] += len(true & set(top(early[i + 1]).tolist()))
+                    counts["late"] += len(true & set(top(scores(i + 1, after_layer[i])).tolist()))
                     counts["guessed"] += k
-                trace.append(([torch.topk(scores(i, before_experts[i]), k).indices.reshape(-1) for i in range(len(layers))],
-                              [None] + [scores(i + 1, before_experts[i]).reshape(-1) for i in range(len(layers) - 1)]))
                 for i in range(len(layers)):
-                    now = picks(i, before_experts[i])
+                    now = set(own[i].tolist())
                     counts["repeated"] += len(now & previous.get(i, set()))
                     counts["picks"] += k
                     previous[i] = now

@@ -101,6 +101,6 @@ def test_a_held_guess_keeps_the_predicted_cached_experts_and_at_most_n_missing()
     # built: the best missing expert alone, which evicts 3, the predicted pick
     assert cache.guess(scores).tolist() == [7]
     # held: 3 (cached) comes along as a hit, 7 the one missing; 5, missing too, gives way
-    assert guess.held_guess(cache, scores, 1).tolist() == [3, 7]
-    cache.prefetch(guess.held_guess(cache, scores, 1))
+    assert guess.held_guess(cache, scores).tolist() == [3, 7]
+    cache.prefetch(guess.held_guess(cache, scores))
     assert sorted(e for e in cache.expert_of.tolist() if e < 8) == [1, 3, 7]  # 0, the least recently used apart from 3, went
