@@ -11,10 +11,11 @@ layer's input), and the picks a block shares with its own picks of the token bef
 It then replays the trace's decode steps through ``ExpertCache`` (runtime/expert_cache.py, its
 torch ops on the CPU: the bookkeeping the GPU's kernel matches call for call) with
 ``--slots`` slots per block, as a decode step drives it: block L looks its picks up, then
-prefetches block L+1's guess. Three ways: no guess; the guess as built (``ExpertCache.guess``:
-the N best scored experts the cache lacks, alone); and the guess held (the predicted top-k,
-of which at most the N best scored missing ones: the cached ones among the predicted come
-along as hits, so the guessed misses cannot evict them). It counts hits and the guesses a
+prefetches block L+1's guess. Three ways: no guess; the N best scored experts the cache lacks,
+alone ("lacking"), whose misses may evict cached experts the guess predicts; and the guess held
+(``ExpertCache.guess``: the predicted top-k, of which at most the N best scored missing ones:
+the cached ones among the predicted come along as hits, so the guessed misses cannot evict
+them). It counts hits and the guesses a
 lookup read. The routing is the random router's. The result goes to stdout and, with
 ``--out``, to ``<out>/guess_cpu_<shape>.json`` (bench/report.py renders it).
 
@@ -58,14 +59,11 @@ SLOTS = {"many": (27, 60), "mixtral": (3,), "tiny": (2, 3)}
 GUESSES = ("none", "lacking", "held")
 
 
-def held_guess(cache, scores: torch.Tensor) -> torch.Tensor:
-    """The predicted top-k (``cache.top_k`` best of ``scores``) with at most the cache's own
-    guess missing (``ExpertCache.guess``: its ``prefetching`` best scored missing experts): the
-    other missing ones give way to the next best cached ones."""
+def lacking_guess(cache, scores: torch.Tensor) -> torch.Tensor:
+    """The ``prefetching`` best scored experts the cache lacks, alone: the cached experts the
+    guess predicts are not held, so a guessed miss may evict one of them."""
     scores = scores.reshape(-1).float()
-    allowed = cache.slot_of[: cache.num_experts] >= 0
-    allowed[cache.guess(scores)] = True
-    return torch.topk(scores.masked_fill(~allowed, float("-inf")), cache.top_k).indices
+    return torch.topk(scores.masked_fill(cache.slot_of[: cache.num_experts] >= 0, float("-inf")), cache.prefetching).indices
 
 
 def replay(steps: list, experts: int, k: int, slots: int, guess: str, n: int) -> dict:
@@ -82,7 +80,7 @@ def replay(steps: list, experts: int, k: int, slots: int, guess: str, n: int) ->
             cache.lookup(picks[i].view(1, k), tables)
             if guess != "none" and i + 1 < blocks:
                 after = caches[i + 1]
-                after.prefetch(after.guess(scores[i + 1]) if guess == "lacking" else held_guess(after, scores[i + 1]))
+                after.prefetch(lacking_guess(after, scores[i + 1]) if guess == "lacking" else after.guess(scores[i + 1]))
     hits, misses, prefetched, used, _ = (sum(c) for c in zip(*(cache.counts() for cache in caches)))
     return {"slots": slots, "guess": guess, "hit_rate": hits / (hits + misses), "prefetched_per_lookup": prefetched / (hits + misses),
             "guesses_read": used / prefetched if prefetched else None}

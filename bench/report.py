@@ -1021,7 +1021,7 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
 
 def guess_section(paths: list[str], plot_path: str | None) -> str:
     """Per shape: how often the next-layer guess finds the next block's picks, and the trace
-    replayed through the expert cache with no guess, the guess as built and the guess held."""
+    replayed through the expert cache with no guess, the missing experts alone and the guess held."""
     parts = []
     for path in paths:
         r = json.load(open(path))
@@ -1142,7 +1142,7 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "guess": "`bench/expert_guess.py`: transformers' own forward of the MoE bench's shape (made to fit a CPU) with bench/moe.py's random "
              "weights and random router, its routing traced, then each decode step's picks and guess scores replayed through `ExpertCache` "
              "(its torch ops, which the GPU's kernel matches call for call): block L looks its picks up, then prefetches block L+1's guess. "
-             "Guess \"lacking\": the N best scored experts the cache lacks (`ExpertCache.guess`, what `expert_prefetch=N` does); \"held\": the "
+             "Guess \"lacking\": the N best scored experts the cache lacks, alone; \"held\" (`ExpertCache.guess`, what `expert_prefetch=N` does): the "
              "predicted top-k with at most those N missing, so the cached ones among the predicted come along as hits and no guessed miss "
              "evicts them. The trace is short and has no prefill, so its hit rates sit below the GPU runs'; the order of the three is what it shows.",
     "generate": "Greedy decoding of a transformers `LlamaForCausalLM` (hidden 2048, GQA, bf16, random weights). Decode cells: ms per token "

@@ -25,8 +25,10 @@ until its rows are in. So the block before it guesses them (``guess``, ``prefetc
 routed-experts kernel of block L scores block L+1's experts with L+1's own router on L's
 residual stream (a layer early), and once L's products are queued, the cache brings the best
 scored experts it lacks in on a side stream, while L+1's attention runs and the bus would
-otherwise be idle. L+1's lookup waits for that copy (``settle``) and then misses only where
-the guess was wrong. The guess is a few experts (``prefetching``, at most the block's top-k): the
+otherwise be idle. The guess names L+1's whole predicted top-k: the cached experts among them
+come in as hits, which the placement holds, so a guessed miss never evicts what the same
+guess predicts L+1 will read. L+1's lookup waits for that copy (``settle``) and then misses only where
+the guess was wrong. The guess copies a few experts (``prefetching``, at most the block's top-k): the
 bus is idle for about one attention, and a guess that has not landed when the lookup comes
 holds the step up, whether it was right or wrong. A guessed expert takes the least recently
 used slot and counts as never used until a lookup reads it, so a wrong guess is evicted first;
@@ -113,13 +115,19 @@ class ExpertCache:
         self.sources = tuple(sources)
 
     def guess(self, scores: torch.Tensor) -> torch.Tensor:
-        """The ``prefetching`` best scored of the experts not in the cache, best first, from
-        ``scores`` (one token's router logits for this block); read on the current stream, in
-        order with the lookups. Fewer missing experts than that: the rest are cached ones, which
-        a prefetch leaves as they are."""
+        """The next lookup's predicted picks, best first, from ``scores`` (one token's router
+        logits for this block), of which at most ``prefetching`` are not in the cache: the best
+        scored experts the cache lacks, and beside them the best scored cached ones, which a
+        prefetch holds (a guessed miss never evicts an expert the guess itself predicts; the
+        other missing experts give way). Read on the current stream, in order with the lookups.
+        Once a lookup or fill made the tables the cache holds at least top_k experts, so every
+        pick is allowed; before that a prefetch does nothing."""
         self.settle()  # a prefetch no lookup joined (the next block failed before its lookup) is in before slot_of is read
         scores = scores.reshape(-1)
-        return torch.topk(scores.masked_fill(self.slot_of[: self.num_experts] >= 0, float("-inf")), self.prefetching).indices
+        cached = self.slot_of[: self.num_experts] >= 0
+        missing = torch.topk(scores.masked_fill(cached, float("-inf")), self.prefetching).indices
+        allowed = cached.index_fill(0, missing, True)
+        return torch.topk(scores.masked_fill(~allowed, float("-inf")), self.top_k).indices
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Bring ``ids`` (a guess at the next lookup's experts) into slots ahead of that lookup:

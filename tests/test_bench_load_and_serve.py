@@ -89,7 +89,7 @@ def test_expert_guess_trace_counts_the_next_blocks_picks_it_finds(tmp_path):
         guess.main(["--shape", "tiny", "--tokens", "2", "--slots", "4"])
 
 
-def test_a_held_guess_keeps_the_predicted_cached_experts_and_at_most_n_missing():
+def test_the_guess_keeps_the_predicted_cached_experts_where_the_lacking_one_evicts_them():
     from hostswap.runtime.expert_cache import ExpertCache
 
     guess = bench_scripts.load("expert_guess")
@@ -98,9 +98,9 @@ def test_a_held_guess_keeps_the_predicted_cached_experts_and_at_most_n_missing()
     cache.lookup(torch.tensor([[2, 3]]), tables)
     cache.lookup(torch.tensor([[0, 1]]), tables)  # holds 0, 1 and 3 (3 least recently used)
     scores = torch.tensor([0.0, 0.0, 0.0, 9.0, 0.0, 5.0, 0.0, 8.0])
-    # built: the best missing expert alone, which evicts 3, the predicted pick
-    assert cache.guess(scores).tolist() == [7]
-    # held: 3 (cached) comes along as a hit, 7 the one missing; 5, missing too, gives way
-    assert guess.held_guess(cache, scores).tolist() == [3, 7]
-    cache.prefetch(guess.held_guess(cache, scores))
+    # lacking: the best missing expert alone, which would evict 3, the predicted pick
+    assert guess.lacking_guess(cache, scores).tolist() == [7]
+    # held (the cache's own guess): 3 (cached) comes along as a hit, 7 the one missing; 5, missing too, gives way
+    assert cache.guess(scores).tolist() == [3, 7]
+    cache.prefetch(cache.guess(scores))
     assert sorted(e for e in cache.expert_of.tolist() if e < 8) == [1, 3, 7]  # 0, the least recently used apart from 3, went

@@ -178,8 +178,9 @@ def test_with_the_guess_each_block_prefetches_the_next_and_the_tokens_stay(moe):
             # the block before guesses every block but the first; a guess a lookup read is a hit
             assert r["prefetch"] == f"{PREFETCH}, 1 per step" and (r["prefetched"] > 0) == (i > 0), (block, r)
             assert 0 <= r["prefetch_hits"] <= min(r["prefetched"], r["cache_hits"])
-            # one guess a decode step (the prefill's fill made the cache), only of an expert the cache lacks: each is a copy
-            assert i == 0 or r["prefetched"] == (r["cache_hits"] + r["cache_misses"]) // top_k, (block, r)
+            # at most one copy a decode step (the prefill's fill made the cache): a guess whose
+            # predicted top-k is all cached copies nothing
+            assert r["prefetched"] <= (r["cache_hits"] + r["cache_misses"]) // top_k, (block, r)
         assert re.search(r"of decode lookups hit since load, \d+% of \d+ guessed experts read\)", g.summary()), g.summary()
     with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.cached / MB, device="cpu", expert_prefetch=top_k) as g:
         assert torch.equal(g.generate(prompt, 12, eos_token_id=[]), moe.transformers_tokens(prompt, 12))
@@ -198,39 +199,40 @@ def test_generate_command_takes_expert_prefetch_and_names_a_bad_count(moe, capsy
     top_k = moe.schedules["decode"].expert_blocks[0].top_k
     common = ["generate", moe.pte, "--budget-mb", str(moe.cached / MB), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--device", "cpu"]
     assert cli.main([*common, "--expert-prefetch", "1"]) == 0
-    assert re.search(r"of decode lookups hit since load, \d+% of \d+ guessed experts read\)", capsys.readouterr().err)
+    assert re.search(r"of decode lookups hit since load, (\d+% of \d+ guessed experts read|no guessed expert was missing)\)", capsys.readouterr().err)
     assert cli.main([*common, "--expert-prefetch", str(top_k + 1)]) == 2
     assert f"hostswap generate: expert_prefetch asks {top_k + 1} guessed experts per block" in capsys.readouterr().err
 
 
-def test_a_guess_is_the_best_scored_experts_the_cache_lacks():
+def test_a_guess_is_the_predicted_top_k_with_at_most_n_experts_the_cache_lacks():
     experts, k, slots = 8, 2, 4
     gate_up, down = torch.randn(experts, 6, 3), torch.randn(experts, 3, 3)
-    cache = ExpertCache("block", experts, (6 * 3 + 3 * 3) * 4, slots, k, torch.device("cpu"), prefetch=2)
+    cache = ExpertCache("block", experts, (6 * 3 + 3 * 3) * 4, slots, k, torch.device("cpu"), prefetch=1)
     held = lambda: sorted(e for e in cache.expert_of.tolist() if e < experts)  # noqa: E731
     cache.lookup(torch.tensor([[5, 1]]), (gate_up, down, None))
-    scores = torch.tensor([0.0, 9.0, 1.0, 7.0, 2.0, 8.0, 3.0, 4.0])
-    assert cache.guess(scores).tolist() == [3, 7]  # 1 and 5, scored higher, are in
+    cache.lookup(torch.tensor([[2, 0]]), (gate_up, down, None))  # holds 0, 1, 2, 5; 5 and 1 least recently used
+    scores = torch.tensor([0.0, 1.0, 3.0, 7.0, 2.0, 8.0, 4.0, 6.0])
+    # 5 (cached) and 3 (the best scored missing one); 7, missing too, gives way to no other missing one
+    assert cache.guess(scores).tolist() == [5, 3]
+    stamp = cache.last_use[cache.slot_of[5]].item()
     cache.prefetch(cache.guess(scores))
-    assert held() == [1, 3, 5, 7] and cache.counts()[2] == 2
-    # the lookup's miss evicts the older unread guess, not an expert a lookup read
-    cache.lookup(torch.tensor([[1, 6]]), (gate_up, down, None))
-    assert held() == [1, 5, 6, 7]
-    # with equal scores, any two the cache lacks, never one twice
-    guess = cache.guess(torch.zeros(experts)).tolist()
-    assert len(set(guess)) == 2 and not set(guess) & {1, 5, 6, 7}
-    # fewer experts missing than the guess asks for: the rest are cached ones, which the prefetch leaves as they are
-    few = ExpertCache("block", 4, (6 * 3 + 3 * 3) * 4, 3, k, torch.device("cpu"), prefetch=2)
-    few.lookup(torch.tensor([[0, 1]]), (gate_up[:4], down[:4], None))
-    few.lookup(torch.tensor([[2, 0]]), (gate_up[:4], down[:4], None))
-    guess = few.guess(torch.tensor([4.0, 3.0, 2.0, 1.0]))
-    cached = guess[1].item()
-    assert guess[0].item() == 3 and cached in (0, 1, 2)  # 3, the one missing, then one that is in
-    slot, stamp = few.slot_of[cached].item(), few.last_use[few.slot_of[cached]].item()
-    few.prefetch(guess)
-    assert few.counts()[2] == 1 and few.expert_of.tolist().count(3) == 1
-    # the cached one kept its slot and its stamp: a guess that finds an expert in stamps nothing
-    assert few.slot_of[cached].item() == slot and few.last_use[slot].item() == stamp and not few.fresh[slot]
+    # 3 took the least recently used slot that 5, predicted, does not hold: 1's
+    assert held() == [0, 2, 3, 5] and cache.counts()[2] == 1
+    # the cached pick kept its slot and its stamp (a guess stamps nothing it found) and is no guess
+    assert cache.last_use[cache.slot_of[5]].item() == stamp and not cache.fresh[cache.slot_of[5]]
+    # the lookup's miss evicts the older unread guess before an expert a lookup read
+    cache.lookup(torch.tensor([[5, 6]]), (gate_up, down, None))
+    assert held() == [0, 2, 5, 6]
+    # at most N missing whatever the scores, each pick once
+    for seed in range(5):
+        guess = cache.guess(torch.randn(experts, generator=torch.Generator().manual_seed(seed))).tolist()
+        assert len(set(guess)) == k and len(set(guess) - set(held())) <= 1
+    # two missing asked for: the two best scored missing experts, even above cached ones
+    two = ExpertCache("block", experts, (6 * 3 + 3 * 3) * 4, slots, k, torch.device("cpu"), prefetch=2)
+    two.lookup(torch.tensor([[0, 1]]), (gate_up, down, None))
+    assert two.guess(torch.tensor([5.0, 0.0, 0.0, 9.0, 0.0, 0.0, 8.0, 0.0])).tolist() == [3, 6]
+    two.prefetch(two.guess(torch.tensor([5.0, 0.0, 0.0, 9.0, 0.0, 0.0, 8.0, 0.0])))
+    assert sorted(e for e in two.expert_of.tolist() if e < experts) == [0, 1, 3, 6] and two.counts()[2] == 2
 
 
 def test_logits_bitwise_equal_to_the_exported_program_and_the_all_experts_schedule(moe, tmp_path_factory):
