@@ -218,7 +218,7 @@ def _generate(args) -> int:
             draft = base + ".draft"
         with llm.Generator(program + ".pte", program + ".ptd", weight_offload_budget_mb=args.budget_mb, host_memory_budget_mb=args.host_budget_mb,
                            device=device, policy=args.policy, draft=draft, speculate_k=args.speculate_k if draft else None,
-                           draft_ahead=args.draft_ahead, expert_prefetch=args.expert_prefetch) as g:
+                           draft_ahead=args.draft_ahead, expert_prefetch=args.expert_prefetch, compiled=(llm.DECODE,) if args.compiled else False) as g:
             print(f"loaded{f' rank {rank}' if g.tensor_parallel else ''}: {g.memory_report()}", file=sys.stderr, flush=True)
             if tokenizer is not None and shown:
                 print(args.prompt, end="", flush=True)
@@ -327,6 +327,9 @@ def main(argv=None) -> int:
                    help="with --draft, greedy: draft the next round while each verify pass streams the weights (default: on a GPU)")
     g.add_argument("--policy", choices=["planned", "lru"], default="planned")
     g.add_argument("--expert-prefetch", type=int, default=0, metavar="N", help=EXPERT_PREFETCH_HELP)
+    g.add_argument("--compiled", action="store_true",
+                   help="run decode as one TorchInductor graph: fewer, fused kernels, for a budget that holds every weight but the routed "
+                        "experts (the first load compiles)")
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.set_defaults(func=_generate)
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a program written by export-llm")

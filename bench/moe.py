@@ -19,7 +19,10 @@ a row records the decode steps' cache hit rate. Where a row has a cache it is me
 as it is by default, and with each block's guess at the next block's experts prefetched
 (``expert_prefetch=--prefetch``: the best scored experts the cache lacks, that many a block and
 step); the row records how many prefetched experts a lookup then read. The routed bound counts the
-experts a token needed over the bus (its misses, prefetched or not), not wrong guesses.
+experts a token needed over the bus (its misses, prefetched or not), not wrong guesses. On a
+GPU, a row whose budget holds every weight but the routed experts is also measured with decode
+compiled into one TorchInductor graph (``compiled=("decode",)``, the experts' op inside it),
+against the same bound with the compiled all-resident decode in place of the executor's.
 
 Peers, on the same checkpoint and budgets (``--peers``, on a GPU): accelerate
 (``from_pretrained`` with ``device_map`` for ``max_memory`` = the budget, its offloaded layers
@@ -124,8 +127,9 @@ def skew_routers(folder: str, config, exponent: float, seed: int = 0) -> dict:
 
 
 def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_tokens: int, device: torch.device, temperature: float = 0.0,
-             expert_prefetch: int = 0) -> dict:
-    with llm.Generator(pte, ptd, weight_offload_budget_mb=budget_bytes / 2**20, device=device, expert_prefetch=expert_prefetch) as g:
+             expert_prefetch: int = 0, compiled: bool = False) -> dict:
+    with llm.Generator(pte, ptd, weight_offload_budget_mb=budget_bytes / 2**20, device=device, expert_prefetch=expert_prefetch,
+                       compiled=(llm.DECODE,) if compiled else False) as g:
         out = g.generate(prompt, new_tokens, eos_token_id=[], sampling=SamplingParams(temperature=temperature, seed=0) if temperature else None)
         s = g.stats
         reads = s["expert_reads"].values()
@@ -142,6 +146,7 @@ def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_to
                 "cache_hit_rate": sum(r["cache_hits"] for r in reads) / lookups if lookups else None,
                 "prefetched_per_lookup": prefetched / lookups if lookups else None,
                 "prefetch_used_rate": sum(r["prefetch_hits"] for r in reads) / prefetched if prefetched else None,
+                "compiled": compiled, "warm_up_s": s["warm_up_s"],
                 "tokens": out[0, prompt.shape[1]:].tolist()}
 
 
@@ -223,6 +228,9 @@ def main(argv=None) -> int:
         prompt = torch.randint(0, config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
         resident = generate(*programs["routed"], max(total + max(s.expert_scratch_bytes for s in routed.values()), floor), prompt, args.new_tokens, device, args.temperature)
         result["all_resident_ms_per_token"] = resident["ms_per_token"]
+        if device.type == "cuda":  # decode compiled into one inductor graph (the experts' op inside it): the bound of the compiled rows
+            result["all_resident_compiled_ms_per_token"] = generate(*programs["routed"], max(total + max(s.expert_scratch_bytes for s in routed.values()), floor),
+                                                                    prompt, args.new_tokens, device, args.temperature, compiled=True)["ms_per_token"]
         result["sampling_warmed_up"] = True  # the Generator's warm-up launched the sampling kernels: the first sampled decode is steady-state too
         budgets = (("floor", floor), ("25%", total // 4), ("50%", total // 2))
         bandwidth = result["pinned_h2d_bytes_per_s"]
@@ -233,6 +241,26 @@ def main(argv=None) -> int:
             if r["cache_slots"] and not r["resident_blocks"] and args.prefetch:
                 row["routed, guess prefetched"] = generate(*program, budget, prompt, args.new_tokens, device, args.temperature, expert_prefetch=args.prefetch)
                 row["prefetch_speedup"] = r["ms_per_token"] / row["routed, guess prefetched"]["ms_per_token"]
+
+        def with_compiled(row, program, budget):
+            """A row whose budget holds every weight but the routed experts is measured again
+            with decode compiled (``compiled=("decode",)``): the experts' op runs inside one
+            inductor graph, read in place or through the cache as before."""
+            if device.type != "cuda":
+                return
+            try:
+                c = row["routed, compiled"] = generate(*program, budget, prompt, args.new_tokens, device, args.temperature, compiled=True)
+            except ValueError as e:
+                if "compiled needs every weight but routed experts resident" not in str(e):
+                    raise
+                return
+            row["compiled_speedup"] = row["routed"]["ms_per_token"] / c["ms_per_token"]
+            # inductor fuses in float32 what the executor rounds to bf16 op by op: its tokens may part, so they are told apart
+            row["compiled_same_tokens"] = c["tokens"] == row["routed"]["tokens"]
+            if bandwidth:
+                transfer = (c["bytes_streamed_per_token"] + c["needed_expert_bytes_per_token"]) / bandwidth * 1e3
+                row["compiled_bound_ms_per_token"] = max(transfer, result["all_resident_compiled_ms_per_token"])
+                row["compiled_ratio_to_bound"] = c["ms_per_token"] / row["compiled_bound_ms_per_token"]
 
         def add(row):
             """Record the row, printed without the token lists."""
@@ -252,9 +280,11 @@ def main(argv=None) -> int:
                 row[name] = measured
             r = row["routed"]
             with_guess(row, programs["routed"], max(budget, floor))
+            with_compiled(row, programs["routed"], max(budget, floor))
             bound(row, r)
             row["speedup_over_all_experts"] = row["all experts"]["ms_per_token"] / r["ms_per_token"]
-            row["same_tokens"] = all(row[n]["tokens"] == row["all experts"]["tokens"] for n in row if isinstance(row[n], dict) and "tokens" in row[n])
+            row["same_tokens"] = all(row[n]["tokens"] == row["all experts"]["tokens"] for n in row
+                                     if isinstance(row[n], dict) and "tokens" in row[n] and n != "routed, compiled")
             add(row)
         peers = [p for p in args.peers.split(",") if p] if device.type == "cuda" else []
         routed_ms = {row["budget"]: row["routed"]["ms_per_token"] for row in result["rows"] if row["routing"] == "uniform"}
@@ -278,6 +308,7 @@ def main(argv=None) -> int:
             for budget_name, budget in budgets:
                 row = {"routing": "skewed", "budget": budget_name, "budget_bytes": max(budget, floor), "routed": generate(*skewed, max(budget, floor), prompt, args.new_tokens, device, args.temperature)}
                 with_guess(row, skewed, max(budget, floor))
+                with_compiled(row, skewed, max(budget, floor))
                 bound(row, row["routed"])
                 add(row)
     print(f"wrote {path}")

@@ -978,6 +978,9 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
                 + (f"decode sampled at temperature {r['temperature']:g}, seeded" if r.get("temperature") else "greedy decode")
                 + f"; guess prefetch N = {r.get('expert_prefetch', c['num_experts_per_tok'])}")
         rows, skewed, peers = [], [], []
+        compiled_run = "all_resident_compiled_ms_per_token" in r
+        if compiled_run:
+            head += f"; all-resident decode compiled {r['all_resident_compiled_ms_per_token']:.2f} ms/token"
         for row in r["rows"]:
             if row.get("routing") == "peer":
                 on_gpu = row.get("weights_on_gpu_bytes", row.get("gpu_peak_bytes"))
@@ -995,6 +998,10 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
                       f"{routed['expert_bytes_per_token'] / 2**30:.2f}", f"{routed['ms_per_token']:.1f}", f"{row['routed_bound_ms_per_token']:.1f}",
                       f"{row['routed_ratio_to_bound']:.2f}",
                       f"{guessed['ms_per_token']:.1f} ({guessed['cache_hit_rate']:.0%} hits, {guessed['expert_bytes_per_token'] / 2**30:.2f} GiB)" if guessed else "-", used]
+            if compiled_run:
+                c = row.get("routed, compiled")
+                common.append(f"{c['ms_per_token']:.1f} ({row['compiled_ratio_to_bound']:.2f}; {row['compiled_speedup']:.2f} x)"
+                              + ("" if row["compiled_same_tokens"] else ", other tokens") if c else "- (weights stream)")
             if row.get("routing", "uniform") == "skewed":
                 skewed.append(common)
                 continue
@@ -1003,6 +1010,8 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
                                   "yes" if row["same_tokens"] else "NO"])
         headers = ["budget", "GiB", "routed: streamed GiB/token", "experts on the device (per block)", "decode cache hits",
                    "experts over the bus GiB/token", "ms/token", "bound ms", "ratio", "guess prefetched: ms/token (hits, experts over the bus)", "guesses used"]
+        if compiled_run:
+            headers.append("decode compiled: ms/token (ratio to its bound; speed-up)")
         parts.append(head + "\n\nUniform routing (the random router):\n\n"
                      + tabulate(rows, headers=headers + ["all experts: streamed GiB/token", "ms/token", "speed-up", "same tokens"], tablefmt="github", disable_numparse=True))
         if skewed:
@@ -1180,8 +1189,11 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
            "holds experts: whole tables where they fit, else a device cache of the same number of slots per block, least recently used evicted; "
            "the hit rate counts decode steps' lookups. Rows with a cache are measured again with `expert_prefetch=N` (N in each shape's line): "
            "each block scores the next block's experts a layer early (the next norm and router on this layer's residual stream) and, once its "
-           "own experts are queued, prefetches the N best scored that the next block's cache lacks on a side stream, while the next attention "
-           "runs; guesses used counts the prefetched experts a lookup then read. Skewed rows: the same checkpoint with its routers biased (the script's docstring says how) and exported again.",
+           "own experts are queued, prefetches the next block's predicted top-k on a side stream, at most N of them missing from its cache, while the next attention "
+           "runs; guesses used counts the prefetched experts a lookup then read. Where a budget holds every weight but the routed experts, "
+           "the row is measured again with decode compiled into one TorchInductor graph (`compiled=(\"decode\",)`, the experts' op inside it), "
+           "against the same bound with the compiled all-resident decode; its float32 fusions round differently from the executor's bf16 ops, "
+           "so its tokens are compared apart (\"other tokens\" where they part). Skewed rows: the same checkpoint with its routers biased (the script's docstring says how) and exported again.",
     "batch": "`hostswap.batching.BatchGenerator` on a program exported with `max_batch_size` = the row's sequences (`bench/batch.py`); the bound "
              "is max(bytes streamed per step / pinned H2D, the all-resident step at that batch). transformers' `generate` runs batched with "
              "every weight on the GPU, in the same process.",

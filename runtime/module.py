@@ -151,8 +151,10 @@ class Module:
 
     ``compiled=True`` (or the names of methods) runs each method as one graph compiled by
     TorchInductor instead of a kernel per instruction (runtime/compiled_method.py): for a
-    program held whole on the device, such as a speculative draft, whose steps are bound by
-    their kernel launches. It needs every weight resident; the first call compiles.
+    program whose steps are bound by their kernel launches, such as a speculative draft held
+    whole, or an MoE model whose weights but its routed experts fit. It needs every weight the
+    pool would stream resident (routed experts may be read in place or through a cache, by
+    their op inside the graph); the first call compiles.
     ``compiled_where_possible``: a method that cannot be compiled runs as the executor runs it,
     with a warning, instead of failing.
 
@@ -280,11 +282,13 @@ class Module:
         self._host_read = {fqn: self.ptd.host_tensor(fqn).to(self.device, copy=True) if fqn in on_device
                            else self.ptd.device_view(fqn, self.device) if self.device.type == "cuda" else self.ptd.host_tensor(fqn)
                            for fqn in self.schedule.host_read}
-        if self._compiled_names and (self.pool.streamed_weights() or self.expert_caches
-                                     or any(b.block not in self.resident_experts for b in self.schedule.expert_blocks)):
-            need = self.schedule.all_resident_budget_bytes + self._expert_table_bytes() + self.expert_scratch_bytes
-            raise ValueError(f"compiled needs every weight resident on the device: weight_offload_budget_mb={(self.budget_bytes + self.expert_scratch_bytes) / 2**20:.1f} "
-                             f"streams some; {self.pte_path} needs {need / 2**20:.1f} MiB to hold all")
+        # routed experts are read by their op (in place from host memory, or through a device
+        # cache): an opaque call in a compiled graph; a weight the pool streams is not
+        if self._compiled_names and self.pool.streamed_weights():
+            need = self.schedule.all_resident_budget_bytes + self.expert_scratch_bytes
+            raise ValueError(f"compiled needs every weight but routed experts resident on the device: weight_offload_budget_mb="
+                             f"{(self.budget_bytes + self.expert_scratch_bytes) / 2**20:.1f} streams some; {self.pte_path} needs "
+                             f"{need / 2**20:.1f} MiB to hold them")
         self._executors: dict[str, MethodExecutor] = {}
         self._probed: dict[str, _ProbedMethod] = {}
         # Program state (buffers the methods mutate, a KV cache): one zeroed device tensor

@@ -193,6 +193,32 @@ def test_with_the_guess_each_block_prefetches_the_next_and_the_tokens_stay(moe):
             llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=budget / MB, device="cpu", expert_prefetch=top_k + 1)
 
 
+@pytest.mark.parametrize("budget", ["in place", "cache"])
+def test_compiled_decode_reads_routed_experts_in_place_and_through_a_cache(moe, budget):
+    """Decode compiled into one inductor graph (runtime/compiled_method.py) with the routed
+    experts' op inside it: read in place from host memory (every other weight resident), or
+    through the cache with the guess prefetching. The tokens stay transformers'."""
+    from hostswap.runtime.compiled_method import CompiledExecutor
+
+    decode = moe.schedules["decode"]
+    scratch = max(s.expert_scratch_bytes for s in moe.schedules.values())
+    mb = (decode.resident_bytes + scratch if budget == "in place" else moe.cached) / MB
+    prompt = _prompt(7)
+    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=mb, device="cpu", compiled=(llm.DECODE,), expert_prefetch=budget == "cache") as g:
+        assert isinstance(g.module._probed[llm.DECODE].executor, CompiledExecutor)
+        assert bool(g.module.expert_caches) == (budget == "cache") and not g.module.resident_experts
+        out = g.generate(prompt, 12, eos_token_id=[])
+        reads = g.stats["expert_reads"].values()
+    assert torch.equal(out, moe.transformers_tokens(prompt, 12)), out.tolist()
+    assert all(r["experts"] > 0 and r["hits"] + r["misses"] == r["experts"] for r in reads)
+    assert all((r["cache_hits"] > 0) == (budget == "cache") for r in reads)
+
+
+def test_compiled_refuses_a_budget_that_streams_other_weights(moe):
+    with pytest.raises(ValueError, match=r"compiled needs every weight but routed experts resident.*needs [0-9.]+ MiB to hold them"):
+        llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.floor / MB, device="cpu", compiled=(llm.DECODE,))
+
+
 def test_generate_command_takes_expert_prefetch_and_names_a_bad_count(moe, capsys):
     from hostswap import cli
 
@@ -202,6 +228,14 @@ def test_generate_command_takes_expert_prefetch_and_names_a_bad_count(moe, capsy
     assert re.search(r"of decode lookups hit since load, (\d+% of \d+ guessed experts read|no guessed expert was missing)\)", capsys.readouterr().err)
     assert cli.main([*common, "--expert-prefetch", str(top_k + 1)]) == 2
     assert f"hostswap generate: expert_prefetch asks {top_k + 1} guessed experts per block" in capsys.readouterr().err
+    # decode compiled, the experts' op inside its graph: the same tokens as the executor's run here
+    assert cli.main([*common, "--expert-prefetch", "1", "--compiled"]) == 0
+    compiled = capsys.readouterr()
+    assert cli.main(common) == 0
+    assert compiled.out == capsys.readouterr().out
+    at_floor = [*common[:3], str(moe.floor / MB), *common[4:]]
+    assert cli.main([*at_floor, "--compiled"]) == 2
+    assert "hostswap generate: compiled needs every weight but routed experts resident" in capsys.readouterr().err
 
 
 def test_a_guess_is_the_predicted_top_k_with_at_most_n_experts_the_cache_lacks():
