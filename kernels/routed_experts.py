@@ -20,7 +20,10 @@ Three ways through, chosen by the call's tokens (and whether a CUDA graph is bei
   as transformers' eager experts loop does; a block with a cache then gets the last row's
   experts into it (``fill``), for the decode step that follows;
 - **dense** (several tokens while a CUDA graph is captured: a batched decode step): every expert applied to every token, weighted by its routing weight (zero
-  where not picked); each expert read once, with no host sync and no gathered copies.
+  where not picked); each expert read once, with no host sync and no gathered copies. Where
+  the step's (token, expert) pairs are fewer than the experts, it runs as pairs read in place
+  instead (each pair its expert's rows, no host sync either): fewer bytes, and each token's
+  arithmetic that of its decode step alone, whatever its companions.
 
 A decode step also gives the cache of the next routed block (``next_block``) a guess at its
 experts: ``next_logits``, that block's router applied to this layer's residual stream
@@ -136,9 +139,17 @@ def _check_ids(ids: torch.Tensor, num_experts: int, block: str) -> None:
 
 
 def _reads_in_place(hidden, gate_up, down) -> bool:
-    """Whether one token's pairs run as products read in place (kernels/routed_gemv.py): on
-    CUDA with Triton. Elsewhere the picked rows are gathered and multiplied batched."""
-    return hidden.shape[0] == 1 and routed_gemv_supports(hidden, gate_up) and routed_gemv_supports(hidden, down)
+    """Whether the pairs run as products read in place (kernels/routed_gemv.py): on CUDA with
+    Triton. Elsewhere the picked rows are gathered and multiplied batched."""
+    return routed_gemv_supports(hidden, gate_up) and routed_gemv_supports(hidden, down)
+
+
+def reads_pairs_when_captured(tokens: int, top_k: int, num_experts: int, in_place: bool) -> bool:
+    """Whether a captured call of several tokens (a batched decode step) reads its (token,
+    expert) pairs in place rather than every expert: where its pairs are fewer than the
+    experts. Each pair reads its expert's rows, so two tokens that pick one expert read it
+    twice; below that count the pairs still read fewer bytes than every expert once."""
+    return in_place and tokens * top_k < num_experts
 
 
 def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, fill=None):
@@ -149,11 +160,11 @@ def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activat
     read from the sources and fill as they go (products read in place only)."""
     tokens, k = ids.shape
     flat = ids.reshape(-1)
-    # one token's vector is shared by its picks where the products are read in place
     gemv = _reads_in_place(hidden, gate_up, down)
     if fill is not None and not gemv:
         raise AssertionError("only products read in place fill a cache's missed rows")
-    selected = hidden if gemv else hidden.repeat_interleave(k, dim=0)
+    # one token's vector is shared by its picks where the products are read in place
+    selected = hidden if gemv and tokens == 1 else hidden.repeat_interleave(k, dim=0)
     gate_up_source, down_source = fill[0] if fill is not None else (None, None)
 
     def linear(x, table, bias, source):
@@ -239,6 +250,9 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
     if cache is not None:
         cache.settle()  # no prefetch is left unjoined (a CUDA graph's capture must end on one stream)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot learn the union
+        if reads_pairs_when_captured(*top_k_index.shape, num_experts, _reads_in_place(hidden, gate_up, down)):
+            _record(block, top_k_index.numel(), unit_bytes(*tables))
+            return _pairs(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
         _record(block, num_experts, unit_bytes(*tables))
         return _dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
     out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)

@@ -616,3 +616,16 @@ def test_two_modules_in_two_threads_read_their_own_expert_caches(tmp_path_factor
     finally:
         for g in generators:
             g.close()
+
+
+def test_a_captured_batched_step_reads_pairs_only_where_they_are_fewer_than_the_experts():
+    """A graphed batched decode step reads its (token, expert) pairs in place where they are
+    fewer than the experts (4 tokens of top-8 of 128: 32 reads), else every expert once;
+    off CUDA (no products read in place) always every expert."""
+    from hostswap.kernels.routed_experts import reads_pairs_when_captured
+
+    assert reads_pairs_when_captured(4, 8, 128, in_place=True)
+    assert not reads_pairs_when_captured(16, 8, 128, in_place=True)  # 128 pairs: every expert once reads as much, once each
+    assert not reads_pairs_when_captured(4, 2, 8, in_place=True)
+    assert reads_pairs_when_captured(3, 2, 8, in_place=True)
+    assert not reads_pairs_when_captured(4, 8, 128, in_place=False)

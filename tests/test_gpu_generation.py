@@ -238,6 +238,43 @@ def test_batched_decode_graphed_gives_each_sequence_its_own_tokens(tmp_path):
             assert together == single
 
 
+def test_batched_moe_decode_graphed_reads_pairs_or_every_expert(tmp_path):
+    """A batched decode step of an MoE model, graphed, its experts read in place from host
+    memory: with 2 slots of top-2 of 8 experts the step reads its 4 (token, expert) pairs; with
+    4 slots (8 pairs, as many as the experts) every expert once. Each sequence gets its tokens
+    alone in the same program, and with pairs the batch-1 program's (the same products). Five
+    prompts join and leave."""
+    import hostswap.llm as llm
+    from hostswap import batching
+    from test_experts import MOE
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 11, 3, 8, 6)]
+
+    def model():
+        torch.manual_seed(0)
+        return MOE["Qwen3-MoE"]().eval()
+
+    one_pte, one_ptd = llm.export(model(), tmp_path / "one", max_seq_len=64, prefill_chunk=8)
+    floor = hostswap.schedules.load_floor_bytes(hostswap.schedules.load_weight_schedules(one_pte))
+    with llm.Generator(one_pte, one_ptd, weight_offload_budget_mb=floor / MB, device="cuda") as one:
+        single = [one.generate(torch.tensor([p]), 10, eos_token_id=[])[0, len(p):].tolist() for p in prompts]
+    for slots, reads_per_block in ((2, 2 * 2), (4, 8)):
+        pte, ptd = batching.export(model(), tmp_path / f"b{slots}", max_seq_len=64, max_batch_size=slots, prefill_chunk=8)
+        floor = hostswap.schedules.load_floor_bytes(hostswap.schedules.load_weight_schedules(pte))
+        with batching.BatchGenerator(pte, ptd, weight_offload_budget_mb=floor / MB, device="cuda") as b:
+            assert b.module.cuda_graph and not b.module.expert_caches and not b.module.resident_experts
+            alone = [b.generate([p], 10, eos_token_id=[])[0] for p in prompts]
+            together = b.generate(prompts, 10, eos_token_id=[])
+            # what each replay of the decode graph reads, per block: its pairs, or every expert
+            replay = b.module._probed[batching.DECODE].replay_expert_reads
+            assert replay and all(r.calls == 1 and r.experts == reads_per_block for r in replay.values()), replay
+        # a row's arithmetic does not depend on its companions (the program computes every slot)
+        assert together == alone, (slots, together, alone)
+        if slots == 2:  # the batch-1 step's products, pair by pair
+            assert together == single, (together, single)
+
+
 def test_speculative_decode_on_the_device_gives_the_plain_greedy_tokens(tmp_path):
     """fp32 Qwen2-shaped target at its floor with a verify method of 5 tokens, and two drafts
     held on the device: the target's own weights (every proposal accepted: 5 tokens per pass)
