@@ -140,6 +140,8 @@ def _export_llm(args) -> int:
     return 0
 
 
+COMPILED_HELP = ("run decode as one TorchInductor graph: fewer, fused kernels, for a budget that holds every weight but the routed "
+                 "experts (the first load compiles)")
 EXPERT_PREFETCH_HELP = ("MoE: each block with an expert cache prefetches the N experts it lacks that the block before it scores highest "
                         "(default 0: none; pays where experts are small, see docs/design.md)")
 
@@ -261,7 +263,7 @@ def _serve(args) -> int:
 
     try:
         serve(base, budget_mb=args.budget_mb, device=device, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("HOSTSWAP_API_KEY"),
-              max_queue=args.max_queue, model_id=args.model_id, on_ready=ready, expert_prefetch=args.expert_prefetch)
+              max_queue=args.max_queue, model_id=args.model_id, on_ready=ready, expert_prefetch=args.expert_prefetch, compiled=args.compiled)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"hostswap serve: {e}", file=sys.stderr)
         return 2
@@ -327,9 +329,7 @@ def main(argv=None) -> int:
                    help="with --draft, greedy: draft the next round while each verify pass streams the weights (default: on a GPU)")
     g.add_argument("--policy", choices=["planned", "lru"], default="planned")
     g.add_argument("--expert-prefetch", type=int, default=0, metavar="N", help=EXPERT_PREFETCH_HELP)
-    g.add_argument("--compiled", action="store_true",
-                   help="run decode as one TorchInductor graph: fewer, fused kernels, for a budget that holds every weight but the routed "
-                        "experts (the first load compiles)")
+    g.add_argument("--compiled", action="store_true", help=COMPILED_HELP)
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     g.set_defaults(func=_generate)
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over a program written by export-llm")
@@ -342,6 +342,7 @@ def main(argv=None) -> int:
     sv.add_argument("--model-id", help="the model name clients send (default: the program's file name)")
     sv.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     sv.add_argument("--expert-prefetch", type=int, default=0, metavar="N", help=EXPERT_PREFETCH_HELP)
+    sv.add_argument("--compiled", action="store_true", help=COMPILED_HELP)
     sv.set_defaults(func=_serve)
     d = sub.add_parser("demo", help="streamed generation with a built-in random-weight transformers Llama (no downloads)")
     d.add_argument("--out", default="out", help="folder for demo.pte / demo.ptd (default: out)")

@@ -146,3 +146,23 @@ def test_bad_requests_and_programs_are_named(tmp_path_factory, tmp_path):
         batching.BatchGenerator(pte, ptd, weight_offload_budget_mb=64, device="cpu")
     with pytest.raises(llm.GenerationError, match="max_batch_size must be a positive int, got 0"):
         batching.export(build(BY_NAME["Llama"])[0], tmp_path / "zero", max_seq_len=16, max_batch_size=0)
+
+
+@pytest.mark.parametrize("name", ["Llama", "Mixtral"])
+def test_batched_decode_compiled_gives_the_executors_tokens(name, tmp_path_factory):
+    """Batched decode compiled into one inductor graph (``compiled=("decode",)``, what
+    ``serve --compiled`` asks for), the experts' op inside it for Mixtral: each sequence's
+    tokens are those the executor's run of the same program gives."""
+    from hostswap.runtime.compiled_method import CompiledExecutor
+
+    key = (name, None)
+    if key not in _built:
+        _built[key] = Batched(name, None, tmp_path_factory.mktemp(name))
+    b = _built[key]
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    outs = []
+    for compiled in (False, ("decode",)):
+        with batching.BatchGenerator(b.pte, b.ptd, weight_offload_budget_mb=b.total / 2**20, device="cpu", compiled=compiled) as g:
+            assert isinstance(g.module._probed["decode"].executor, CompiledExecutor) == bool(compiled)
+            outs.append(g.generate(prompts, 8, eos_token_id=[]))
+    assert outs[0] == outs[1], outs

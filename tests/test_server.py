@@ -297,3 +297,16 @@ def test_a_batched_program_serves_concurrent_streams_continuously(program, tmp_p
         assert metrics["hostswap_active_sequences"] == 0
     finally:
         s.stop()
+
+
+def test_a_server_with_decode_compiled_answers_as_the_program_does(program, reference):
+    """``serve --compiled``: decode runs as one inductor graph; a greedy completion is the
+    text the same program generates run a kernel per instruction."""
+    base, tokenizer = program
+    s = Server(base, "--api-key", KEY, "--compiled")
+    try:
+        ids = tokenizer(PROMPTS[0])["input_ids"]
+        done = s.client().completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+        assert done.choices[0].text == reference(ids, 12)
+    finally:
+        s.stop()
