@@ -142,7 +142,7 @@ def _export_llm(args) -> int:
 
 COMPILED_HELP = ("run decode as one TorchInductor graph: fewer, fused kernels, for a budget that holds every weight but the routed "
                  "experts (the first load compiles)")
-EXPERT_PREFETCH_HELP = ("MoE: each block with an expert cache prefetches the N experts it lacks that the block before it scores highest "
+EXPERT_PREFETCH_HELP = ("MoE: each block with an expert cache prefetches the top-k the block before it predicts, at most N of them missing "
                         "(default 0: none; pays where experts are small, see docs/design.md)")
 
 

@@ -25,9 +25,9 @@ until its rows are in. So the block before it guesses them (``guess``, ``prefetc
 routed-experts kernel of block L scores block L+1's experts with L+1's own router on L's
 residual stream (a layer early), and once L's products are queued, the cache brings the best
 scored experts it lacks in on a side stream, while L+1's attention runs and the bus would
-otherwise be idle. The guess names L+1's whole predicted top-k: the cached experts among them
-come in as hits, which the placement holds, so a guessed miss never evicts what the same
-guess predicts L+1 will read. L+1's lookup waits for that copy (``settle``) and then misses only where
+otherwise be idle. The guess names L+1's whole predicted top-k, at most ``prefetching`` of it
+missing: the cached experts among them come in as hits, which the placement holds, so a
+guessed miss never evicts what the same guess predicts L+1 will read. L+1's lookup waits for that copy (``settle``) and then misses only where
 the guess was wrong. The guess copies a few experts (``prefetching``, at most the block's top-k): the
 bus is idle for about one attention, and a guess that has not landed when the lookup comes
 holds the step up, whether it was right or wrong. A guessed expert takes the least recently

@@ -143,8 +143,8 @@ class Module:
     ``cuda_graph`` then fails unless ``cuda_graph_where_possible``). The lru policy keeps every
     streamed weight pinned.
 
-    ``expert_prefetch=N`` (``True``: 1) has each MoE block with a device cache prefetch the N
-    experts it lacks that the block before it scores highest, a layer early, while the
+    ``expert_prefetch=N`` (``True``: 1) has each MoE block with a device cache prefetch the
+    top-k the block before it predicts, at most N of them missing, a layer early, while the
     attention between them runs (runtime/expert_cache.py). Off by default: it pays where an
     expert moves over the bus in about an attention's time (many small experts) and the guess
     is mostly right; a big expert (Mixtral's) moved on a wrong guess costs more than it saves.
