@@ -677,8 +677,8 @@ class Generator:
         if lookups:
             prefetched = sum(r["prefetched"] for r in cached)
             guessed = f", {sum(r['prefetch_hits'] for r in cached) / prefetched:.0%} of {prefetched} guessed experts read" if prefetched else ""
-            if not prefetched and any(r["prefetch"] for r in cached):  # guessing, but every guess found its experts cached
-                guessed = ", no guessed expert was missing"
+            if not prefetched and any(r["prefetch"] for r in cached):  # guessing, but no guess found an expert missing (or none ran)
+                guessed = ", no guessed expert copied"
             disk += (f" (expert cache: {min(r['cache_slots'] for r in cached)} experts a block on the device, "
                      f"{sum(r['cache_hits'] for r in cached) / lookups:.0%} of decode lookups hit since load{guessed})")
         once = f"load {s['load_s']:.2f} s" + (f", warm-up {s['warm_up_s']:.2f} s" if s["warm_up_s"] is not None else ", no warm-up (the first call's costs are in its times)")

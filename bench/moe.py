@@ -17,8 +17,8 @@ same run, or the all-resident decode where that is slower. Where the budget leav
 beyond the streamed weights, experts take it (whole tables, or a device cache per block), and
 a row records the decode steps' cache hit rate. Where a row has a cache it is measured twice:
 as it is by default, and with each block's guess at the next block's experts prefetched
-(``expert_prefetch=--prefetch``: the best scored experts the cache lacks, that many a block and
-step); the row records how many prefetched experts a lookup then read. The routed bound counts the
+(``expert_prefetch=--prefetch``: the next block's predicted top-k, at most that many of it
+missing from its cache); the row records how many prefetched experts a lookup then read. The routed bound counts the
 experts a token needed over the bus (its misses, prefetched or not), not wrong guesses. On a
 GPU, a row whose budget holds every weight but the routed experts is also measured with decode
 compiled into one TorchInductor graph (``compiled=("decode",)``, the experts' op inside it),
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default=None, help="folder for the checkpoint and programs (default: a temporary one)")
     parser.add_argument("--peers", default="accelerate,airllm", help="peers to measure on a GPU (comma-separated; empty: none)")
     parser.add_argument("--peer-tokens", type=int, default=6, help="new tokens per peer measurement")
-    parser.add_argument("--prefetch", type=int, default=1, help="guessed experts a block prefetches per step in the rows measured again with the guess (0: none)")
+    parser.add_argument("--prefetch", type=int, default=1, help="missing experts a block's guess may prefetch per step in the rows measured again with the guess (0: none)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)

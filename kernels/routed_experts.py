@@ -101,6 +101,19 @@ def using_caches(caches: dict):
     return _setting("caches", caches)
 
 
+def warming_a_graph():
+    """While the body runs, calls take the paths a CUDA graph's capture will take: the
+    forwards before a capture launch its kernels once outside it (compiling and loading a
+    Triton kernel is no work to capture)."""
+    return _setting("warming", True)
+
+
+def _graph_paths(hidden: torch.Tensor) -> bool:
+    """Whether a call of several tokens must take a path without host syncs: captured in a
+    CUDA graph, or the warm-up forward before the capture."""
+    return hidden.is_cuda and (torch.cuda.is_current_stream_capturing() or bool(getattr(_context, "warming", False)))
+
+
 def _record(block: str, experts: int, unit_bytes: int) -> None:
     recorder = getattr(_context, "recorder", None)
     if recorder is not None:
@@ -249,7 +262,7 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
         return out
     if cache is not None:
         cache.settle()  # no prefetch is left unjoined (a CUDA graph's capture must end on one stream)
-    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot learn the union
+    if _graph_paths(hidden):  # a graph cannot learn the union
         if reads_pairs_when_captured(*top_k_index.shape, num_experts, _reads_in_place(hidden, gate_up, down)):
             _record(block, top_k_index.numel(), unit_bytes(*tables))
             return _pairs(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)

@@ -68,7 +68,7 @@ class ExpertCache:
         self.nbytes = slots * unit_bytes
         self.tables: tuple[torch.Tensor | None, ...] | None = None  # made at the first lookup, in the kernel's order of tables
         self.sources: tuple[torch.Tensor | None, ...] | None = None  # the block's tables, as the first lookup gave them
-        self.prefetching = int(prefetch)  # guessed experts brought in per call of ``guess`` (0: none)
+        self.prefetching = int(prefetch)  # missing experts a guess may bring in per call (0: none)
         # the bookkeeping as one Triton kernel (default: on CUDA where Triton is there) or torch ops
         self.fused = (device.type == "cuda" and triton_available()) if fused is None else fused
         # a prefetch runs beside the compute on the GPU; on the CPU in line (the same bookkeeping)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import threading
 import time
@@ -11,7 +12,7 @@ import weakref
 
 import torch
 
-from hostswap.kernels.routed_experts import ExpertReads, recording_reads, using_caches
+from hostswap.kernels.routed_experts import ExpertReads, recording_reads, using_caches, warming_a_graph
 from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, free_memory, total_memory
 from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
@@ -206,7 +207,7 @@ class Module:
         self._compiled_names = self._method_names("compiled", compiled)
         self._compiled_where_possible = bool(compiled_where_possible)
         if self._compiled_names and policy != "planned":
-            raise ValueError("compiled needs policy='planned': it runs a method with every weight resident")
+            raise ValueError("compiled needs policy='planned': it runs a method with every weight but routed experts resident")
         if graphed and self.device.type != "cuda":
             raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
         # the floor at load is the largest of the methods' floors, plus the device scratch a
@@ -285,10 +286,11 @@ class Module:
         # routed experts are read by their op (in place from host memory, or through a device
         # cache): an opaque call in a compiled graph; a weight the pool streams is not
         if self._compiled_names and self.pool.streamed_weights():
-            need = self.schedule.all_resident_budget_bytes + self.expert_scratch_bytes
+            # the pool holds every weight from its aligned bytes on (and the floor in any case); the scratch is beside it
+            need = max(max(s.resident_bytes for s in self.schedules.values()), max(s.floor_bytes for s in self.schedules.values())) + self.expert_scratch_bytes
             raise ValueError(f"compiled needs every weight but routed experts resident on the device: weight_offload_budget_mb="
                              f"{(self.budget_bytes + self.expert_scratch_bytes) / 2**20:.1f} streams some; {self.pte_path} needs "
-                             f"{need / 2**20:.1f} MiB to hold them")
+                             f"{math.ceil(need / 2**20 * 10) / 10:.1f} MiB to hold them")
         self._executors: dict[str, MethodExecutor] = {}
         self._probed: dict[str, _ProbedMethod] = {}
         # Program state (buffers the methods mutate, a KV cache): one zeroed device tensor
@@ -455,7 +457,7 @@ class Module:
             # measured tail decides how many fills each replay carries into the next. Inputs
             # are bound for each: a forward may reuse an input's arena slot once it is read.
             for _ in range(2):
-                with torch.cuda.stream(side):
+                with torch.cuda.stream(side), warming_a_graph():  # the capture's paths, launched once
                     self._run_forward(method, device_inputs)
                 torch.cuda.synchronize(self.device)
             method.static_inputs = [executor.values[v] for v in executor.plan.inputs]
