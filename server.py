@@ -195,6 +195,7 @@ class Engine:
         if stats.tokens_per_second is not None:
             self.metrics.decode_tokens_per_second = stats.tokens_per_second
             self.metrics.bytes_streamed_per_step = stats.bytes_streamed_per_token or 0.0
+        self.active = 0  # before the final event: a client that reads the metrics once its response ends sees it gone
         self._finish(job, text, finish, count, stopped)
 
     def _finish(self, job: Job, text: TextStream, finish: str, count: int, stopped: bool) -> None:
@@ -281,6 +282,7 @@ class Engine:
             return
         self.generator.release(sequence)
         del running[slot]
+        self.active = len(running)  # before the final event: a client that reads the metrics once its response ends sees it gone
         self._finish(job, text, "stop" if stopped or token in sequence.eos else "length", len(sequence.tokens), stopped)
 
     def close(self) -> None:
