@@ -232,16 +232,30 @@ def test_oversized_body_unknown_route_and_a_missing_key(server):
 
 
 def test_a_client_that_disconnects_frees_its_sequence(server, program, reference):
-    before = server.metrics()["hostswap_cancelled_total"]
-    request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 80, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    response = urllib.request.urlopen(request, timeout=60)
-    assert response.readline().startswith(b"data: ")
-    response.close()  # mid-stream
-    deadline = time.time() + 60
-    while server.metrics()["hostswap_cancelled_total"] == before and time.time() < deadline:
-        time.sleep(0.2)
-    assert server.metrics()["hostswap_cancelled_total"] == before + 1
+    def disconnect_mid_stream() -> str:
+        """Close a stream after its first event; what became of it: "cancelled", or "completed"
+        where the tiny model's 80 tokens were all out before the server saw the disconnect
+        (a busy machine can starve its event loop that long)."""
+        before = server.metrics()
+        request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 80, "stream": True}).encode(),
+                                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        response = urllib.request.urlopen(request, timeout=60)
+        assert response.readline().startswith(b"data: ")
+        response.close()  # mid-stream
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            now = server.metrics()
+            for outcome in ("cancelled", "completed"):
+                if now[f"hostswap_{outcome}_total"] > before[f"hostswap_{outcome}_total"]:
+                    assert now[f"hostswap_{outcome}_total"] == before[f"hostswap_{outcome}_total"] + 1
+                    return outcome
+            time.sleep(0.2)
+        raise AssertionError("the stream was neither cancelled nor completed in 60 s")
+
+    outcomes = []
+    while len(outcomes) < 3 and "cancelled" not in outcomes:
+        outcomes.append(disconnect_mid_stream())
+    assert "cancelled" in outcomes, outcomes
     assert server.metrics()["hostswap_active_sequences"] == 0
     # the sequence cut short leaves nothing behind: the next completion is the program's own
     after = server.client().completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=6).choices[0].text
