@@ -226,11 +226,12 @@ def main(argv=None) -> int:
         floor = load_floor_bytes(routed)
         whole_floor = load_floor_bytes(whole)
         prompt = torch.randint(0, config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-        resident = generate(*programs["routed"], max(total + max(s.expert_scratch_bytes for s in routed.values()), floor), prompt, args.new_tokens, device, args.temperature)
+        everything = max(total + max(s.expert_scratch_bytes for s in routed.values()), floor)
+        resident = generate(*programs["routed"], everything, prompt, args.new_tokens, device, args.temperature)
         result["all_resident_ms_per_token"] = resident["ms_per_token"]
         if device.type == "cuda":  # decode compiled into one inductor graph (the experts' op inside it): the bound of the compiled rows
-            result["all_resident_compiled_ms_per_token"] = generate(*programs["routed"], max(total + max(s.expert_scratch_bytes for s in routed.values()), floor),
-                                                                    prompt, args.new_tokens, device, args.temperature, compiled=True)["ms_per_token"]
+            result["all_resident_compiled_ms_per_token"] = generate(*programs["routed"], everything, prompt, args.new_tokens, device, args.temperature,
+                                                                    compiled=True)["ms_per_token"]
         result["sampling_warmed_up"] = True  # the Generator's warm-up launched the sampling kernels: the first sampled decode is steady-state too
         budgets = (("floor", floor), ("25%", total // 4), ("50%", total // 2))
         bandwidth = result["pinned_h2d_bytes_per_s"]
@@ -257,21 +258,20 @@ def main(argv=None) -> int:
             row["compiled_speedup"] = row["routed"]["ms_per_token"] / c["ms_per_token"]
             # inductor fuses in float32 what the executor rounds to bf16 op by op: its tokens may part, so they are told apart
             row["compiled_same_tokens"] = c["tokens"] == row["routed"]["tokens"]
-            if bandwidth:
-                transfer = (c["bytes_streamed_per_token"] + c["needed_expert_bytes_per_token"]) / bandwidth * 1e3
-                row["compiled_bound_ms_per_token"] = max(transfer, result["all_resident_compiled_ms_per_token"])
-                row["compiled_ratio_to_bound"] = c["ms_per_token"] / row["compiled_bound_ms_per_token"]
+            bound(row, c, "compiled", result["all_resident_compiled_ms_per_token"])
 
         def add(row):
             """Record the row, printed without the token lists."""
             measured = [n for n in row if isinstance(row[n], dict)]
             add_row(result, row, path, shown={k: v for k, v in row.items() if k not in measured} | {n: {k: v for k, v in row[n].items() if k != "tokens"} for n in measured})
 
-        def bound(row, r):
+        def bound(row, r, name="routed", resident_ms=None):
+            """``<name>_bound_ms_per_token``: max(the all-resident decode of the same mode, the
+            bytes run ``r`` needed over the bus at the pinned bandwidth), and r's ratio to it."""
             if bandwidth:
                 transfer = (r["bytes_streamed_per_token"] + r["needed_expert_bytes_per_token"]) / bandwidth * 1e3
-                row["routed_bound_ms_per_token"] = max(transfer, resident["ms_per_token"])
-                row["routed_ratio_to_bound"] = r["ms_per_token"] / row["routed_bound_ms_per_token"]
+                row[f"{name}_bound_ms_per_token"] = max(transfer, resident["ms_per_token"] if resident_ms is None else resident_ms)
+                row[f"{name}_ratio_to_bound"] = r["ms_per_token"] / row[f"{name}_bound_ms_per_token"]
 
         for budget_name, budget in budgets:
             row = {"routing": "uniform", "budget": budget_name, "budget_bytes": max(budget, floor)}
