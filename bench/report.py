@@ -1089,6 +1089,27 @@ def batch_headline(paths: list[str]) -> str:
     return line + f" ({r['environment'].get('gpu')})."
 
 
+def moe_batch_section(paths: list[str], plot_path: str | None) -> str:
+    """A row per (sequences, budget, mode): a batched MoE step through the expert caches against
+    the same pairs read in place, each against its bound."""
+    r = json.load(open(paths[0]))
+    bandwidth = r.get("pinned_h2d_bytes_per_s")
+    head = (f"{r['shape']} shape, {r['layers']} layers, {r['experts']} experts, top-{r['top_k']}, {r['checkpoint']['bytes'] / 2**30:.2f} GiB bf16 checkpoint; "
+            f"prompts of {r['prompt']} tokens, {r['new_tokens']} decode steps timed, sampled at temperature {r['temperature']:g}, seeded; "
+            f"{_machine(r['environment'])}" + (f"; pinned H2D {bandwidth / 1e9:.1f} GB/s" if bandwidth else ""))
+    rows = []
+    for row in r["rows"]:
+        rows.append([row["batch"], row["budget"], row["mode"], f"{row['budget_bytes'] / 2**30:.2f}", "-" if not row.get("cache_slots") else row["cache_slots"][0],
+                     "-" if row.get("cache_hit_rate") is None else f"{row['cache_hit_rate']:.1%}", f"{row['expert_bytes_per_step'] / 2**20:.0f}",
+                     f"{row['ms_per_step']:.2f}", f"{row['tokens_per_s']:.0f}", f"{row['bound_ms_per_step']:.2f}" if "bound_ms_per_step" in row else "",
+                     f"{row['ratio_to_bound']:.2f}" if "ratio_to_bound" in row else "",
+                     f"{row['speedup_over_in_place']:.2f}" if "speedup_over_in_place" in row else "",
+                     "" if "same_tokens" not in row else "yes" if row["same_tokens"] else "no"])
+    headers = ["sequences", "budget", "experts", "GiB", "cache slots per block", "step cache hits", "experts over the bus MiB/step", "ms/step", "tokens/s",
+               "bound ms", "ratio", "x in place", "tokens as all resident"]
+    return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
 def serve_section(paths: list[str], plot_path: str | None) -> str:
     r = json.load(open(paths[0]))
     head = (f"Llama {r['layers']} layers (bf16, random weights, no end-of-sequence token), budget {r['budget']} ({r['budget_bytes'] / 2**20:.0f} MiB), "
@@ -1139,13 +1160,13 @@ def fsdp_section(paths: list[str], plot_path: str | None) -> str:
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
             "export": export_section, "tiers": disk_tier_section, "load": load_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
             "speculative": speculative_section, "drafts": draft_cost_section, "tp": tensor_parallel_section,
-            "fsdp": fsdp_section, "guess": guess_section}
+            "fsdp": fsdp_section, "guess": guess_section, "moebatch": moe_batch_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
           "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "load": "Load time against depth", "moe": "Mixture of experts: only the routed experts",
           "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding",
           "drafts": "What a resident draft's decode step costs",
           "tp": "Tensor-parallel streaming over several GPUs", "fsdp": "Sharded training (FSDP2) with host offloads",
-          "guess": "MoE: the next-layer guess and the expert cache, traced"}
+          "guess": "MoE: the next-layer guess and the expert cache, traced", "moebatch": "MoE: batched decode through the expert caches"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "guess": "`bench/expert_guess.py`: transformers' own forward of the MoE bench's shape (made to fit a CPU) with bench/moe.py's random "
@@ -1197,6 +1218,13 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "batch": "`hostswap.batching.BatchGenerator` on a program exported with `max_batch_size` = the row's sequences (`bench/batch.py`); the bound "
              "is max(bytes streamed per step / pinned H2D, the all-resident step at that batch). transformers' `generate` runs batched with "
              "every weight on the GPU, in the same process.",
+    "moebatch": "`hostswap.batching.BatchGenerator` on a random MoE checkpoint exported with `max_batch_size` = the row's sequences, its "
+                "experts read in place (`bench/moe_batch.py`); decode graphed. With a cache (\"cache\"), each block's step looks its tokens' picks "
+                "up in turn, as many tokens at a time as its slots hold every pick of, copies the misses into slots and multiplies each "
+                "(token, expert) pair from its slot; \"in place\" is the same program at the same budget with the caches withheld, every pair "
+                "read from the tables in mapped host memory. The program steps every slot, so each row's pairs are the sequences times top-k. "
+                "Hits count the timed steps' lookups; experts over the bus are their misses. The bound is max(the all-resident step at that "
+                "batch, experts over the bus per step / pinned H2D of the same run).",
     "serve": "`hostswap serve` in a subprocess with concurrent streaming `/v1/completions` requests through the `openai` client, against "
              "`BatchGenerator.generate` on the same program and budget (`bench/serve.py`); both timed from the first request to the last "
              "token, prefill included.",

@@ -23,7 +23,9 @@ Three ways through, chosen by the call's tokens (and whether a CUDA graph is bei
   where not picked); each expert read once, with no host sync and no gathered copies. Where
   the step's (token, expert) pairs are fewer than the experts, it runs as pairs read in place
   instead (each pair its expert's rows, no host sync either): fewer bytes, and each token's
-  arithmetic that of its decode step alone, whatever its companions.
+  arithmetic that of its decode step alone, whatever its companions. A block with an expert
+  cache runs its pairs from the cache's slots instead, its tokens looked up in turn: a miss
+  crosses the bus once per step however many tokens pick it, and a hit not at all.
 
 A decode step also gives the cache of the next routed block (``next_block``) a guess at its
 experts: ``next_logits``, that block's router applied to this layer's residual stream
@@ -110,8 +112,8 @@ def warming_a_graph():
 
 def _graph_paths(hidden: torch.Tensor) -> bool:
     """Whether a call of several tokens must take a path without host syncs: captured in a
-    CUDA graph, or the warm-up forward before the capture."""
-    return hidden.is_cuda and (torch.cuda.is_current_stream_capturing() or bool(getattr(_context, "warming", False)))
+    CUDA graph, or a warm-up forward before a capture (on any device: the paths are device ops)."""
+    return bool(getattr(_context, "warming", False)) or (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _record(block: str, experts: int, unit_bytes: int) -> None:
@@ -233,6 +235,24 @@ def _dense(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activat
     return out.to(hidden.dtype)
 
 
+def _cached_pairs(hidden, ids, weights, tables, cache, activate, transposed):
+    """A captured call of several tokens (a batched decode step) through the block's expert
+    cache: each token looks its top-k up in turn, its misses copied into slots (a later token
+    that picks the same expert then hits it), and each (token, expert) pair is multiplied from
+    its slot. As many tokens at a time as the slots hold every pick of: a token's lookup evicts
+    the least recently used slots, never those the tokens before it in the group just stamped,
+    so a group's slots all hold its picks when its products read them; the next group's
+    lookups come after those products on the stream."""
+    tokens, k = ids.shape
+    group = max(1, cache.slots // k)
+    out = []
+    for start in range(0, tokens, group):
+        end = min(tokens, start + group)
+        rows = torch.cat([cache.lookup(ids[t], tables)[0] for t in range(start, end)]).view(end - start, k)
+        out.append(_pairs(hidden[start:end], rows, weights[start:end], *cache.tables, activate, transposed))
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
 def _prefetch_next(caches, next_block: str, next_logits: torch.Tensor | None) -> None:
     """Queue the next routed block's guessed experts into its cache (when it has one)."""
     cache = caches.get(next_block) if caches and next_block and next_logits is not None else None
@@ -263,6 +283,9 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
     if cache is not None:
         cache.settle()  # no prefetch is left unjoined (a CUDA graph's capture must end on one stream)
     if _graph_paths(hidden):  # a graph cannot learn the union
+        if cache is not None:
+            _record(block, top_k_index.numel(), unit_bytes(*tables))
+            return _cached_pairs(hidden, top_k_index, top_k_weights, tables, cache, gate_of, transposed)
         if reads_pairs_when_captured(*top_k_index.shape, num_experts, _reads_in_place(hidden, gate_up, down)):
             _record(block, top_k_index.numel(), unit_bytes(*tables))
             return _pairs(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)

@@ -35,6 +35,9 @@ used slot and counts as never used until a lookup reads it, so a wrong guess is 
 ``fresh`` marks the slots a prefetch filled until a lookup reads them, so ``stats`` can say
 how many guesses were used (``prefetch_hits``) against those made (``prefetched``).
 
+A captured batched decode step (several tokens, kernels/routed_experts.py) looks its tokens
+up one after another, misses copied in by the lookup, and reads every pair from the slots.
+
 A prefill chunk reads its union in place, not through the cache; it then ``fill``s the cache
 with its last row's experts, stamped as a lookup would stamp them, so the first decode step
 finds the experts the latest token used, as every later step does (``filled`` counts them).

@@ -104,3 +104,24 @@ def test_the_guess_keeps_the_predicted_cached_experts_where_the_lacking_one_evic
     assert cache.guess(scores).tolist() == [3, 7]
     cache.prefetch(cache.guess(scores))
     assert sorted(e for e in cache.expert_of.tolist() if e < 8) == [1, 3, 7]  # 0, the least recently used apart from 3, went
+
+
+def test_moe_batch_bench_measures_each_budget_with_its_caches_and_with_them_withheld(tmp_path):
+    """bench/moe_batch.py on the tiny shape on the CPU: an all-resident row, then each budget with
+    its caches and with them withheld (the context restores the placement after); the result
+    file renders."""
+    import hostswap.runtime.module as runtime_module
+
+    moe_batch = bench_scripts.load("moe_batch")
+    place = runtime_module.place_experts
+    with moe_batch.caches_withheld():
+        assert runtime_module.place_experts(None, 0, None) == (frozenset(), {})
+    assert runtime_module.place_experts is place
+    assert moe_batch.main(["--shape", "tiny", "--layers", "2", "--batches", "2", "--budgets", "50%", "--new-tokens", "3", "--prompt", "5",
+                           "--device", "cpu", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "moebatch_cpu.json").read_text())["rows"]
+    assert [(r["batch"], r["budget"], r["mode"]) for r in rows] == [(2, "all", "all resident"), (2, "50%", "cache"), (2, "50%", "in place")]
+    assert all(r["ms_per_step"] > 0 and len(r["tokens"]) == 2 for r in rows)
+    assert rows[1]["same_tokens"] and rows[2]["same_tokens"] and rows[1]["speedup_over_in_place"] > 0
+    section = bench_scripts.load("report").moe_batch_section([str(tmp_path / "moebatch_cpu.json")], None)
+    assert "tiny shape, 2 layers, 4 experts, top-2" in section and "| in place " in section

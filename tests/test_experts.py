@@ -635,3 +635,37 @@ def test_a_captured_batched_step_reads_pairs_only_where_they_are_fewer_than_the_
     assert not reads_pairs_when_captured(4, 2, 8, in_place=True)
     assert reads_pairs_when_captured(3, 2, 8, in_place=True)
     assert not reads_pairs_when_captured(4, 8, 128, in_place=False)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 5])
+def test_a_captured_batched_step_runs_its_pairs_from_the_cache(tokens):
+    """A batched decode step's path without host syncs (``warming_a_graph`` takes it on any
+    device) through a block's cache of 5 slots for top-2 of 8: tokens looked up in turn, two at
+    a time (the slots hold 2 tokens' picks), each pair multiplied from its slot. The output is
+    the pairs read from the tables; the cache counts a lookup per token, an expert two tokens of
+    one group pick is copied once, and every slot holds its expert's rows."""
+    from hostswap.kernels.routed_experts import _pairs, gate, recording_reads, routed_experts, using_caches, warming_a_graph
+
+    experts, k, slots, hidden_size, inner = 8, 2, 5, 6, 4
+    gen = torch.Generator().manual_seed(tokens)
+    gate_up, down = torch.randn(experts, 2 * inner, hidden_size, generator=gen), torch.randn(experts, hidden_size, inner, generator=gen)
+    cache = ExpertCache("block", experts, (2 * inner * hidden_size + hidden_size * inner) * 4, slots, k, torch.device("cpu"))
+    activate = lambda x: gate(x, "silu", True, False, 0.0, 0.0)  # noqa: E731
+    reads = {}
+    for step in range(4):
+        hidden = torch.randn(tokens, hidden_size, generator=gen)
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+        if tokens > 1:
+            ids[1] = ids[0].flip(0)  # the second token picks the first one's experts: hits within a group
+        weights = torch.softmax(torch.randn(tokens, k, generator=gen), dim=-1)
+        before = cache.counts()
+        with warming_a_graph(), using_caches({"block": cache}), recording_reads(reads):
+            out = routed_experts(hidden, ids, weights, gate_up, down, None, None, "silu", True, False, False, 0.0, 0.0, "block")
+        torch.testing.assert_close(out, _pairs(hidden, ids, weights, gate_up, down, None, None, activate, False), atol=1e-5, rtol=1e-5)
+        hits, misses = (a - b for a, b in zip(cache.counts()[:2], before[:2]))
+        assert hits + misses == tokens * k
+        if tokens > 1:
+            assert hits >= k  # the second token's picks: the first one's, copied in by its lookup
+        held = cache.expert_of.tolist()
+        assert all(torch.equal(cache.tables[0][s], gate_up[e]) and torch.equal(cache.tables[1][s], down[e]) for s, e in enumerate(held) if e < experts)
+    assert reads["block"].experts == 4 * tokens * k

@@ -275,6 +275,50 @@ def test_batched_moe_decode_graphed_reads_pairs_or_every_expert(tmp_path):
             assert together == single, (together, single)
 
 
+def test_batched_moe_decode_graphed_runs_its_pairs_from_the_expert_cache(tmp_path):
+    """A graphed batched decode step of 4 slots (top-2 of 8 experts) at a budget that gives each
+    block a cache of 5 slots: the tokens looked up two at a time, each pair multiplied from its
+    slot. Each sequence gets its tokens alone in the same program and the batch-1 program's; a
+    replay looks up every pick once (hits and misses add up to 4 x 2 per block) and the bus
+    carries the misses only."""
+    import hostswap.llm as llm
+    from hostswap import batching
+    from test_experts import MOE
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 11, 3, 8, 6)]
+
+    def model():
+        torch.manual_seed(0)
+        return MOE["Qwen3-MoE"]().eval()
+
+    def cached_budget(pte, slots):
+        schedules = hostswap.schedules.load_weight_schedules(pte)
+        decode = schedules["decode"]
+        scratch = max(s.expert_scratch_bytes for s in schedules.values())
+        return decode.resident_bytes + sum(slots * b.unit_bytes for b in decode.expert_blocks) + scratch
+
+    one_pte, one_ptd = llm.export(model(), tmp_path / "one", max_seq_len=64, prefill_chunk=8)
+    with llm.Generator(one_pte, one_ptd, weight_offload_budget_mb=cached_budget(one_pte, 5) / MB, device="cuda") as one:
+        assert all(c.slots == 5 for c in one.module.expert_caches.values())
+        single = [one.generate(torch.tensor([p]), 10, eos_token_id=[])[0, len(p):].tolist() for p in prompts]
+    pte, ptd = batching.export(model(), tmp_path / "b4", max_seq_len=64, max_batch_size=4, prefill_chunk=8)
+    with batching.BatchGenerator(pte, ptd, weight_offload_budget_mb=cached_budget(pte, 5) / MB, device="cuda") as b:
+        caches = b.module.expert_caches
+        assert b.module.cuda_graph and caches and all(c.slots == 5 and c.top_k == 2 for c in caches.values())
+        alone = [b.generate([p], 10, eos_token_id=[])[0] for p in prompts]
+        before = {block: c.counts() for block, c in caches.items()}
+        together = b.generate(prompts, 10, eos_token_id=[])
+        replay = b.module._probed[batching.DECODE].replay_expert_reads
+        assert replay and all(r.calls == 1 and r.experts == 4 * 2 for r in replay.values()), replay
+        steps = {block: sum(c.counts()[:2]) - sum(before[block][:2]) for block, c in caches.items()}
+        assert len(set(steps.values())) == 1 and next(iter(steps.values())) % 8 == 0 and next(iter(steps.values())) > 0, steps
+        reads = b.module.stats["expert_reads"]
+        assert all(0 < r["hits"] < r["experts"] and r["hits"] + r["misses"] == r["experts"] for r in reads.values()), reads
+    assert together == alone, (together, alone)
+    assert together == single, (together, single)
+
+
 def test_speculative_decode_on_the_device_gives_the_plain_greedy_tokens(tmp_path):
     """fp32 Qwen2-shaped target at its floor with a verify method of 5 tokens, and two drafts
     held on the device: the target's own weights (every proposal accepted: 5 tokens per pass)
