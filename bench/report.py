@@ -1018,6 +1018,13 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
             z = r["skewed_router"]
             parts.append(f"Skewed routing (routers biased to a Zipf-like popularity, exponent {z['exponent']:g} in units of the logit noise; `bench/moe.py`):\n\n"
                          + tabulate(skewed, headers=headers, tablefmt="github", disable_numparse=True))
+        serial = moe_serial_ratios(r)
+        if serial:
+            parts.append("A miss is known only once its block's router has run, so a row with a cache steps through the all-resident decode and "
+                         "its misses' bytes one after the other. Against that sum (all-resident decode of the same mode + the bytes the token "
+                         "needed over the bus / pinned H2D), the cached rows run at "
+                         + "; ".join(f"{mode} {min(v):.2f}" + (f" to {max(v):.2f}" if f"{max(v):.2f}" != f"{min(v):.2f}" else "") + " x"
+                                     for mode, v in serial.items()) + ".")
         if peers:
             parts.append("Peers on the same checkpoint, greedy decode. hostswap speed-up: the peer's ms/token over hostswap's routed row at that "
                          "budget (AirLLM: at hostswap's floor). Where accelerate's `device_map=\"auto\"` puts no weight on the GPU (0.00 GiB), "
@@ -1026,6 +1033,26 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
                          "layer at a time, every expert (GiB: its peak allocation):\n\n"
                          + tabulate(peers, headers=["peer", "budget", "weights on the GPU GiB", "ms/token", "hostswap speed-up"], tablefmt="github", disable_numparse=True))
     return "\n\n".join(parts)
+
+
+def moe_serial_ratios(r: dict) -> dict[str, list[float]]:
+    """Per mode (executor, compiled), each cached row's ms/token over its serial sum: the
+    all-resident decode of that mode plus the bytes its token needed over the bus at the pinned
+    bandwidth."""
+    bandwidth = r.get("pinned_h2d_bytes_per_s")
+    out: dict[str, list[float]] = {}
+    if not bandwidth:
+        return out
+    modes = (("executor", "routed", "all_resident_ms_per_token"), ("compiled", "routed, compiled", "all_resident_compiled_ms_per_token"))
+    for row in r["rows"]:
+        if row.get("routing") == "peer" or not row["routed"].get("cache_slots") or row["routed"].get("resident_blocks"):
+            continue
+        for mode, name, resident in modes:
+            measured = row.get(name)
+            if measured and r.get(resident):
+                moved = (measured["bytes_streamed_per_token"] + measured["needed_expert_bytes_per_token"]) / bandwidth * 1e3
+                out.setdefault(mode, []).append(measured["ms_per_token"] / (r[resident] + moved))
+    return out
 
 
 def guess_section(paths: list[str], plot_path: str | None) -> str:

@@ -208,3 +208,21 @@ def test_an_all_resident_moe_figure_measured_without_the_sampling_warm_up_is_fla
             result["sampling_warmed_up"] = True
         path.write_text(json.dumps(result))
         assert (flag in _report.moe_section([str(path)], None)) == (not warmed)
+
+
+def test_cached_moe_rows_are_set_against_the_all_resident_step_and_their_misses_in_series():
+    """A cached row at 6 ms with 2 ms all resident and 0.2 GB over the bus at 50 GB/s (4 ms):
+    1.00 x its serial sum; the compiled row against the compiled all-resident step. Rows whose
+    experts are whole on the device, or have no cache, and peers are left out."""
+    def run(ms, needed):
+        return {"ms_per_token": ms, "bytes_streamed_per_token": 0.0, "needed_expert_bytes_per_token": needed, "cache_slots": 3, "resident_blocks": 0}
+
+    r = {"pinned_h2d_bytes_per_s": 50e9, "all_resident_ms_per_token": 2.0, "all_resident_compiled_ms_per_token": 1.0,
+         "rows": [{"routing": "uniform", "routed": run(6.0, 2e8), "routed, compiled": run(6.5, 2e8)},
+                  {"routing": "uniform", "routed": {**run(9.0, 0.0), "cache_slots": 0}},
+                  {"routing": "uniform", "routed": {**run(2.0, 0.0), "resident_blocks": 2}},
+                  {"routing": "peer", "ms_per_token": 50.0}]}
+    ratios = _report.moe_serial_ratios(r)
+    assert ratios.keys() == {"executor", "compiled"}
+    assert abs(ratios["executor"][0] - 1.0) < 1e-9 and abs(ratios["compiled"][0] - 1.3) < 1e-9 and len(ratios["executor"]) == 1
+    assert _report.moe_serial_ratios({**r, "pinned_h2d_bytes_per_s": None}) == {}
