@@ -70,6 +70,13 @@ def _kernel():
     return routed_gemv
 
 
+def reads_in_place_on(device: torch.device, dtype: str) -> bool:
+    """Whether a decode step on ``device`` reads experts of tables of ``dtype`` (a name:
+    "bfloat16") where they lie, with no gathered copy: on CUDA with Triton, one floating dtype
+    (and activations of that dtype, as a model's are)."""
+    return device.type == "cuda" and getattr(torch, dtype, None) in DTYPES and triton_available()
+
+
 def supports(x: torch.Tensor, table: torch.Tensor) -> bool:
     """Whether ``routed_gemv`` runs this product: on CUDA with Triton, one floating dtype."""
     return x.is_cuda and table.is_cuda and x.dtype == table.dtype and table.dtype in DTYPES and table.dim() == 3 and triton_available()

@@ -8,7 +8,7 @@ import torch.fx
 
 from hostswap.passes.graph_facts import is_probe, underlying_op, views_and_readers
 from hostswap.schedules.custom_ops import ROUTED_EXPERTS_OPERATOR, ROUTED_EXPERTS_TABLES
-from hostswap.schedules.experts import ExpertBlock
+from hostswap.schedules.experts import ExpertBlock, shared_dtype
 from hostswap.schedules.weight_schedule import ScheduleError, WeightSchedule
 
 
@@ -17,7 +17,8 @@ def _op_name(target) -> str:
     return str(target) if op is None else f"{op._schema.name}.{op._overloadname}"
 
 
-def expert_blocks(graph: torch.fx.Graph, fqn_of_placeholder: Mapping[str, str], weight_bytes: Mapping[str, int], host_read: Sequence[str]) -> tuple[ExpertBlock, ...]:
+def expert_blocks(graph: torch.fx.Graph, fqn_of_placeholder: Mapping[str, str], weight_bytes: Mapping[str, int], host_read: Sequence[str],
+                  weight_dtypes: Mapping[str, str] | None = None) -> tuple[ExpertBlock, ...]:
     """The routed-experts kernels of a graph whose tables are read in place, in node order."""
     blocks = []
     for node in graph.nodes:
@@ -33,6 +34,7 @@ def expert_blocks(graph: torch.fx.Graph, fqn_of_placeholder: Mapping[str, str], 
             block=bound["block"], tables=tuple(tables), top_k=int(bound["top_k_index"].meta["val"].shape[-1]),
             tokens=int(bound["hidden"].meta["val"].shape[0]), num_experts=int(num_experts),
             unit_bytes=sum(int(weight_bytes[t]) for t in tables) // int(num_experts),
+            dtype=shared_dtype([weight_dtypes.get(t, "") for t in tables] if weight_dtypes else []),
         ))
     return tuple(blocks)
 
@@ -93,5 +95,5 @@ def schedule_from_graph(
         weight_dtypes=tuple(weight_dtypes[f] for f in fqns) if weight_dtypes else (),
         host_read=tuple(host_read),
         host_read_bytes=tuple(int(weight_bytes[f]) for f in host_read),
-        expert_blocks=expert_blocks(graph, fqn_of_placeholder, weight_bytes, host_read),
+        expert_blocks=expert_blocks(graph, fqn_of_placeholder, weight_bytes, host_read, weight_dtypes),
     )

@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from hostswap.kernels.routed_experts import ExpertReads, recording_reads, using_caches, warming_a_graph
+from hostswap.kernels.routed_gemv import reads_in_place_on
 from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, free_memory, total_memory
 from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
@@ -25,6 +26,7 @@ from hostswap.runtime.planned_pool import PlannedPool
 from hostswap.runtime.pool import PoolCreationError
 from hostswap.runtime.ptd import PtdFile, open_pair, verify_showing_progress
 from hostswap.schedules.artifacts import ArtifactError
+from hostswap.schedules.experts import expert_scratch_bytes
 from hostswap.schedules.policies import check_budget, plan_layout
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, read_program_bytes, torch_dtype
 from hostswap.schedules.serialization import decode_program
@@ -211,9 +213,11 @@ class Module:
         if graphed and self.device.type != "cuda":
             raise ValueError("cuda_graph=True needs policy='planned' on a CUDA device")
         # the floor at load is the largest of the methods' floors, plus the device scratch a
-        # routed-experts call gathers its picked experts into (outside the pool)
+        # routed-experts call gathers its picked experts into (outside the pool), where this
+        # device gathers them: on CUDA with Triton the products read them in place
         floor_schedule = max(self.schedules.values(), key=lambda s: s.floor_bytes)
-        self.expert_scratch_bytes = max(s.expert_scratch_bytes for s in self.schedules.values())
+        self.expert_scratch_bytes = max(expert_scratch_bytes(tuple(b for b in s.expert_blocks if not reads_in_place_on(self.device, b.dtype)))
+                                        for s in self.schedules.values())
         self.auto_budget = None  # what "auto" chose, and from what
         if weight_offload_budget_mb == AUTO:
             state_sizes, activations = self._arena_sizes()

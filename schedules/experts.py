@@ -5,8 +5,10 @@ tables that the router names: an expert is one row of each table, ``unit_bytes``
 The tables are outside the static order (they are read in place from host memory, as row
 gathers), so what a call reads is a count of units, not a list of weights:
 
-- a call of one token (a decode step) gathers its top-k experts' rows into device scratch,
-  with no host sync: ``top_k`` units;
+- a call of one token (a decode step) reads its top-k experts' rows, with no host sync:
+  ``top_k`` units. On CUDA with Triton its products read the rows where they lie; elsewhere
+  they are gathered into device scratch first, which the floor counts (``scratch_bytes``)
+  for a device that gathers;
 - a larger call (a prefill chunk, a batched decode step) reads each expert of the union once,
   in place (every expert once where the step is a CUDA graph, which cannot learn the union):
   at most ``num_experts`` units, no scratch.
@@ -31,6 +33,7 @@ class ExpertBlock:
     tokens: int  # tokens per call of the method
     num_experts: int  # rows of each table (from the program, not stored)
     unit_bytes: int  # one expert: a row of every table (from the program, not stored)
+    dtype: str = ""  # its tables' dtype where they share one, else "" (from the program, not stored)
 
     @property
     def table_bytes(self) -> int:
@@ -43,7 +46,8 @@ class ExpertBlock:
 
     @property
     def scratch_bytes(self) -> int:
-        """Device bytes one call gathers its experts into."""
+        """Device bytes one call gathers its experts into, where a device gathers them (one
+        whose products cannot read the picked rows in place: kernels/routed_gemv.py)."""
         return self.tokens * self.top_k * self.unit_bytes if self.gathers_pairs else 0
 
     @property
@@ -65,6 +69,11 @@ def check_expert_blocks(blocks: tuple[ExpertBlock, ...], host_read: tuple[str, .
             raise error(f"expert block '{b.block}' names tables {list(b.tables)}; each must be read in place (host_read)")
         if not (isinstance(b.top_k, int) and 0 < b.top_k <= b.num_experts) or not (isinstance(b.tokens, int) and b.tokens > 0):
             raise error(f"expert block '{b.block}' has top_k={b.top_k!r} of {b.num_experts} experts and tokens={b.tokens!r}")
+
+
+def shared_dtype(dtypes) -> str:
+    """The one dtype a block's tables share, else "" (none known, or several)."""
+    return dtypes[0] if dtypes and all(d == dtypes[0] for d in dtypes) else ""
 
 
 def expert_scratch_bytes(blocks: tuple[ExpertBlock, ...]) -> int:

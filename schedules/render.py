@@ -120,7 +120,8 @@ def _experts_tables(experts: dict) -> list[str]:
     return ["\nRouted experts (units chosen by the router at run time; read in place from host memory)",
             tabulate(rows, headers=["block", "experts", "top-k", "tokens / call", "MB / expert", "experts read / call", "scratch MB"], tablefmt="simple"),
             f"  expert bytes one call reads at the floor: {per_call} MB (every token's top-k; a chunk reads the union once); "
-            f"tables {_mb(experts['table_bytes'])} MB, outside the budget; floor adds {_mb(experts['scratch_bytes'])} MB of scratch"]
+            f"tables {_mb(experts['table_bytes'])} MB, outside the budget; floor adds {_mb(experts['scratch_bytes'])} MB of scratch where a decode "
+            "step gathers its picks (off CUDA; on CUDA with Triton its products read them in place and the floor adds none)"]
 
 
 def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host_budget_bytes: int | None = None) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from hostswap.schedules.artifacts import ArtifactError
-from hostswap.schedules.experts import ExpertBlock
+from hostswap.schedules.experts import ExpertBlock, shared_dtype
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, tensor_nbytes, torch_dtype
 from hostswap.schedules.weight_schedule import SCHEDULE_VERSION, ScheduleError, WeightSchedule
 
@@ -166,7 +166,8 @@ def _decode_expert_blocks(program, source: str, method: str, get, weights) -> tu
         num_experts = int(weights[own[0]].sizes[0]) if weights[own[0]].sizes else 0
         if num_experts <= 0 or any(not weights[t].sizes or int(weights[t].sizes[0]) != num_experts for t in own):
             raise ArtifactError(source, _key(method, EXPERT_TABLES), f"tables {list(own)} of block '{name}' do not stack the same number of experts")
-        blocks.append(ExpertBlock(name, own, k, n, num_experts, sum(tensor_nbytes(weights[t]) for t in own) // num_experts))
+        dtype = shared_dtype([str(torch_dtype(weights[t].scalar_type)).removeprefix("torch.") for t in own])
+        blocks.append(ExpertBlock(name, own, k, n, num_experts, sum(tensor_nbytes(weights[t]) for t in own) // num_experts, dtype))
     return tuple(blocks)
 
 

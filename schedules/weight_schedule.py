@@ -168,7 +168,8 @@ class WeightSchedule:
 
 
 def load_floor_bytes(schedules: dict[str, WeightSchedule]) -> int:
-    """The least budget, in bytes, that loads a program of these methods: the largest method's
-    floor, plus the largest routed-experts scratch (a device buffer outside the pool), as the
-    runtime checks it at load."""
+    """The least budget, in bytes, that loads a program of these methods on any device: the
+    largest method's floor, plus the largest routed-experts scratch (a device buffer outside
+    the pool) for a device that gathers a decode step's picks. On CUDA with Triton the products
+    read them in place, and the runtime checks the floor alone."""
     return max(s.floor_bytes for s in schedules.values()) + max(s.expert_scratch_bytes for s in schedules.values())

@@ -345,6 +345,28 @@ def test_floor_is_the_non_expert_floor_plus_one_layers_picks_and_named_when_shor
     assert f"expert cache of model.layers.1.mlp.experts: {moe.cache_slots} experts' slots" in decode.table(budget_bytes=moe.cached)
 
 
+def test_the_floor_adds_the_gathered_picks_only_on_a_device_that_gathers_them(tmp_path_factory, monkeypatch):
+    """A block's tables carry their dtype from export to the loaded schedule; a decode step on
+    CUDA with Triton reads float tables' picks in place, so the floor there adds no scratch.
+    Off CUDA, without Triton, or tables of another dtype (or none known), it does."""
+    from hostswap.kernels import routed_gemv
+    from hostswap.schedules.experts import shared_dtype
+
+    moe = _get("Mixtral", tmp_path_factory)
+    assert all(b.dtype == "float32" for s in moe.schedules.values() for b in s.expert_blocks)
+    assert shared_dtype(["bfloat16", "bfloat16"]) == "bfloat16" and shared_dtype(["bfloat16", "float32"]) == "" and shared_dtype([]) == ""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not routed_gemv.reads_in_place_on(cpu, "bfloat16")
+    monkeypatch.setattr(routed_gemv, "triton_available", lambda: True)
+    assert routed_gemv.reads_in_place_on(cuda, "bfloat16") and routed_gemv.reads_in_place_on(cuda, "float32")
+    assert not routed_gemv.reads_in_place_on(cuda, "int8") and not routed_gemv.reads_in_place_on(cuda, "")
+    monkeypatch.setattr(routed_gemv, "triton_available", lambda: False)
+    assert not routed_gemv.reads_in_place_on(cuda, "bfloat16")
+    # on the CPU the floor at load keeps the scratch (the floor test above refuses a byte less)
+    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.floor / MB, device="cpu") as g:
+        assert g.module.expert_scratch_bytes == moe.schedules["decode"].expert_scratch_bytes > 0
+
+
 def test_experts_take_the_same_slots_in_every_block_up_to_whole_tables():
     blocks = tuple(ExpertBlock(f"b{i}", (f"t{i}",), 2, 1, 8, 100) for i in range(3))
     assert plan_expert_cache(blocks, 599) == {"b0": 0, "b1": 0, "b2": 0}  # fewer than top-2 each: no cache

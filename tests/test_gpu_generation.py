@@ -175,10 +175,16 @@ def test_routed_experts_decode_graphed_on_the_device(name, tmp_path):
     runs = {}
     per_token = sum(b.top_k * b.unit_bytes for b in moe.schedules["decode"].expert_blocks)
     scratch = max(s.expert_scratch_bytes for s in moe.schedules.values())
-    in_place = moe.schedules["decode"].resident_bytes + scratch  # every weight but the experts on the device
+    # on CUDA the budget holds no gathered scratch: every weight but the experts on the device,
+    # and the test's cache slots beside them
+    in_place, cached = moe.schedules["decode"].resident_bytes, moe.cached - scratch
+    # on CUDA the products read each step's picks in place: the floor adds no gathered scratch
+    with pytest.raises(hostswap.runtime.BudgetError, match=rf"at least {moe.floor - scratch} bytes \("):
+        llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=(moe.floor - scratch - 1) / MB, device="cuda")
     for label, budget, graphed in (("floor graphed", moe.floor, True), ("floor eager", moe.floor, False), ("resident graphed", moe.everything, True),
-                                   ("cache graphed", moe.cached, True), ("cache eager", moe.cached, False), ("cache graphed, guess prefetched", moe.cached, True),
-                                   ("in place graphed, compiled", in_place, True), ("cache graphed, compiled, guess prefetched", moe.cached, True)):
+                                   ("in-place floor graphed", moe.floor - scratch, True),
+                                   ("cache graphed", cached, True), ("cache eager", cached, False), ("cache graphed, guess prefetched", cached, True),
+                                   ("in place graphed, compiled", in_place, True), ("cache graphed, compiled, guess prefetched", cached, True)):
         prefetch = label.endswith("prefetched")
         compiled = (llm.DECODE,) if "compiled" in label else False  # one inductor graph, the experts' op inside it
         with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=budget / MB, device="cuda", cuda_graph=graphed, expert_prefetch=prefetch,
@@ -189,6 +195,8 @@ def test_routed_experts_decode_graphed_on_the_device(name, tmp_path):
                 assert g.module._probed[llm.DECODE].compiled and not g.module.resident_experts
             if label == "floor graphed":
                 assert g.stats["expert_bytes_per_token"] == per_token
+            if label == "in-place floor graphed":
+                assert g.module.expert_scratch_bytes == 0 and not g.module.expert_caches and g.stats["expert_bytes_per_token"] == per_token
             if label.startswith("cache"):  # the device cache, looked up, filled and prefetched into inside the graph
                 reads = g.stats["expert_reads"]
                 assert all(r["cache_slots"] == moe.cache_slots and r["hits"] > 0 and r["hits"] + r["misses"] == r["experts"] for r in reads.values()), reads
@@ -292,11 +300,9 @@ def test_batched_moe_decode_graphed_runs_its_pairs_from_the_expert_cache(tmp_pat
         torch.manual_seed(0)
         return MOE["Qwen3-MoE"]().eval()
 
-    def cached_budget(pte, slots):
-        schedules = hostswap.schedules.load_weight_schedules(pte)
-        decode = schedules["decode"]
-        scratch = max(s.expert_scratch_bytes for s in schedules.values())
-        return decode.resident_bytes + sum(slots * b.unit_bytes for b in decode.expert_blocks) + scratch
+    def cached_budget(pte, slots):  # on CUDA no gathered scratch
+        decode = hostswap.schedules.load_weight_schedules(pte)["decode"]
+        return decode.resident_bytes + sum(slots * b.unit_bytes for b in decode.expert_blocks)
 
     one_pte, one_ptd = llm.export(model(), tmp_path / "one", max_seq_len=64, prefill_chunk=8)
     with llm.Generator(one_pte, one_ptd, weight_offload_budget_mb=cached_budget(one_pte, 5) / MB, device="cuda") as one:
