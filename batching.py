@@ -293,8 +293,14 @@ class BatchGenerator:
         Finished sequences leave their slots."""
         active = [s for s in self.slots if s is not None and s.decoding]
         if active:
+            # The program steps every slot, and each row writes its key and value at its
+            # position. An empty slot's row writes at 0, which a sequence that takes the slot
+            # overwrites first. A slot whose prompt is still coming in chunks holds its keys
+            # from 0 on: its row writes at the last position, which no sequence writes (a
+            # prompt and its new tokens but the last fill at most max_seq_len - 1 positions)
+            # and none attends to.
             ids = torch.zeros(self.max_batch_size, 1, dtype=torch.long)
-            positions = torch.zeros(self.max_batch_size, 1, dtype=torch.long)
+            positions = torch.tensor([[0 if s is None else self.max_seq_len - 1] for s in self.slots], dtype=torch.long)
             for s in active:
                 ids[s.slot, 0], positions[s.slot, 0] = s.tokens[-1], s.position
             (logits,) = self.module.run_method(DECODE, [ids, positions, torch.arange(self.max_batch_size)])

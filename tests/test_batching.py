@@ -166,3 +166,40 @@ def test_batched_decode_compiled_gives_the_executors_tokens(name, tmp_path_facto
             assert isinstance(g.module._probed["decode"].executor, CompiledExecutor) == bool(compiled)
             outs.append(g.generate(prompts, 8, eos_token_id=[]))
     assert outs[0] == outs[1], outs
+
+
+def test_a_prompt_prefilled_between_decode_steps_keeps_its_keys(tmp_path_factory):
+    """A server admits a long prompt chunk by chunk between the decode steps of the sequences
+    already running. The decode step runs every slot, the prefilling one too: its row must write
+    where the prompt's keys are not. The interleaved sequence's logits equal those it gets
+    prefilled at once, bitwise."""
+    batched = _built.get(CASES[0]) or Batched(*CASES[0], tmp_path_factory.mktemp("interleaved"))
+    running, long = _prompts([3], random_state=7)[0], _prompts([3 * CHUNK + 1], random_state=8)[0]
+
+    def logits(interleaved: bool) -> list[torch.Tensor]:
+        seen = []
+        with batching.BatchGenerator(batched.pte, batched.ptd, weight_offload_budget_mb=batched.total / MB, device="cpu") as b:
+            b.add(running, 12, eos_token_id=[])
+            if interleaved:
+                sequence = b.begin(long, 4, eos_token_id=[])
+                while not b.prefill_next(sequence):
+                    b.step()  # the others decode while the prompt is half in
+            else:
+                sequence = b.add(long, 4, eos_token_id=[])
+            original = b.module.run_method
+
+            def recording(name, inputs):
+                outputs = original(name, inputs)
+                if name == "decode":
+                    seen.append(outputs[0][sequence.slot].clone())
+                return outputs
+
+            b.module.run_method = recording
+            while not sequence.finished:
+                b.step()
+        return seen
+
+    at_once, interleaved = logits(False), logits(True)
+    assert len(at_once) == len(interleaved) == 3
+    for a, b_ in zip(at_once, interleaved):
+        assert torch.equal(a, b_)
