@@ -31,6 +31,8 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
             "kernels": schedule.num_kernels,
             "floor_bytes": schedule.load_floor_bytes,
             "floor_mb": mb_ceil(schedule.load_floor_bytes),
+            # where a device reads a decode step's picks in place (CUDA with Triton): no scratch
+            "floor_in_place_mb": mb_ceil(schedule.floor_bytes) if schedule.expert_scratch_bytes else None,
             "lru_window_bytes": floor.lru_bytes,
             "planned_ring_bytes": floor.ring_bytes,
             "pinned_bytes": floor.pinned_bytes,
@@ -136,7 +138,9 @@ def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host
                 ["total weight bytes", f"{s['total_bytes']} ({_mb(s['total_bytes'])} MB)"],
                 *([["  by dtype", ", ".join(f"{d} {_mb(b)} MB" for d, b in s["bytes_by_dtype"].items())]] if s.get("bytes_by_dtype") else []),
                 ["probes / kernels", f"{s['probes']} / {s['kernels']}"],
-                ["floor", f"{s['floor_bytes']} bytes (budget >= {s['floor_mb']} MB)"],
+                ["floor", f"{s['floor_bytes']} bytes (budget >= {s['floor_mb']} MB"
+                          + (f"; >= {s['floor_in_place_mb']} MB where a decode step reads its experts in place, as on CUDA with Triton)"
+                             if s["floor_in_place_mb"] is not None else ")")],
                 ["  lru window / planned ring", f"{s['lru_window_bytes']} / {s['planned_ring_bytes']} bytes"],
                 ["  pinned", f"{s['pinned_bytes']} bytes: {', '.join(s['pinned']) or '-'}"],
                 ["prefetch depth", s["prefetch_depth"]],

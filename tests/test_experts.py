@@ -338,6 +338,8 @@ def test_floor_is_the_non_expert_floor_plus_one_layers_picks_and_named_when_shor
     assert report["budget"]["loads"] and report["budget"]["resident_expert_blocks"] == []
     table = decode.table(budget_bytes=moe.everything)
     assert "Routed experts" in table and "model.layers.1.mlp.experts" in table
+    assert report["summary"]["floor_in_place_mb"] == -(-decode.floor_bytes // MB)
+    assert f">= {report['summary']['floor_in_place_mb']} MB where a decode step reads its experts in place, as on CUDA with Triton)" in table
     assert "2 of 2 blocks' tables on the device; a call reads 0.00 MB" in table
     assert max(s.all_resident_budget_bytes for s in moe.schedules.values()) == moe.everything
     cached = decode.to_dict(budget_bytes=moe.cached)["budget"]
