@@ -246,14 +246,8 @@ def test_batched_decode_graphed_gives_each_sequence_its_own_tokens(tmp_path):
             assert together == single
 
 
-def test_batched_moe_decode_graphed_reads_pairs_or_every_expert(tmp_path):
-    """A batched decode step of an MoE model, graphed, its experts read in place from host
-    memory: with 2 slots of top-2 of 8 experts the step reads its 4 (token, expert) pairs; with
-    4 slots (8 pairs, as many as the experts) every expert once. Each sequence gets its tokens
-    alone in the same program, and with pairs the batch-1 program's (the same products). Five
-    prompts join and leave."""
-    import hostswap.llm as llm
-    from hostswap import batching
+def _batched_moe_case():
+    """Five prompts of 3 to 11 tokens, and the tiny Qwen3-MoE (top-2 of 8 experts) they go through."""
     from test_experts import MOE
 
     g = torch.Generator().manual_seed(3)
@@ -262,6 +256,20 @@ def test_batched_moe_decode_graphed_reads_pairs_or_every_expert(tmp_path):
     def model():
         torch.manual_seed(0)
         return MOE["Qwen3-MoE"]().eval()
+
+    return prompts, model
+
+
+def test_batched_moe_decode_graphed_reads_pairs_or_every_expert(tmp_path):
+    """A batched decode step of an MoE model, graphed, its experts read in place from host
+    memory: with 2 slots of top-2 of 8 experts the step reads its 4 (token, expert) pairs; with
+    4 slots (8 pairs, as many as the experts) every expert once. Each sequence gets its tokens
+    alone in the same program, and with pairs the batch-1 program's (the same products). Five
+    prompts join and leave."""
+    import hostswap.llm as llm
+    from hostswap import batching
+
+    prompts, model = _batched_moe_case()
 
     one_pte, one_ptd = llm.export(model(), tmp_path / "one", max_seq_len=64, prefill_chunk=8)
     floor = hostswap.schedules.load_floor_bytes(hostswap.schedules.load_weight_schedules(one_pte))
@@ -291,14 +299,8 @@ def test_batched_moe_decode_graphed_runs_its_pairs_from_the_expert_cache(tmp_pat
     carries the misses only."""
     import hostswap.llm as llm
     from hostswap import batching
-    from test_experts import MOE
 
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 11, 3, 8, 6)]
-
-    def model():
-        torch.manual_seed(0)
-        return MOE["Qwen3-MoE"]().eval()
+    prompts, model = _batched_moe_case()
 
     def cached_budget(pte, slots):  # on CUDA no gathered scratch
         decode = hostswap.schedules.load_weight_schedules(pte)["decode"]
