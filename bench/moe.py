@@ -65,7 +65,7 @@ from hostswap import llm  # noqa: E402
 from hostswap.checkpoint import export_checkpoint, read_safetensors_header  # noqa: E402
 from hostswap.sampling import SamplingParams  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
-from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
+from hostswap.runtime.budget import load_floor_on  # noqa: E402
 
 
 def shape_config(shape: str):
@@ -223,8 +223,8 @@ def main(argv=None) -> int:
         routed = load_weight_schedules(programs["routed"][0])
         whole = load_weight_schedules(programs["all experts"][0])
         total = whole["decode"].total_bytes  # every weight, experts included
-        floor = load_floor_bytes(routed)
-        whole_floor = load_floor_bytes(whole)
+        floor = load_floor_on(routed, device)  # the least budget that loads on this device
+        whole_floor = load_floor_on(whole, device)
         prompt = torch.randint(0, config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
         everything = max(total + max(s.expert_scratch_bytes for s in routed.values()), floor)
         resident = generate(*programs["routed"], everything, prompt, args.new_tokens, device, args.temperature)

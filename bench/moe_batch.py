@@ -40,7 +40,7 @@ from hostswap import batching  # noqa: E402
 from hostswap.checkpoint import export_checkpoint  # noqa: E402
 from hostswap.sampling import SamplingParams  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
-from hostswap.schedules.weight_schedule import load_floor_bytes  # noqa: E402
+from hostswap.runtime.budget import load_floor_on  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -62,6 +62,7 @@ def measure(pte: str, ptd: str, budget_bytes: int, prompts: list[list[int]], new
         sequences = [b.add(p, new_tokens + 1, eos_token_id=[], sampling=sampling) for p in prompts]
         caches = b.module.expert_caches
         before = {block: c.counts()[:2] for block, c in caches.items()}
+        read_before = b.module.expert_bytes_read  # over the bus: misses, pairs or experts read in place
         sync(device)
         start = time.perf_counter()
         for _ in range(new_tokens):
@@ -70,17 +71,11 @@ def measure(pte: str, ptd: str, budget_bytes: int, prompts: list[list[int]], new
         seconds = time.perf_counter() - start
         hits = sum(c.counts()[0] - before[block][0] for block, c in caches.items())
         misses = sum(c.counts()[1] - before[block][1] for block, c in caches.items())
-        units = {e.block: e.unit_bytes for e in b.module.schedule.expert_blocks}
-        missed_bytes = sum((c.counts()[1] - before[block][1]) * units[block] for block, c in caches.items())
-        # blocks without a cache read every pair over the bus (resident blocks: none)
-        pairs_per_step = b.max_batch_size * max((e.top_k for e in b.module.schedule.expert_blocks), default=0)
-        in_place_bytes = sum(pairs_per_step * units[e.block] for e in b.module.schedule.expert_blocks
-                             if e.block not in caches and e.block not in b.module.resident_experts)
         assert all(len(s.tokens) == new_tokens + 1 for s in sequences)
         return {"ms_per_step": seconds / new_tokens * 1e3, "tokens_per_s": len(prompts) * new_tokens / seconds, "budget_bytes": budget_bytes,
                 "graphed": b.module.cuda_graph, "cache_slots": sorted({c.slots for c in caches.values()}),
                 "resident_blocks": len(b.module.resident_experts), "cache_hit_rate": hits / (hits + misses) if hits + misses else None,
-                "expert_bytes_per_step": missed_bytes / new_tokens + in_place_bytes,
+                "expert_bytes_per_step": (b.module.expert_bytes_read - read_before) / new_tokens,
                 "tokens": [s.tokens for s in sequences]}
 
 
@@ -117,7 +112,7 @@ def main(argv=None) -> int:
             schedules = load_weight_schedules(pte)
             decode = schedules["decode"]
             total = decode.resident_bytes + sum(e.table_bytes for e in decode.expert_blocks)  # every weight, experts included
-            floor = load_floor_bytes(schedules)
+            floor = load_floor_on(schedules, device)
             scratch_bytes = max(s.expert_scratch_bytes for s in schedules.values())
             resident = measure(pte, ptd, max(total + scratch_bytes, floor), prompts, args.new_tokens, device, args.temperature)
             add_row(result, {"batch": b, "budget": "all", "mode": "all resident", **resident}, path, shown={"batch": b, "budget": "all", "ms_per_step": resident["ms_per_step"]})

@@ -24,8 +24,10 @@ Three ways through, chosen by the call's tokens (and whether a CUDA graph is bei
   the step's (token, expert) pairs are fewer than the experts, it runs as pairs read in place
   instead (each pair its expert's rows, no host sync either): fewer bytes, and each token's
   arithmetic that of its decode step alone, whatever its companions. A block with an expert
-  cache runs its pairs from the cache's slots instead, its tokens looked up in turn: a miss
-  crosses the bus once per step however many tokens pick it, and a hit not at all.
+  cache runs its pairs from the cache's slots instead (where the products read in place), its
+  tokens looked up in turn: a miss crosses the bus once per group of tokens looked up
+  together however many of them pick it, and a hit not at all. A graphed verify pass of
+  speculative decoding (several tokens) takes the same path.
 
 A decode step also gives the cache of the next routed block (``next_block``) a guess at its
 experts: ``next_logits``, that block's router applied to this layer's residual stream
@@ -283,7 +285,8 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
     if cache is not None:
         cache.settle()  # no prefetch is left unjoined (a CUDA graph's capture must end on one stream)
     if _graph_paths(hidden):  # a graph cannot learn the union
-        if cache is not None:
+        if cache is not None and (_reads_in_place(hidden, gate_up, down) or not hidden.is_cuda):
+            # (a gathered copy of a group's picks on CUDA would be memory the floor does not hold)
             _record(block, top_k_index.numel(), unit_bytes(*tables))
             return _cached_pairs(hidden, top_k_index, top_k_weights, tables, cache, gate_of, transposed)
         if reads_pairs_when_captured(*top_k_index.shape, num_experts, _reads_in_place(hidden, gate_up, down)):

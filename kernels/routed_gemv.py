@@ -22,13 +22,14 @@ import functools
 import torch
 
 from hostswap.kernels.row_copy import triton_available
+from hostswap.schedules.experts import READ_IN_PLACE_DTYPES
 
 # outputs per program, and the stretch of the reduction it loads at a time: a program reads
 # BLOCK_N x K elements, enough in flight to keep the bus or the HBM busy on a few picks
 BLOCK_N = 16
 BLOCK_K = 128
 NUM_WARPS = 8
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = tuple(getattr(torch, name) for name in READ_IN_PLACE_DTYPES)
 
 tl = None  # triton.language, bound by the first _kernel(): this module imports without Triton
 
@@ -74,7 +75,7 @@ def reads_in_place_on(device: torch.device, dtype: str) -> bool:
     """Whether a decode step on ``device`` reads experts of tables of ``dtype`` (a name:
     "bfloat16") where they lie, with no gathered copy: on CUDA with Triton, one floating dtype
     (and activations of that dtype, as a model's are)."""
-    return device.type == "cuda" and getattr(torch, dtype, None) in DTYPES and triton_available()
+    return device.type == "cuda" and dtype in READ_IN_PLACE_DTYPES and triton_available()
 
 
 def supports(x: torch.Tensor, table: torch.Tensor) -> bool:

@@ -1,5 +1,6 @@
 """The companion runtime: .ptd mapping and registration, device pool, .pte executor."""
 
+from hostswap.runtime.budget import load_floor_on
 from hostswap.runtime.executor import MethodExecutor, ProgramError
 from hostswap.runtime.module import ConcurrentExecutionError, Module, ModuleClosedError
 from hostswap.runtime.lru_pool import LruPool
@@ -12,4 +13,5 @@ from hostswap.schedules.policies import BudgetError
 __all__ = [
     "ArtifactError", "BudgetError", "ConcurrentExecutionError", "HostRegistrationError", "LruPool", "MethodExecutor", "Module",
     "ModuleClosedError", "PlannedPool", "PoolCreationError", "PoolStats", "ProgramError", "PtdFile", "ScheduleDivergenceError", "WeightPool",
+    "load_floor_on",
 ]

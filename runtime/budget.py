@@ -16,6 +16,7 @@ import torch
 
 from hostswap.runtime.host_memory import available_host_memory
 from hostswap.runtime.pool import PoolCreationError
+from hostswap.schedules.experts import expert_scratch_bytes
 from hostswap.schedules.policies import BudgetError, mb_ceil
 
 AUTO = "auto"
@@ -127,3 +128,18 @@ def check_device_memory(device, weight_bytes: int, state_bytes: int, activation_
             f"activations {activation_bytes / 2**20:.1f} MiB. Lower weight_offload_budget_mb (the floor is the least) "
             "or export with a shorter max_seq_len (or fewer sequences, max_batch_size)"
         )
+
+
+def expert_scratch_on(schedules, device: torch.device) -> int:
+    """Device bytes, outside the pool, that a routed-experts call of these methods' schedules
+    gathers its picks into on ``device``: none for a block whose products read its picks in
+    place there (kernels/routed_gemv.py)."""
+    from hostswap.kernels.routed_gemv import reads_in_place_on
+
+    return max(expert_scratch_bytes(tuple(b for b in s.expert_blocks if not reads_in_place_on(device, b.dtype))) for s in schedules.values())
+
+
+def load_floor_on(schedules, device: torch.device) -> int:
+    """The least budget, in bytes, that loads a program of these methods' schedules on
+    ``device``: the largest method's floor plus what ``device`` gathers routed experts into."""
+    return max(s.floor_bytes for s in schedules.values()) + expert_scratch_on(schedules, device)

@@ -11,7 +11,7 @@ tensors updated by device ops, the same ops every step:
 - ``hits``/``misses``: counters, read by the host only when it asks for stats.
 
 A step looks its top-k up; each miss takes the least recently used slot that no hit of the
-same step holds, and its rows are copied from the tables in mapped host memory by a kernel
+same lookup holds, and its rows are copied from the tables in mapped host memory by a kernel
 that skips the hits (kernels/row_copy.py): a hit reads no host byte. The step's experts are
 then read from the slots. Where the routed-experts kernel reads its products in place (CUDA),
 it leaves the gate/up and down rows out of the lookup's copy (``left``) and its products fill

@@ -13,8 +13,7 @@ import weakref
 import torch
 
 from hostswap.kernels.routed_experts import ExpertReads, recording_reads, using_caches, warming_a_graph
-from hostswap.kernels.routed_gemv import reads_in_place_on
-from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, free_memory, total_memory
+from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, expert_scratch_on, free_memory, total_memory
 from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_host_tiers
@@ -26,7 +25,6 @@ from hostswap.runtime.planned_pool import PlannedPool
 from hostswap.runtime.pool import PoolCreationError
 from hostswap.runtime.ptd import PtdFile, open_pair, verify_showing_progress
 from hostswap.schedules.artifacts import ArtifactError
-from hostswap.schedules.experts import expert_scratch_bytes
 from hostswap.schedules.policies import check_budget, plan_layout
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, read_program_bytes, torch_dtype
 from hostswap.schedules.serialization import decode_program
@@ -216,8 +214,7 @@ class Module:
         # routed-experts call gathers its picked experts into (outside the pool), where this
         # device gathers them: on CUDA with Triton the products read them in place
         floor_schedule = max(self.schedules.values(), key=lambda s: s.floor_bytes)
-        self.expert_scratch_bytes = max(expert_scratch_bytes(tuple(b for b in s.expert_blocks if not reads_in_place_on(self.device, b.dtype)))
-                                        for s in self.schedules.values())
+        self.expert_scratch_bytes = expert_scratch_on(self.schedules, self.device)
         self.auto_budget = None  # what "auto" chose, and from what
         if weight_offload_budget_mb == AUTO:
             state_sizes, activations = self._arena_sizes()

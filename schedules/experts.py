@@ -10,8 +10,9 @@ gathers), so what a call reads is a count of units, not a list of weights:
   they are gathered into device scratch first, which the floor counts (``scratch_bytes``)
   for a device that gathers;
 - a larger call (a prefill chunk, a batched decode step) reads each expert of the union once,
-  in place (every expert once where the step is a CUDA graph, which cannot learn the union):
-  at most ``num_experts`` units, no scratch.
+  in place: at most ``num_experts`` units, no scratch. A CUDA graph cannot learn the union:
+  a captured batched step reads its (token, expert) pairs in place, through the block's
+  cache where it has one, or every expert once.
 
 With budget to spare once every streamed weight is resident, experts are kept on the device
 (``plan_expert_cache``): each block gets slots for as many experts as fit, its whole tables
@@ -21,6 +22,10 @@ where all do (resident), else a cache its decode steps look up and fill (runtime
 from __future__ import annotations
 
 import dataclasses
+
+# table dtypes whose picked rows a decode step's products read where they lie on CUDA with
+# Triton (kernels/routed_gemv.py): no gathered scratch there
+READ_IN_PLACE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +46,14 @@ class ExpertBlock:
 
     @property
     def gathers_pairs(self) -> bool:
-        """Its calls take the pair path: one token, its top-k gathered (no host sync)."""
+        """Its calls take the pair path: one token, its top-k read (gathered first where the
+        device cannot read them in place), no host sync."""
         return self.tokens == 1
+
+    @property
+    def read_in_place_on_cuda(self) -> bool:
+        """Whether a decode step on CUDA with Triton reads its picks where they lie (no scratch)."""
+        return self.dtype in READ_IN_PLACE_DTYPES
 
     @property
     def scratch_bytes(self) -> int:

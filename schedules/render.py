@@ -22,6 +22,7 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
     floor = schedule.floor
     kernel_bytes = schedule.kernel_weight_bytes()
     j = floor.floor_kernel
+    cuda_floor = schedule.floor_bytes + expert_scratch_bytes(tuple(b for b in schedule.expert_blocks if not b.read_in_place_on_cuda))
     report = {
         "summary": {
             "weights": len(schedule.fqns),
@@ -32,7 +33,7 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
             "floor_bytes": schedule.load_floor_bytes,
             "floor_mb": mb_ceil(schedule.load_floor_bytes),
             # where a device reads a decode step's picks in place (CUDA with Triton): no scratch
-            "floor_in_place_mb": mb_ceil(schedule.floor_bytes) if schedule.expert_scratch_bytes else None,
+            "floor_in_place_mb": mb_ceil(cuda_floor) if cuda_floor != schedule.load_floor_bytes else None,
             "lru_window_bytes": floor.lru_bytes,
             "planned_ring_bytes": floor.ring_bytes,
             "pinned_bytes": floor.pinned_bytes,
@@ -65,7 +66,7 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
         },
     }
     if budget_bytes is not None:
-        scratch = schedule.expert_scratch_bytes  # the budget's share for gathered experts (the runtime's split)
+        scratch = schedule.expert_scratch_bytes  # the budget's share for gathered experts (the split of a device that gathers them)
         loads = budget_bytes >= schedule.load_floor_bytes
         budget = {"budget_bytes": budget_bytes, "loads": loads}
         if loads:
@@ -123,7 +124,7 @@ def _experts_tables(experts: dict) -> list[str]:
             tabulate(rows, headers=["block", "experts", "top-k", "tokens / call", "MB / expert", "experts read / call", "scratch MB"], tablefmt="simple"),
             f"  expert bytes one call reads at the floor: {per_call} MB (every token's top-k; a chunk reads the union once); "
             f"tables {_mb(experts['table_bytes'])} MB, outside the budget; floor adds {_mb(experts['scratch_bytes'])} MB of scratch where a decode "
-            "step gathers its picks (off CUDA; on CUDA with Triton its products read them in place and the floor adds none)"]
+            "step gathers its picks (off CUDA; on CUDA with Triton its products read bf16, fp16 or fp32 tables in place and the floor adds none)"]
 
 
 def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host_budget_bytes: int | None = None) -> str:

@@ -96,13 +96,14 @@ class WeightSchedule:
 
     @property
     def expert_scratch_bytes(self) -> int:
-        """Device bytes a routed-experts call gathers picked experts into, at most: the
-        load-time floor is ``floor_bytes`` plus this."""
+        """Device bytes a routed-experts call gathers picked experts into, at most, on a device
+        that gathers them (runtime/budget.py ``expert_scratch_on`` says which)."""
         return expert_scratch_bytes(self.expert_blocks)
 
     @property
     def load_floor_bytes(self) -> int:
-        """The least budget that loads: the floor, plus the scratch of routed experts."""
+        """The least budget that loads on any device: the floor, plus the scratch of routed
+        experts (none where a device reads them in place: runtime/budget.py ``load_floor_on``)."""
         return self.floor_bytes + self.expert_scratch_bytes
 
     @property

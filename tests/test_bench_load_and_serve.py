@@ -117,11 +117,15 @@ def test_moe_batch_bench_measures_each_budget_with_its_caches_and_with_them_with
     with moe_batch.caches_withheld():
         assert runtime_module.place_experts(None, 0, None) == (frozenset(), {})
     assert runtime_module.place_experts is place
-    assert moe_batch.main(["--shape", "tiny", "--layers", "2", "--batches", "2", "--budgets", "50%", "--new-tokens", "3", "--prompt", "5",
+    assert moe_batch.main(["--shape", "tiny", "--layers", "2", "--batches", "2", "--budgets", "75%", "--new-tokens", "3", "--prompt", "5",
                            "--device", "cpu", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "moebatch_cpu.json").read_text())["rows"]
-    assert [(r["batch"], r["budget"], r["mode"]) for r in rows] == [(2, "all", "all resident"), (2, "50%", "cache"), (2, "50%", "in place")]
+    assert [(r["batch"], r["budget"], r["mode"]) for r in rows] == [(2, "all", "all resident"), (2, "75%", "cache"), (2, "75%", "in place")]
     assert all(r["ms_per_step"] > 0 and len(r["tokens"]) == 2 for r in rows)
     assert rows[1]["same_tokens"] and rows[2]["same_tokens"] and rows[1]["speedup_over_in_place"] > 0
+    # the budget gives each block a cache of 2 of its 4 experts; withheld, none
+    assert rows[1]["cache_slots"] == [2] and rows[2]["cache_slots"] == [] and rows[0]["resident_blocks"] == 2
+    # a CPU step is eager: it reads its union in place whatever the caches (the bytes come from the reads, not the lookups)
+    assert rows[0]["expert_bytes_per_step"] == 0 and rows[1]["expert_bytes_per_step"] > 0 and rows[2]["expert_bytes_per_step"] > 0
     section = bench_scripts.load("report").moe_batch_section([str(tmp_path / "moebatch_cpu.json")], None)
     assert "tiny shape, 2 layers, 4 experts, top-2" in section and "| in place " in section

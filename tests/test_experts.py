@@ -362,8 +362,14 @@ def test_the_floor_adds_the_gathered_picks_only_on_a_device_that_gathers_them(tm
     monkeypatch.setattr(routed_gemv, "triton_available", lambda: True)
     assert routed_gemv.reads_in_place_on(cuda, "bfloat16") and routed_gemv.reads_in_place_on(cuda, "float32")
     assert not routed_gemv.reads_in_place_on(cuda, "int8") and not routed_gemv.reads_in_place_on(cuda, "")
+    decode = moe.schedules["decode"]
+    # the floor a device loads with: the non-expert floor on CUDA with Triton, plus the scratch elsewhere
+    assert hostswap.runtime.load_floor_on(moe.schedules, cuda) == max(s.floor_bytes for s in moe.schedules.values()) == moe.floor - decode.expert_scratch_bytes
+    assert hostswap.runtime.load_floor_on(moe.schedules, cpu) == moe.floor
+    assert decode.to_dict()["summary"]["floor_in_place_mb"] == -(-decode.floor_bytes // MB)
     monkeypatch.setattr(routed_gemv, "triton_available", lambda: False)
     assert not routed_gemv.reads_in_place_on(cuda, "bfloat16")
+    assert hostswap.runtime.load_floor_on(moe.schedules, cuda) == moe.floor
     # on the CPU the floor at load keeps the scratch (the floor test above refuses a byte less)
     with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.floor / MB, device="cpu") as g:
         assert g.module.expert_scratch_bytes == moe.schedules["decode"].expert_scratch_bytes > 0
