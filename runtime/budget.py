@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from hostswap.kernels.routed_gemv import reads_in_place_on
 from hostswap.runtime.host_memory import available_host_memory
 from hostswap.runtime.pool import PoolCreationError
 from hostswap.schedules.experts import expert_scratch_bytes
@@ -134,8 +135,6 @@ def expert_scratch_on(schedules, device: torch.device) -> int:
     """Device bytes, outside the pool, that a routed-experts call of these methods' schedules
     gathers its picks into on ``device``: none for a block whose products read its picks in
     place there (kernels/routed_gemv.py)."""
-    from hostswap.kernels.routed_gemv import reads_in_place_on
-
     return max(expert_scratch_bytes(tuple(b for b in s.expert_blocks if not reads_in_place_on(device, b.dtype))) for s in schedules.values())
 
 
