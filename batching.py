@@ -204,6 +204,8 @@ class BatchGenerator:
 
         self.device = check_device_argument(device)
         graphed = self.device.type == "cuda" and policy == "planned" and cuda_graph is not False
+        # by default the decode step is graphed unless weights come from the disk (then eager)
+        module_options.setdefault("cuda_graph_where_possible", cuda_graph is None)
         self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=self.device, policy=policy,
                              cuda_graph=[DECODE] if graphed else False, **module_options)
         constants = {name: constant_method_outputs(self.module.program, name)
@@ -298,7 +300,10 @@ class BatchGenerator:
             # overwrites first. A slot whose prompt is still coming in chunks holds its keys
             # from 0 on: its row writes at the last position, which no sequence writes (a
             # prompt and its new tokens but the last fill at most max_seq_len - 1 positions)
-            # and none attends to.
+            # and none attends to. (An empty row of token 0 at position 0 picks the same MoE
+            # experts every step: it holds them in the expert caches but adds no misses. A row
+            # repeating a live one picks other experts, its keys being its own, and misses more:
+            # measured, docs/design.md.)
             ids = torch.zeros(self.max_batch_size, 1, dtype=torch.long)
             positions = torch.tensor([[0 if s is None else self.max_seq_len - 1] for s in self.slots], dtype=torch.long)
             for s in active:

@@ -645,6 +645,7 @@ class Generator:
             "prefill_ms": s.prefill_seconds * 1e3, "ms_per_token": s.ms_per_token, "tokens_per_s": s.tokens_per_second,
             "bytes_streamed_per_token": s.bytes_streamed_per_token, "bytes_from_disk_per_token": s.bytes_from_disk_per_token,
             "expert_bytes_per_token": s.expert_bytes_per_token, "expert_reads": module["expert_reads"],
+            "expert_host_cache": module["expert_host_cache"], "expert_disk_bytes_read": module["expert_disk_bytes_read"],
             "kv_cache_bytes": module["state_bytes"], "host_budget_bytes": module["host_budget_bytes"],
             "activation_arena_bytes": module["activation_arena_bytes"], "weight_budget_bytes": module["budget_bytes"],
             "hits": module["hits"], "misses": module["misses"], "bytes_h2d": module["bytes_h2d"],
@@ -660,8 +661,10 @@ class Generator:
                   f"host memory pinned for streaming {m['pinned_host_bytes'] / 2**20:.1f} MiB")
         auto = self.module.auto_budget
         tiers = self.module.tiers
-        eager = "; decode runs eagerly (no CUDA graph) while weights come from disk" if tiers.disk and self.device.type == "cuda" else ""
-        lines = ([] if auto is None else [auto.explain(self.device)]) + [memory, self.module.host_budget.explain(tiers) + eager]
+        experts = self.module.expert_host_plan
+        eager = ("; decode runs eagerly (no CUDA graph) while weights come from disk" if (tiers.disk or experts.on_disk) and self.device.type == "cuda" else "")
+        host = self.module.host_budget.explain(tiers) + (f"; {experts.explain()}" if self.module.schedule.expert_blocks else "")
+        lines = ([] if auto is None else [auto.explain(self.device)]) + [memory, host + eager]
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -669,7 +672,7 @@ class Generator:
         s = self.stats
         ms = f"{s['ms_per_token']:.2f} ms/token, {s['tokens_per_s']:.1f} tokens/s" if s["ms_per_token"] is not None else "one token"
         per_token = s["bytes_streamed_per_token"]
-        disk = f" ({s['bytes_from_disk_per_token'] / 2**20:.1f} MiB of it from disk)" if s["bytes_from_disk_per_token"] else ""
+        disk = f", {s['bytes_from_disk_per_token'] / 2**20:.1f} MiB/token from disk" if s["bytes_from_disk_per_token"] else ""
         if s["expert_bytes_per_token"]:
             disk += f", routed experts read in place {s['expert_bytes_per_token'] / 2**20:.1f} MiB/token"
         cached = [r for r in s["expert_reads"].values() if r["cache_policy"]]
@@ -681,6 +684,11 @@ class Generator:
                 guessed = ", no guessed expert copied"
             disk += (f" (expert cache: {min(r['cache_slots'] for r in cached)} experts a block on the device, "
                      f"{sum(r['cache_hits'] for r in cached) / lookups:.0%} of decode lookups hit since load{guessed})")
+        host = s["expert_host_cache"].values()
+        if host:  # experts read from the disk through pinned host slots
+            picks = sum(c["hits"] + c["misses"] for c in host)
+            disk += (f"; experts from disk: {min(c['slots'] for c in host)} a block in host memory, "
+                     f"{sum(c['hits'] for c in host) / max(1, picks):.0%} of picks found there since load")
         once = f"load {s['load_s']:.2f} s" + (f", warm-up {s['warm_up_s']:.2f} s" if s["warm_up_s"] is not None else ", no warm-up (the first call's costs are in its times)")
         return (f"prefill {s['prefill_ms']:.1f} ms ({s['prompt_tokens']} tokens), {ms}, {s['new_tokens']} new tokens; "
                 f"streamed {per_token / 2**20 if per_token is not None else 0:.1f} MiB/token{disk}; device memory: weights "

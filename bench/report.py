@@ -1137,6 +1137,30 @@ def moe_batch_section(paths: list[str], plot_path: str | None) -> str:
     return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
+def moe_disk_section(paths: list[str], plot_path: str | None) -> str:
+    """A row per (GPU budget, experts pinned or on disk behind a host cache): ms/token against the
+    pinned rows, the disk's bound and the series of the two."""
+    r = json.load(open(paths[0]))
+    bandwidth = r.get("pinned_h2d_bytes_per_s")
+    head = (f"{r['shape']} shape, {r['layers']} layers, {r['experts']} experts, top-{r['top_k']}, expert tables {r['expert_table_bytes'] / 2**30:.2f} GiB "
+            f"of a {r['ptd_bytes'] / 2**30:.2f} GiB `.ptd`; prompt of {r['prompt']} tokens, {r['new_tokens']} tokens sampled at temperature "
+            f"{r['temperature']:g}, seeded; {_machine(r['environment'])}" + (f"; pinned H2D {bandwidth / 1e9:.1f} GB/s" if bandwidth else "")
+            + f"; disk read {r['disk_read_bytes_per_s'] / 1e9:.2f} GB/s ({r['disk_read_mode']})")
+    rows = []
+    for row in r["rows"]:
+        disk = row["experts"] == "disk"
+        rows.append([row["gpu_budget"], "on disk" if disk else "pinned whole", "yes" if row["graphed"] else "no",
+                     f"{row['host_share']} ({row['host_cache_bytes'] / 2**30:.2f} GiB, {row['host_slots'][0]} a block)" if disk else "-",
+                     f"{row['host_hit_rate']:.0%}" if disk and row.get("host_hit_rate") is not None else "-",
+                     f"{row['disk_bytes_per_token'] / 2**20:.0f}" if disk else "-", f"{row['ms_per_token']:.1f}",
+                     f"{row['bound_ms_per_token']:.1f}" if disk else "", f"{row['ratio_to_bound']:.2f}" if disk else "",
+                     f"{row['ratio_to_series']:.2f}" if disk else "", f"{row['slowdown_over_pinned_eager']:.2f}" if disk else "",
+                     ("yes" if row["same_tokens"] else "no") if disk else ""])
+    headers = ["GPU budget", "expert tables", "graphed", "host cache (share of the tables)", "host cache hits", "read from disk MiB/token", "ms/token",
+               "bound ms", "ratio", "ratio to series", "x pinned eager", "tokens as pinned"]
+    return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
 def serve_section(paths: list[str], plot_path: str | None) -> str:
     r = json.load(open(paths[0]))
     head = (f"Llama {r['layers']} layers (bf16, random weights, no end-of-sequence token), budget {r['budget']} ({r['budget_bytes'] / 2**20:.0f} MiB), "
@@ -1187,13 +1211,14 @@ def fsdp_section(paths: list[str], plot_path: str | None) -> str:
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
             "export": export_section, "tiers": disk_tier_section, "load": load_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
             "speculative": speculative_section, "drafts": draft_cost_section, "tp": tensor_parallel_section,
-            "fsdp": fsdp_section, "guess": guess_section, "moebatch": moe_batch_section}
+            "fsdp": fsdp_section, "guess": guess_section, "moebatch": moe_batch_section, "moedisk": moe_disk_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
           "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "load": "Load time against depth", "moe": "Mixture of experts: only the routed experts",
           "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding",
           "drafts": "What a resident draft's decode step costs",
           "tp": "Tensor-parallel streaming over several GPUs", "fsdp": "Sharded training (FSDP2) with host offloads",
-          "guess": "MoE: the next-layer guess and the expert cache, traced", "moebatch": "MoE: batched decode through the expert caches"}
+          "guess": "MoE: the next-layer guess and the expert cache, traced", "moebatch": "MoE: batched decode through the expert caches",
+          "moedisk": "MoE: expert tables on disk behind a host cache"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "guess": "`bench/expert_guess.py`: transformers' own forward of the MoE bench's shape (made to fit a CPU) with bench/moe.py's random "
@@ -1252,6 +1277,14 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
                 "read from the tables in mapped host memory. The program steps every slot, so each row's pairs are the sequences times top-k. "
                 "Hits count the timed steps' lookups; experts over the bus are their misses. The bound is max(the all-resident step at that "
                 "batch, experts over the bus per step / pinned H2D of the same run).",
+    "moedisk": "`hostswap.llm.Generator` on a random MoE checkpoint exported once (`bench/moe_disk.py`). \"pinned whole\": the expert "
+               "tables registered with the driver, each pick read in place over the bus, decode graphed (the default) and eager. \"on disk\": "
+               "`expert_host_cache_mb` = the share of the expert tables in the row; the tables stay in the `.ptd` and each block's slots in "
+               "pinned host memory are filled from the file (O_DIRECT where the rows allow) as its router picks, least recently used evicted; "
+               "decode runs eagerly, a host sync per block. Host cache hits count every pick since load, prefill included. Bound: "
+               "max(pinned eager ms/token, bytes read from disk per token / the `.ptd`'s O_DIRECT read speed in the same run). A block's picks "
+               "are known only once its router has run, and the host reads them before its products, so reads and compute run in series: "
+               "\"ratio to series\" sets each row against pinned eager + disk bytes / disk speed.",
     "serve": "`hostswap serve` in a subprocess with concurrent streaming `/v1/completions` requests through the `openai` client, against "
              "`BatchGenerator.generate` on the same program and budget (`bench/serve.py`); both timed from the first request to the last "
              "token, prefill included.",

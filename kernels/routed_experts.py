@@ -36,6 +36,12 @@ products are queued, while the next attention runs (runtime/expert_cache.py). Th
 never decides what is computed: the next block looks its own router's picks up, and only its
 misses wait for the bus.
 
+Where a block's tables stay on disk (runtime/expert_store.py: more experts than the host
+memory holds), its call learns its picks on the host, has the block's host cache bring them
+from the file into pinned slots, and runs the path its tokens take from those slots (``rows``
+of the slots' tables in place of the experts' rows), through the device cache where the block
+has one. The call is eager (a forward with weights on disk is not graphed).
+
 An expert id outside ``0..E-1`` stops the call with ``ExpertIndexError`` naming the block
 (on the GPU without a host sync: a device-side assertion), never a read of other bytes.
 """
@@ -103,6 +109,14 @@ def using_caches(caches: dict):
     with ``lookup(ids, tables)`` and ``tables``: runtime/expert_cache.py) reads its experts
     from the cache's slots, which it fills from the tables on a miss."""
     return _setting("caches", caches)
+
+
+def using_host_experts(caches: dict):
+    """While the body runs, a call of a block in ``caches`` (block -> a host cache of experts
+    read from the disk: ``bring(experts)`` -> slots, ``tables_for(*tables)``,
+    ``read_by_kernels(slots)``; runtime/expert_store.py) reads its experts from the cache's
+    slots, which it fills from the file."""
+    return _setting("host_experts", caches)
 
 
 def warming_a_graph():
@@ -211,16 +225,24 @@ def _expert(x, e: int, gate_up, down, gate_up_bias, down_bias, activate, transpo
     return linear(activate(linear(x, gate_up, gate_up_bias)), down, down_bias)
 
 
-def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed):
-    """Each expert of the union once, over its tokens: transformers' eager experts loop."""
+def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, num_experts: int, host=None):
+    """Each expert of the union once, over its tokens: transformers' eager experts loop. With
+    ``host`` (a host cache of experts read from the disk, whose slots the tables are) the
+    union goes through the slots as many experts at a time as they hold, in the same order."""
     out = torch.zeros_like(hidden)
     experts = torch.unique(ids).tolist()  # the host learns the union: one sync per call
-    mask = F.one_hot(ids, num_classes=gate_up.shape[0]).permute(2, 1, 0)
-    for e in experts:
-        slot, token = torch.where(mask[e])
-        y = _expert(hidden[token], e, gate_up, down, gate_up_bias, down_bias, activate, transposed)
-        y = y * weights[token, slot, None]
-        out.index_add_(0, token, y.to(out.dtype))
+    mask = F.one_hot(ids, num_classes=num_experts).permute(2, 1, 0)
+    step = max(1, len(experts) if host is None else host.slots)
+    for start in range(0, len(experts), step):
+        part = experts[start : start + step]
+        rows = part if host is None else host.bring(part)
+        for e, row in zip(part, rows):
+            slot, token = torch.where(mask[e])
+            y = _expert(hidden[token], row, gate_up, down, gate_up_bias, down_bias, activate, transposed)
+            y = y * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        if host is not None:
+            host.read_by_kernels(rows)  # before the next part may refill a slot these products read
     return out, len(experts)
 
 
@@ -262,14 +284,52 @@ def _prefetch_next(caches, next_block: str, next_logits: torch.Tensor | None) ->
         cache.prefetch(cache.guess(next_logits))
 
 
+def _from_host(hidden, ids, weights, tables, host, cache, activate, transposed, block: str, num_experts: int):
+    """A call of a block whose tables are on disk: its picks learnt on the host and brought into
+    ``host``'s slots, then the pairs (one token) or the union (several) read from those slots,
+    through the device ``cache`` where the block has one."""
+    picks = ids.cpu()  # experts on disk are read by the host: one sync per block and call
+    _check_ids(picks, num_experts, block)
+    slots_tables = host.tables_for(*tables)
+    if ids.shape[0] > 1:
+        out, read = _grouped(hidden, ids, weights, *slots_tables, activate, transposed, num_experts, host=host)
+        _record(block, read, unit_bytes(*tables))
+        if cache is not None:  # the decode after a prefill chunk starts with its last row's experts cached
+            last = torch.unique(picks[-1]).tolist()
+            rows = host.bring(last)
+            cache.fill(torch.tensor(last, device=ids.device), slots_tables, rows=torch.tensor(rows, device=ids.device))
+            host.read_by_kernels(rows)
+        return out
+    _record(block, ids.numel(), unit_bytes(*tables))
+    experts = sorted(set(picks.reshape(-1).tolist()))
+    slots = host.bring(experts)
+    row_of = dict(zip(experts, slots))
+    rows = torch.tensor([row_of[e] for e in picks.reshape(-1).tolist()], device=ids.device, dtype=ids.dtype)
+    read, fill, at = slots_tables, None, rows.view_as(ids)
+    if cache is not None:  # the picks' device slots, the missed ones filled from the host slots
+        in_pass = (0, 1) if _reads_in_place(hidden, *slots_tables[:2]) else ()
+        device_slots, missed = cache.lookup(ids, slots_tables, left=in_pass, rows=rows)
+        at, read = device_slots.view_as(ids), cache.tables
+        fill = (slots_tables[:2], rows, missed) if in_pass else None
+    out = _pairs(hidden, at, weights, *read, activate, transposed, fill)
+    host.read_by_kernels(slots)
+    return out
+
+
 def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, activation, gated, interleaved, transposed, alpha, limit, block,
                    next_logits=None, next_block=""):
     num_experts = gate_up.shape[0]
-    _check_ids(top_k_index, num_experts, block)
     gate_of = lambda x: gate(x, activation, gated, interleaved, alpha, limit)  # noqa: E731
     tables = (gate_up, down, gate_up_bias, down_bias)
     caches = getattr(_context, "caches", None)
     cache = caches.get(block) if caches else None
+    hosts = getattr(_context, "host_experts", None)
+    host = hosts.get(block) if hosts else None
+    if host is not None:
+        if cache is not None:
+            cache.settle()
+        return _from_host(hidden, top_k_index, top_k_weights, tables, host, cache, gate_of, transposed, block, num_experts)
+    _check_ids(top_k_index, num_experts, block)
     if top_k_index.shape[0] == 1:  # one token: its top-k (gathered off CUDA: k experts of scratch)
         _record(block, top_k_index.numel(), unit_bytes(*tables))
         rows, read, fill = top_k_index, tables, None
@@ -294,7 +354,7 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
             return _pairs(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
         _record(block, num_experts, unit_bytes(*tables))
         return _dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
-    out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
+    out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed, num_experts)
     _record(block, read, unit_bytes(*tables))
     if cache is not None:  # the decode after a prefill chunk starts with its last row's experts cached
         # (a padded last chunk's padding repeats the prompt's last token: a near guess of its experts)

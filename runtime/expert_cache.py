@@ -89,24 +89,26 @@ class ExpertCache:
         self.hits, self.misses, self.prefetched, self.prefetch_hits, self.filled = self._counters.unbind()
         self._never = torch.iinfo(torch.int64).max
 
-    def lookup(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], left: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], left: tuple[int, ...] = (),
+               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots of ``ids`` (one token's distinct top-k), the missed ones filled from
-        ``sources`` (the block's tables, in the order the cache was built with), and 1 per id
-        that missed. The tables at positions ``left`` are not copied: the caller's products
-        fill their missed rows as they read them (``routed_gemv``'s ``fill_from``)."""
-        return self._use(ids, sources, LOOKUP, left)
+        ``sources`` (the block's tables, in the order the cache was built with; their rows
+        ``rows`` where given, else the experts' own), and 1 per id that missed. The tables at
+        positions ``left`` are not copied: the caller's products fill their missed rows as they
+        read them (``routed_gemv``'s ``fill_from``)."""
+        return self._use(ids, sources, LOOKUP, left, rows)
 
-    def fill(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...]) -> None:
+    def fill(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], rows: torch.Tensor | None = None) -> None:
         """Bring ``ids`` (distinct experts: a prefill chunk's last row's) in as a lookup of them
         would, counted as filled rather than as hits or misses. Eager: a captured step never fills."""
-        self._use(ids, sources, FILL)
+        self._use(ids, sources, FILL, rows=rows)
 
-    def _use(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], mode: int, left: tuple[int, ...] = ()):
+    def _use(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], mode: int, left: tuple[int, ...] = (), rows: torch.Tensor | None = None):
         """Place ``ids`` as used now, once any queued prefetch is in: (slot per id, 1 where it missed)."""
         ids = ids.reshape(-1)
         self._make_tables(sources, ids.device)
         self.settle()
-        return self._place(ids, sources, mode, left)
+        return self._place(ids, sources, mode, left, rows)
 
     def _make_tables(self, sources: tuple[torch.Tensor | None, ...], device: torch.device) -> None:
         """The slots' tables, made at the first call (a warm-up forward runs before any capture)."""
@@ -157,14 +159,15 @@ class ExpertCache:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             self._pending = False
 
-    def _place(self, ids: torch.Tensor, sources, mode: int, left: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    def _place(self, ids: torch.Tensor, sources, mode: int, left: tuple[int, ...] = (), rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Give each of ``ids`` a slot (its own on a hit; else the least recently used slot
         no hit of these ids holds), copy the missed rows in, stamp the slots and count the
         call as ``mode`` (LOOKUP, FILL or GUESS): the slot per id. A lookup or fill stamps
         its slots as used now and marks them read; a guess (GUESS) stamps nothing it
         found, and its misses below every expert a lookup read: a wrong guess is the first to
         go, so guesses evict mostly earlier guesses, not what lookups keep reading. The tables
-        at positions ``left`` are not copied. Returns (slot per id, 1 where it missed)."""
+        at positions ``left`` are not copied; ``rows``: the sources' row of each id (default: the id).
+        Returns (slot per id, 1 where it missed)."""
         if self.fused:
             target, copy = cache_place(ids, self.slot_of, self.expert_of, self.last_use, self.fresh, self.clock, self._counters, mode,
                                        self._never, GUESSED)
@@ -172,7 +175,7 @@ class ExpertCache:
             target, copy = self._place_ops(ids, mode)
         for at, (source, table) in enumerate(zip(sources, self.tables)):
             if table is not None and at not in left:
-                masked_row_copy(source, table, ids, target, copy)
+                masked_row_copy(source, table, ids if rows is None else rows.reshape(-1), target, copy)
         return target, copy
 
     def _place_ops(self, ids: torch.Tensor, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,12 +225,14 @@ def check_prefetch(prefetch: int, blocks) -> None:
             raise ValueError(f"expert_prefetch asks {int(prefetch)} guessed experts per block; {block} picks {top_k} per token")
 
 
-def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: int = 0) -> tuple[frozenset[str], dict[str, ExpertCache]]:
+def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: int = 0, unguessed: frozenset[str] = frozenset()) -> tuple[frozenset[str], dict[str, ExpertCache]]:
     """The blocks kept whole on the device, and a cache for each block given fewer slots than
     it has experts (``plan_expert_cache`` over ``room_bytes``), each prefetching up to
-    ``prefetch`` guessed experts a step."""
+    ``prefetch`` guessed experts a step but those of ``unguessed`` (blocks whose tables are on
+    disk: a guess copies from the tables by expert id, on the device, which needs them in
+    host memory whole)."""
     slots = plan_expert_cache(blocks, room_bytes)
-    caches = {b.block: ExpertCache(b.block, b.num_experts, b.unit_bytes, slots[b.block], b.top_k, device, prefetch)
+    caches = {b.block: ExpertCache(b.block, b.num_experts, b.unit_bytes, slots[b.block], b.top_k, device, 0 if b.block in unguessed else prefetch)
               for b in blocks if 0 < slots[b.block] < b.num_experts}
     return resident_blocks(slots, blocks), caches
 

@@ -6,6 +6,11 @@ the disk reads' staging ring are pinned besides it, and said at load. ``"auto"``
 default) takes ``AUTO_HOST_SHARE`` of the memory the system has available at load, less
 those two: never more pinned memory than the machine can give, so a model larger than that
 runs from the disk instead of failing in ``cudaHostRegister`` or pushing the system into swap.
+
+Routed experts' tables are read in place too, and are most of an MoE checkpoint: where they
+do not fit in that share besides the other tables and the streamed weights, they stay on disk
+behind a host cache of experts (runtime/expert_store.py), which ``expert_host_cache_mb`` can
+also size.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 
 from hostswap.runtime.budget import AUTO, check_mb_argument
 from hostswap.runtime.disk_reader import DiskReader
+from hostswap.runtime.expert_store import HostExpertPlan, minimum_host_cache_bytes, plan_host_experts
 from hostswap.runtime.host_memory import available_host_memory
 from hostswap.runtime.ptd import PtdFile
 from hostswap.schedules.policies import PlannedLayout, lru_resident
@@ -52,35 +58,64 @@ class HostBudget:
         return f"host budget {_mib(self.budget_bytes)} ({given}): {where}"
 
 
-def host_budget(budget_mb, schedule, streamed: list[int], available_bytes: int | None = None) -> HostBudget:
+def host_budget(budget_mb, schedule, streamed: list[int], available_bytes: int | None = None, host_read_bytes: int | None = None) -> HostBudget:
     """The budget in bytes; for ``"auto"``, ``AUTO_HOST_SHARE`` of ``available_bytes`` (default:
-    the system's, now) less the tables read in place and the staging ring the largest streamed
-    weight would need."""
+    the system's, now) less the tables read in place (``host_read_bytes``, default every
+    table's: less where experts are on disk) and the staging ring the largest streamed weight
+    would need."""
     check_host_budget_argument(budget_mb)
     if budget_mb != AUTO:
         return HostBudget(round(budget_mb * 2**20))
     available = available_host_memory() if available_bytes is None else available_bytes
-    reserved = sum(schedule.host_read_bytes) + staging_bytes(schedule.weight_bytes[w] for w in streamed)
+    tables = sum(schedule.host_read_bytes) if host_read_bytes is None else host_read_bytes
+    reserved = tables + staging_bytes(schedule.weight_bytes[w] for w in streamed)
     return HostBudget(max(0, int(available * AUTO_HOST_SHARE) - reserved), available, reserved)
 
 
-def plan_host_tiers(budget_mb, schedule, layout: PlannedLayout | None, lru_budget_bytes: int = 0) -> tuple[HostBudget, TierPlan]:
-    """The host budget and every weight's tier under it. ``layout``: the planned policy's (None:
-    the lru policy at ``lru_budget_bytes``, which streams every weight it does not keep
-    resident from pinned memory and has no disk tier)."""
+def plan_expert_host_tier(option, schedule, streamed: list[int], experts_on_device: frozenset[str] = frozenset(),
+                          available_bytes: int | None = None) -> HostExpertPlan:
+    """Whether the routed experts' tables (of the blocks not held whole on the device) stay
+    pinned or on disk behind a host cache (runtime/expert_store.py). ``"auto"``: on disk where
+    they do not fit in ``AUTO_HOST_SHARE`` of ``available_bytes`` (default: the system's, now)
+    besides the other tables read in place and every streamed weight, which each token reads
+    (where the streamed weights leave less than one call's picks of every block, they give way)."""
+    blocks = tuple(b for b in schedule.expert_blocks if b.block not in experts_on_device)
+    if option != AUTO or not blocks:
+        return plan_host_experts(option, blocks, 0)
+    available = available_host_memory() if available_bytes is None else available_bytes
+    expert_tables = {t for b in schedule.expert_blocks for t in b.tables}
+    other_tables = sum(n for f, n in zip(schedule.host_read, schedule.host_read_bytes) if f not in expert_tables)
+    share = int(available * AUTO_HOST_SHARE) - other_tables
+    room = share - sum(schedule.weight_bytes[w] for w in streamed)
+    least = minimum_host_cache_bytes(blocks)
+    if room < least <= share:  # the streamed weights give way: what the share then lacks of them is read from the disk tier
+        room = least
+    return plan_host_experts(option, blocks, max(0, room))
+
+
+def plan_host_tiers(budget_mb, schedule, layout: PlannedLayout | None, lru_budget_bytes: int = 0, expert_host_cache_mb="auto",
+                    experts_on_device: frozenset[str] = frozenset()) -> tuple[HostBudget, TierPlan, HostExpertPlan]:
+    """The host budget, every weight's tier under it, and the routed experts' host tier.
+    ``layout``: the planned policy's (None: the lru policy at ``lru_budget_bytes``, which
+    streams every weight it does not keep resident from pinned memory and has no disk tier).
+    ``experts_on_device``: MoE blocks whose tables the device holds whole."""
     resident = layout.resident if layout is not None else frozenset(lru_resident(schedule, lru_budget_bytes))
     streamed = [w for w in range(len(schedule.fqns)) if w not in resident]
-    budget = host_budget(budget_mb, schedule, streamed)
+    experts = plan_expert_host_tier(expert_host_cache_mb, schedule, streamed, experts_on_device)
+    on_disk = {t for b in schedule.expert_blocks if b.block in experts.slots for t in b.tables}
+    # the tables pinned: those not on disk, and the host slots of those that are
+    host_read_bytes = sum(n for f, n in zip(schedule.host_read, schedule.host_read_bytes) if f not in on_disk) + experts.cache_bytes
+    budget = host_budget(budget_mb, schedule, streamed, host_read_bytes=host_read_bytes)
     if layout is not None:
-        return budget, plan_tiers(schedule, layout, budget.budget_bytes)
+        return budget, dataclasses.replace(plan_tiers(schedule, layout, budget.budget_bytes), host_read_bytes=host_read_bytes), experts
     nbytes = schedule.weight_bytes
     streamed_bytes = sum(nbytes[w] for w in streamed)
     if streamed_bytes > budget.budget_bytes:
         raise ValueError(f"policy='lru' streams every weight from pinned host memory ({_mib(streamed_bytes)}); host_memory_budget_mb="
                          f"{budget.budget_bytes / 2**20:.1f} is less. Use policy='planned', which reads what does not fit from the disk")
     return budget, TierPlan(resident=resident, pinned=frozenset(streamed), disk=frozenset(), disk_fills=(), host_budget_bytes=budget.budget_bytes,
-                            pinned_bytes=streamed_bytes, host_read_bytes=sum(schedule.host_read_bytes), staging_bytes=0,
-                            disk_bytes_per_forward=0, pinned_bytes_per_forward=sum(nbytes[w] for w in schedule.probe_weight if w not in resident))
+                            pinned_bytes=streamed_bytes, host_read_bytes=host_read_bytes, staging_bytes=0,
+                            disk_bytes_per_forward=0, pinned_bytes_per_forward=sum(nbytes[w] for w in schedule.probe_weight if w not in resident)), experts
 
 
 def open_disk_reader(ptd: PtdFile, schedule, tiers: TierPlan, device) -> DiskReader | None:

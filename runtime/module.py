@@ -12,12 +12,13 @@ import weakref
 
 import torch
 
-from hostswap.kernels.routed_experts import ExpertReads, recording_reads, using_caches, warming_a_graph
+from hostswap.kernels.routed_experts import ExpertReads, recording_reads, using_caches, using_host_experts, warming_a_graph
 from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, expert_scratch_on, free_memory, total_memory
 from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_host_tiers
 from hostswap.runtime.expert_cache import check_prefetch, expert_read_stats, place_experts
+from hostswap.runtime.expert_store import check_expert_host_cache_argument, close_host_experts, open_host_experts
 from hostswap.runtime.instructions import ListRef, ProgramError
 from hostswap.runtime.method_loader import state_memory_ids
 from hostswap.runtime.lru_pool import LruPool
@@ -25,6 +26,7 @@ from hostswap.runtime.planned_pool import PlannedPool
 from hostswap.runtime.pool import PoolCreationError
 from hostswap.runtime.ptd import PtdFile, open_pair, verify_showing_progress
 from hostswap.schedules.artifacts import ArtifactError
+from hostswap.schedules.experts import plan_expert_cache, resident_blocks
 from hostswap.schedules.policies import check_budget, plan_layout
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, read_program_bytes, torch_dtype
 from hostswap.schedules.serialization import decode_program
@@ -79,13 +81,16 @@ class ModuleClosedError(RuntimeError):
     """A Module (or Generator) was used after ``close()``."""
 
 
-def _release(ptd: PtdFile, pool, device: torch.device) -> None:
+def _release(ptd: PtdFile, pool, device: torch.device, host_experts=None) -> None:
     """Free the pool's device memory, undo the host registration and unmap the ``.ptd``: run
-    by ``Module.close()``, or when the last reference to the Module goes."""
+    by ``Module.close()``, or when the last reference to the Module goes. ``host_experts``:
+    (reader, host caches) of experts read from the disk."""
+    if device.type == "cuda" and (pool is not None or host_experts):
+        torch.cuda.synchronize(device)
     if pool is not None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         pool.close()
+    if host_experts:
+        close_host_experts(*host_experts)
     ptd.close()
 
 
@@ -150,6 +155,12 @@ class Module:
     expert moves over the bus in about an attention's time (many small experts) and the guess
     is mostly right; a big expert (Mixtral's) moved on a wrong guess costs more than it saves.
 
+    ``expert_host_cache_mb`` (default ``"auto"``): where an MoE model's expert tables do not
+    fit in the host memory available at load besides its other pinned weights, they stay in
+    the ``.ptd`` on disk and each block gets a cache of experts in pinned host memory, filled
+    from the file as the router picks them (runtime/expert_store.py); a number of MB sizes
+    that cache (experts then on disk unless it holds every table). Forwards then run eagerly.
+
     ``compiled=True`` (or the names of methods) runs each method as one graph compiled by
     TorchInductor instead of a kernel per instruction (runtime/compiled_method.py): for a
     program whose steps are bound by their kernel launches, such as a speculative draft held
@@ -169,12 +180,14 @@ class Module:
 
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool | tuple[str, ...] = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False,
                  host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False, expert_prefetch: bool | int = False,
-                 compiled: bool | tuple[str, ...] = False, compiled_where_possible: bool = False):
+                 compiled: bool | tuple[str, ...] = False, compiled_where_possible: bool = False, expert_host_cache_mb: float | str = AUTO):
         t0 = time.perf_counter()
         self._closed = True  # until loaded
         check_budget_argument(weight_offload_budget_mb)
         check_host_budget_argument(host_memory_budget_mb)
+        check_expert_host_cache_argument(expert_host_cache_mb)
         self._host_budget_mb = host_memory_budget_mb
+        self._expert_host_cache_mb = expert_host_cache_mb
         self._graph_where_possible = cuda_graph_where_possible
         self.device = check_device_argument(device)
         if policy not in POOLS:
@@ -229,15 +242,16 @@ class Module:
         self.budget_bytes = given - self.expert_scratch_bytes  # the pool's, and the resident experts'
         self.ptd = open_pair(self.pte_path, pte_bytes, self.program, data_path)
         self.expert_reads: dict[str, ExpertReads] = {}  # routed experts read, per MoE block
+        self._host_experts = (None, {})  # (reader, host cache per block) of experts read from the disk
         try:
             self._load(policy, graphed, prefault, lock, warm_pool, verify)
         except BaseException:
-            _release(self.ptd, getattr(self, "pool", None), self.device)
+            _release(self.ptd, getattr(self, "pool", None), self.device, self._host_experts)
             raise
         self._closed = False
         # Released when the last reference goes, if close() was not called: nothing the
         # finalizer holds refers back to the Module.
-        self._finalizer = weakref.finalize(self, _release, self.ptd, self.pool, self.device)
+        self._finalizer = weakref.finalize(self, _release, self.ptd, self.pool, self.device, self._host_experts)
         self._lock = threading.Lock()
         self.load_seconds = time.perf_counter() - t0
 
@@ -245,23 +259,36 @@ class Module:
         self._check_weights()
         self.verified_bytes, self.verify_seconds = verify_showing_progress(self.ptd) if verify else (0, 0.0)
         layout = plan_layout(self.schedule, self.budget_bytes) if policy == "planned" else None
-        self.host_budget, self.tiers = plan_host_tiers(self._host_budget_mb, self.schedule, layout, self.budget_bytes)
+        blocks = self.schedule.expert_blocks
+        experts_on_device = resident_blocks(plan_expert_cache(blocks, self.budget_bytes - self.schedule.resident_bytes), blocks)
+        self.host_budget, self.tiers, self.expert_host_plan = plan_host_tiers(self._host_budget_mb, self.schedule, layout, self.budget_bytes,
+                                                                              self._expert_host_cache_mb, experts_on_device)
         if self.tiers.disk and graphed:
             if not self._graph_where_possible:
                 raise ValueError(f"cuda_graph needs every streamed weight in pinned host memory; host_memory_budget_mb={self.host_budget.budget_bytes / 2**20:.1f} "
                                  f"leaves {len(self.tiers.disk)} weights on disk, read eagerly. Raise the host budget or load without cuda_graph")
             graphed.clear()
+        if self.expert_host_plan.on_disk and (graphed or self._compiled_names):
+            # a call learns its picks on the host to read them from the file: no graph holds that
+            if not (self._graph_where_possible if graphed else self._compiled_where_possible):
+                option = "cuda_graph" if graphed else "compiled"
+                raise ValueError(f"{option} needs the routed experts in pinned host memory; {self.expert_host_plan.explain()}, read eagerly. "
+                                 f"Load without {option}, or where the host memory holds the expert tables")
+            graphed.clear()
+            self._compiled_names = set()
+        on_disk = {t for b in blocks if b.block in self.expert_host_plan.slots for t in b.tables}
         # only what is copied after load (resident weights are copied once, at load) and the
         # tables row gathers read in place: the pages the host tier keeps
-        host_tier = [self.schedule.fqns[w] for w in sorted(self.tiers.pinned)] + list(self.schedule.host_read)
+        host_tier = [self.schedule.fqns[w] for w in sorted(self.tiers.pinned)] + [f for f in self.schedule.host_read if f not in on_disk]
+        some = self.tiers.disk or on_disk  # the whole mapping stays in RAM only where no weight is on disk
         if prefault:
-            self.ptd.prefault(host_tier if self.tiers.disk else None)
+            self.ptd.prefault(host_tier if some else None)
         if lock:
-            self.ptd.lock(host_tier if self.tiers.disk else None)
+            self.ptd.lock(host_tier if some else None)
         # MoE experts take the budget left once every streamed weight is resident: whole
         # tables where they fit, else a device cache per block; the rest are read in place
         self.resident_experts, self.expert_caches = place_experts(self.schedule.expert_blocks, self.budget_bytes - self.schedule.resident_bytes, self.device,
-                                                                    prefetch=self._expert_prefetch)
+                                                                    prefetch=self._expert_prefetch, unguessed=frozenset(self.expert_host_plan.slots))
         on_device = {t for b in self.schedule.expert_blocks if b.block in self.resident_experts for t in b.tables}
         state_sizes, activations = self._arena_sizes()
         weights_on_device = (min(self.budget_bytes, self.schedule.resident_bytes) + sum(c.nbytes for c in self.expert_caches.values())
@@ -281,8 +308,11 @@ class Module:
         del host
         if self.device.type == "cuda":
             self.ptd.register_with_cuda(host_tier)
+        # experts on disk: their host caches; the tables' mapped views bound to the program are
+        # never read (a call reads the experts it picks through its block's host cache)
+        self._host_experts = open_host_experts(self.expert_host_plan, tuple(b for b in blocks if b.block in self.expert_host_plan.slots), self.ptd, self.device)
         self._host_read = {fqn: self.ptd.host_tensor(fqn).to(self.device, copy=True) if fqn in on_device
-                           else self.ptd.device_view(fqn, self.device) if self.device.type == "cuda" else self.ptd.host_tensor(fqn)
+                           else self.ptd.device_view(fqn, self.device) if self.device.type == "cuda" and fqn not in on_disk else self.ptd.host_tensor(fqn)
                            for fqn in self.schedule.host_read}
         # routed experts are read by their op (in place from host memory, or through a device
         # cache): an opaque call in a compiled graph; a weight the pool streams is not
@@ -399,13 +429,13 @@ class Module:
         if method.compiled:  # every weight resident: nothing for the pool to copy or count
             if inputs is not None:
                 method.executor.bind_inputs(inputs)
-            with recording_reads(self.expert_reads), using_caches(self.expert_caches):
+            with recording_reads(self.expert_reads), using_caches(self.expert_caches), using_host_experts(self.host_experts):
                 method.executor.run()
             return
         self.pool.begin_forward()
         if inputs is not None:
             method.executor.bind_inputs(inputs)
-        with recording_reads(self.expert_reads), using_caches(self.expert_caches):
+        with recording_reads(self.expert_reads), using_caches(self.expert_caches), using_host_experts(self.host_experts):
             method.executor.run(method.on_kernel, hooked=method.hooked)
         self.pool.end_forward()
 
@@ -534,7 +564,8 @@ class Module:
         s["state_bytes"] = self.state_bytes
         s["budget_bytes"] = self.budget_bytes
         reader = self.pool.disk_reader
-        s["pinned_host_bytes"] = self.ptd.pinned_bytes + (reader.staging_bytes if reader is not None else 0)
+        s["pinned_host_bytes"] = (self.ptd.pinned_bytes + (reader.staging_bytes if reader is not None else 0)
+                                  + (self.expert_host_plan.cache_bytes if self.device.type == "cuda" else 0))
         s["host_budget_bytes"] = self.host_budget.budget_bytes
         s["disk_bytes_per_forward"] = self.tiers.disk_bytes_per_forward
         s["disk_bytes_read"] = self.disk_bytes_read
@@ -547,8 +578,18 @@ class Module:
                              for block, r in self.expert_reads.items() if block in blocks}
         s["expert_bytes_read"] = sum(r["bytes"] for r in s["expert_reads"].values())  # as expert_bytes_read, from the counts just read
         s["expert_scratch_bytes"] = self.expert_scratch_bytes
+        # experts read from the disk: each block's host cache, and the bytes read from the file
+        s["expert_host_cache"] = {block: cache.stats() for block, cache in self.host_experts.items()}
+        s["expert_disk_bytes_read"] = self._host_experts[0].bytes_read if self._host_experts[0] is not None else 0
+        s["expert_disk_seconds"] = self._host_experts[0].seconds if self._host_experts[0] is not None else 0.0
+        s["expert_disk_reads"] = self._host_experts[0].mode if self._host_experts[0] is not None else None
         s["policy"] = self.policy
         return s
+
+    @property
+    def host_experts(self) -> dict:
+        """The host cache of each MoE block whose expert tables are read from the disk."""
+        return self._host_experts[1]
 
     @property
     def expert_bytes_read(self) -> int:
@@ -563,8 +604,9 @@ class Module:
 
     @property
     def disk_bytes_read(self) -> int:
-        """Weight bytes the disk tier has read since load."""
-        return self.pool.disk_reader.bytes_read if self.pool.disk_reader is not None else 0
+        """Weight bytes read from the disk since load: the disk tier's, and routed experts'."""
+        experts = self._host_experts[0].bytes_read if self._host_experts[0] is not None else 0
+        return experts + (self.pool.disk_reader.bytes_read if self.pool.disk_reader is not None else 0)
 
     def method_names(self) -> list[str]:
         return [p.name for p in self.program.execution_plan]

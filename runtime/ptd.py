@@ -31,7 +31,7 @@ CUDA_HOST_REGISTER_READ_ONLY = 8
 CUDA_HOST_REGISTER_MAPPED = 2
 CUDA_HOST_REGISTER_FLAGS = CUDA_HOST_REGISTER_READ_ONLY | CUDA_HOST_REGISTER_MAPPED
 
-__all__ = ["ArtifactError", "HostRegistrationError", "PtdEntry", "PtdFile", "check_pair", "open_pair", "register_host_memory", "unregister_host_memory", "verify_showing_progress"]
+__all__ = ["ArtifactError", "HostRegistrationError", "PtdEntry", "PtdFile", "check_pair", "device_view_of", "open_pair", "register_host_memory", "unregister_host_memory", "verify_showing_progress"]
 
 
 class HostRegistrationError(RuntimeError):
@@ -160,15 +160,7 @@ class PtdFile:
         pointer, nbytes = host.data_ptr(), host.numel() * host.element_size()
         if not any(start <= pointer and pointer + nbytes <= start + length for start, length in self.registered):
             raise HostRegistrationError(f"weight '{fqn}' of {self.path} is not in a range registered with CUDA; register it before viewing it on the device")
-        cudart = _cudart()
-        with torch.cuda.device(device):
-            err, device_pointer = cudart.cudaHostGetDevicePointer(pointer, 0)
-        if err != cudart.cudaError_t.cudaSuccess:
-            cudart.cudaGetLastError()
-            _, name = cudart.cudaGetErrorName(err)
-            raise HostRegistrationError(f"cudaHostGetDevicePointer(weight '{fqn}' of {self.path}) failed: {name.decode()}")
-        raw = torch.as_tensor(_MappedBytes(int(device_pointer), nbytes, host), device=device)
-        return raw.view(host.dtype).view(host.shape)
+        return device_view_of(host, device, f"weight '{fqn}' of {self.path}")
 
     def unregister_from_cuda(self) -> None:
         """Undo ``register_with_cuda``: every range registered goes back to pageable."""
@@ -290,6 +282,20 @@ def register_host_memory(pointer: int, nbytes: int, what: str = "host memory") -
             f"cudaHostRegister({what}, {nbytes} bytes, cudaHostRegisterReadOnly | cudaHostRegisterMapped) failed: "
             f"{name.decode()}: {text.decode()}"
         )
+
+
+def device_view_of(host: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
+    """A ``device`` tensor over the registered host memory of ``host`` (contiguous), read by
+    kernels in place over the bus; it keeps ``host`` alive."""
+    cudart = _cudart()
+    with torch.cuda.device(device):
+        err, device_pointer = cudart.cudaHostGetDevicePointer(host.data_ptr(), 0)
+    if err != cudart.cudaError_t.cudaSuccess:
+        cudart.cudaGetLastError()
+        _, name = cudart.cudaGetErrorName(err)
+        raise HostRegistrationError(f"cudaHostGetDevicePointer({what}) failed: {name.decode()}")
+    raw = torch.as_tensor(_MappedBytes(int(device_pointer), host.numel() * host.element_size(), host), device=device)
+    return raw.view(host.dtype).view(host.shape)
 
 
 def unregister_host_memory(pointer: int) -> None:

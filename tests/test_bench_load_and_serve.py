@@ -129,3 +129,22 @@ def test_moe_batch_bench_measures_each_budget_with_its_caches_and_with_them_with
     assert rows[0]["expert_bytes_per_step"] == 0 and rows[1]["expert_bytes_per_step"] > 0 and rows[2]["expert_bytes_per_step"] > 0
     section = bench_scripts.load("report").moe_batch_section([str(tmp_path / "moebatch_cpu.json")], None)
     assert "tiny shape, 2 layers, 4 experts, top-2" in section and "| in place " in section
+
+
+def test_moe_disk_bench_measures_pinned_and_disk_rows_against_the_disk(tmp_path):
+    """bench/moe_disk.py on the tiny shape on the CPU: the pinned row, then a host cache of one
+    call's picks per block with the tables on disk, its tokens the pinned row's; the result
+    file renders."""
+    moe_disk = bench_scripts.load("moe_disk")
+    assert moe_disk.main(["--shape", "tiny", "--host-shares", "50%", "--new-tokens", "3", "--prompt", "5", "--device", "cpu",
+                          "--work", str(tmp_path / "work"), "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "moedisk_cpu.json").read_text())
+    rows = result["rows"]
+    assert [(r["gpu_budget"], r["experts"], r["graphed"]) for r in rows] == [("in place", "pinned", False), ("in place", "disk", False),
+                                                                            ("25%", "pinned", False), ("25%", "disk", False)]
+    assert result["disk_read_bytes_per_s"] > 0 and result["expert_table_bytes"] > 0
+    for pinned, disk in (rows[:2], rows[2:]):
+        assert pinned["host_cache_bytes"] == 0 and pinned["disk_bytes_per_token"] == 0
+        assert disk["same_tokens"] and disk["host_slots"] == [2] and disk["disk_bytes_per_token"] > 0 and disk["ratio_to_series"] > 0
+    section = bench_scripts.load("report").moe_disk_section([str(tmp_path / "moedisk_cpu.json")], None)
+    assert "tiny shape, 2 layers, 4 experts, top-2" in section and "| on disk " in section

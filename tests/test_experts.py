@@ -604,7 +604,7 @@ def test_the_three_ways_through_agree():
         activate = lambda x, g=gated: gate(x, "silu", g, False, 0.0, 0.0)  # noqa: E731
         tables = (gate_up, down, *biases)
         pairs = _pairs(hidden, ids, weights, *tables, activate, transposed)
-        grouped, read = _grouped(hidden, ids, weights, *tables, activate, transposed)
+        grouped, read = _grouped(hidden, ids, weights, *tables, activate, transposed, tables[0].shape[0])
         dense = _dense(hidden, ids, weights, *tables, activate, transposed)
         assert read == len(torch.unique(ids))
         torch.testing.assert_close(grouped, pairs, atol=1e-4, rtol=1e-5)

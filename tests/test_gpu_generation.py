@@ -213,6 +213,40 @@ def test_routed_experts_decode_graphed_on_the_device(name, tmp_path):
     assert torch.equal(runs["floor eager"], expected), (runs["floor eager"].tolist(), expected.tolist())
 
 
+@pytest.mark.parametrize("name", ["Mixtral", "Qwen3-MoE", "gpt-oss"])
+def test_routed_experts_read_from_disk_on_the_device(name, tmp_path):
+    """Expert tables left on disk behind a host cache of one call's picks per block: decode
+    runs eagerly by default (a graph is refused, naming why), its products read the host slots
+    in place or through a device cache, and the tokens are those of the tables pinned whole."""
+    import hostswap.llm as llm
+    from hostswap.runtime.expert_store import minimum_host_cache_bytes
+    from test_experts import ExportedMoE
+
+    torch.manual_seed(0)
+    moe = ExportedMoE(name, tmp_path)
+    prompt = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+    blocks = moe.schedules["decode"].expert_blocks
+    least = minimum_host_cache_bytes(blocks) / MB
+    scratch = max(s.expert_scratch_bytes for s in moe.schedules.values())
+    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.floor / MB, device="cuda") as g:
+        pinned = g.generate(prompt, 12, eos_token_id=[]).cpu()
+        assert g.module.cuda_graph and not g.module.host_experts
+    with pytest.raises(ValueError, match="cuda_graph needs the routed experts in pinned host memory; expert tables .* read from the disk"):
+        llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=moe.floor / MB, device="cuda", cuda_graph=True, expert_host_cache_mb=least)
+    for label, budget in (("in place", moe.floor - scratch), ("device cache", moe.cached - scratch)):
+        with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=budget / MB, device="cuda", expert_host_cache_mb=least) as g:
+            out = g.generate(prompt, 12, eos_token_id=[]).cpu()
+            assert torch.equal(out, pinned), (label, out.tolist(), pinned.tolist())
+            assert not g.module.cuda_graph and set(g.module.host_experts) == {b.block for b in blocks}
+            assert all(t.is_cuda for c in g.module.host_experts.values() for t in c.tables)  # device views of the pinned slots
+            s = g.stats
+            assert s["expert_disk_bytes_read"] > 0 and s["bytes_from_disk_per_token"] > 0
+            assert all(c["misses"] > 0 for c in s["expert_host_cache"].values())
+            assert g.module.stats["pinned_host_bytes"] >= g.module.expert_host_plan.cache_bytes
+            if label == "device cache":
+                assert all(r["cache_hits"] > 0 for r in s["expert_reads"].values())
+
+
 def test_batched_decode_graphed_gives_each_sequence_its_own_tokens(tmp_path):
     """Eight slots, decode graphed, twelve prompts of different lengths joining and leaving:
     in bf16 each sequence gets bitwise the tokens it gets alone in the same program (a row's

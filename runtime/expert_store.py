@@ -1,0 +1,319 @@
+"""Routed experts read from the disk, through a cache of experts in pinned host memory.
+
+An MoE checkpoint is mostly expert tables, and the largest do not fit in the RAM of the
+machine that runs them. Where a block's tables cannot stay pinned (``plan_host_experts``),
+they stay in the ``.ptd`` on disk and the block gets ``slots`` experts of pinned host memory
+instead (``HostExpertCache``). A call of the block learns its picks on the host (experts on
+disk are read by the host: one sync per block and call), brings those the slots lack from
+the file into the least recently used slots, and its products read them from there
+(kernels/routed_experts.py), through the block's device cache where it has one. A forward
+with experts on disk runs eagerly, as one with any weight on disk does.
+
+Reads go to a few threads in chunks (``ExpertReader``), ``O_DIRECT`` where the file takes it
+(the page cache would fill RAM with the very bytes the budget keeps out of it): a table's
+slots start at the offset within a block of the disk that its rows start at in the file, so
+each row's aligned middle is read straight into its slot and only the partial blocks at its
+two ends go through the page cache, dropped after each read. Rows whose size is not a whole
+number of blocks are read buffered.
+A slot is refilled only once the kernels that read it last have completed (an event per call).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import mmap
+import os
+import time
+
+import torch
+
+from hostswap.runtime.budget import AUTO, check_mb_argument
+from hostswap.runtime.disk_reader import CHUNK_BYTES, READER_THREADS, _open_for_reads
+from hostswap.runtime.ptd import PtdFile, device_view_of, file_identity, register_host_memory, unregister_host_memory
+from hostswap.schedules.artifacts import ArtifactError
+from hostswap.schedules.experts import ExpertBlock, plan_expert_cache
+from hostswap.schedules.tiers import DIRECT_ALIGNMENT
+
+POLICY = "lru"
+
+
+def check_expert_host_cache_argument(value) -> None:
+    """Refuse what is neither ``"auto"`` nor a finite number of MB above 0."""
+    check_mb_argument("expert_host_cache_mb", value)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostExpertPlan:
+    """Where the routed experts' tables live on the host: pinned whole (``slots`` empty), or on
+    disk behind ``slots`` experts of pinned host memory per block."""
+
+    slots: dict[str, int]
+    table_bytes: int  # every block's tables
+    cache_bytes: int  # the host slots' bytes (0 when the tables are pinned)
+    room_bytes: int | None  # what the choice was made from (None: given)
+
+    @property
+    def on_disk(self) -> bool:
+        return bool(self.slots)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory the experts take: their tables, or the slots."""
+        return self.cache_bytes if self.on_disk else self.table_bytes
+
+    def explain(self) -> str:
+        if not self.on_disk:
+            return f"expert tables pinned whole ({self.table_bytes / 2**20:.1f} MiB)"
+        per_block = sorted(set(self.slots.values()))
+        where = "given" if self.room_bytes is None else f"auto: {self.room_bytes / 2**20:.1f} MiB of host memory left for them"
+        return (f"expert tables ({self.table_bytes / 2**20:.1f} MiB) read from the disk through {self.cache_bytes / 2**20:.1f} MiB of pinned host "
+                f"slots ({'/'.join(map(str, per_block))} experts per block, {POLICY}; {where})")
+
+
+def minimum_host_cache_bytes(blocks) -> int:
+    """The fewest host bytes experts on disk need: each block's top-k (one call's picks)."""
+    return sum(min(b.top_k, b.num_experts) * b.unit_bytes for b in blocks)
+
+
+def plan_host_experts(option, blocks: tuple[ExpertBlock, ...], room_bytes: int) -> HostExpertPlan:
+    """The experts' host tier. ``option`` ``"auto"``: the tables stay pinned where ``room_bytes``
+    (the host memory left for them at load) holds them, else slots in that room; a number of
+    MB: slots of that size (the tables pinned whole where it holds them). Slots are the same
+    number per block, at least its top-k: a smaller figure is refused, naming the least."""
+    check_expert_host_cache_argument(option)
+    table_bytes = sum(b.table_bytes for b in blocks)
+    given = None if option == AUTO else round(option * 2**20)
+    room = room_bytes if given is None else given
+    if not blocks or room >= table_bytes:
+        return HostExpertPlan({}, table_bytes, 0, room_bytes if given is None else None)
+    least = minimum_host_cache_bytes(blocks)
+    slots = plan_expert_cache(blocks, room)
+    if room < least or any(slots[b.block] < min(b.top_k, b.num_experts) for b in blocks):
+        what = (f"expert_host_cache_mb={option}" if given is not None else
+                f"the host memory left for them at load ({room_bytes / 2**20:.1f} MiB)")
+        raise ValueError(f"the routed experts' tables ({table_bytes / 2**20:.1f} MiB) do not fit in pinned host memory and {what} holds fewer "
+                         f"than one call's picks of every block; experts read from the disk need at least {least / 2**20:.1f} MiB "
+                         f"of host slots (expert_host_cache_mb)")
+    cache = sum(slots[b.block] * b.unit_bytes for b in blocks)
+    return HostExpertPlan(slots, table_bytes, cache, room_bytes if given is None else None)
+
+
+class ExpertReader:
+    """Reads byte ranges of a ``.ptd`` into host buffers: chunks on a few threads, ``O_DIRECT``
+    where the range and its target are aligned to the file's blocks and the file takes it."""
+
+    def __init__(self, ptd: PtdFile, threads: int = READER_THREADS, direct: bool = True):
+        self.path, self._identity = ptd.path, ptd.identity
+        self.mode, self._fd = _open_for_reads(ptd.fileno(), direct)
+        self._buffered_fd = -1
+        try:
+            self._buffered_fd = os.open(f"/proc/self/fd/{ptd.fileno()}", os.O_RDONLY) if self.mode == "O_DIRECT" else self._fd
+            for fd in (self._fd, self._buffered_fd):
+                if os.fstat(fd).st_ino != os.fstat(ptd.fileno()).st_ino:
+                    raise ArtifactError(self.path, "file", "was replaced between mapping it and opening it for expert reads; load it again")
+        except BaseException:
+            self._close_fds()
+            raise
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="hostswap-experts")
+        self.bytes_read = 0
+        self.seconds = 0.0  # the callers' time spent waiting for reads
+        self.direct_bytes = 0  # of bytes_read, read with O_DIRECT
+
+    def read(self, requests) -> None:
+        """Fill each ``(what, file offset, nbytes, buffer, start)``: ``nbytes`` of the file at
+        the offset into ``buffer`` (a writable, page-aligned mmap) at ``start``; returns once
+        all are read. Where ``start`` and the offset share their place within a disk block, the
+        whole blocks between are read with ``O_DIRECT`` (where the file takes it)."""
+        t = time.perf_counter()
+        futures = []
+        for what, offset, nbytes, buffer, start in requests:
+            pieces = [(offset, nbytes, True)]
+            if self.mode == "O_DIRECT" and (start - offset) % DIRECT_ALIGNMENT == 0:
+                first = -(-offset // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
+                last = max(first, (offset + nbytes) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT)
+                pieces = [(offset, min(first, offset + nbytes) - offset, True), (first, last - first, False), (last, offset + nbytes - last, True)]
+            for at, length, buffered in pieces:
+                if length <= 0:
+                    continue
+                for done in range(0, length, CHUNK_BYTES):
+                    futures.append(self._executor.submit(self._read_chunk, self._buffered_fd if buffered else self._fd, what, at + done, buffer,
+                                                         start + at - offset + done, min(CHUNK_BYTES, length - done), buffered))
+                self.direct_bytes += 0 if buffered else length
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            concurrent.futures.wait(futures)
+            raise
+        if file_identity(os.fstat(self._buffered_fd)) != self._identity:
+            raise ArtifactError(self.path, "file", "changed on disk while routed experts were read from it; the weights it serves are no longer the ones checked at load. Load it again")
+        self.bytes_read += sum(r[2] for r in requests)
+        self.seconds += time.perf_counter() - t
+
+    def _read_chunk(self, fd: int, what: str, offset: int, buffer, start: int, length: int, buffered: bool) -> None:
+        got = 0
+        with memoryview(buffer) as view:
+            while got < length:  # a read may return fewer bytes than asked (a signal, a network filesystem)
+                with view[start + got : start + length] as target:
+                    n = os.preadv(fd, [target], offset + got)
+                if n == 0:
+                    break
+                got += n
+        if got < length:
+            raise ArtifactError(self.path, what, f"read {got} of {length} bytes at offset {offset}: the file is shorter than at load. Load it again")
+        if buffered:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+    def _close_fds(self) -> None:
+        for fd in {self._fd, self._buffered_fd} - {-1}:
+            os.close(fd)
+        self._fd = self._buffered_fd = -1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._close_fds()
+
+
+class HostExpertCache:
+    """``slots`` experts of one MoE block in pinned host memory, each brought from the ``.ptd``
+    when a call picks it and the slots lack it, least recently used evicted."""
+
+    def __init__(self, block: ExpertBlock, ptd: PtdFile, slots: int, reader: ExpertReader, device: torch.device):
+        if not min(block.top_k, block.num_experts) <= slots <= block.num_experts:
+            raise ValueError(f"a host cache of {block.block} needs top_k ({block.top_k}) to {block.num_experts} slots, not {slots}")
+        self.block, self.slots, self.num_experts = block.block, slots, block.num_experts
+        self.unit_bytes = block.unit_bytes
+        self._reader, self._device = reader, device
+        self._rows: list[tuple[str, int, int]] = []  # per table: (fqn, file offset of row 0, row bytes)
+        self._buffers: list[tuple[mmap.mmap, int]] = []  # per table: (buffer, where slot 0 starts in it)
+        self.host_tables: list[torch.Tensor] = []
+        self._registered: list[int] = []
+        self._of_source: dict[int, int] = {}  # data pointer of a table as the program binds it -> its place here
+        try:
+            for at, fqn in enumerate(block.tables):
+                entry = ptd.entries[fqn]
+                row_bytes = entry.nbytes // block.num_experts
+                # anonymous pages are page-aligned; slot 0 starts where the rows start within a
+                # disk block, so a row of whole blocks lands where its O_DIRECT middle is aligned
+                lead = entry.offset % DIRECT_ALIGNMENT if row_bytes % DIRECT_ALIGNMENT == 0 else 0
+                buffer = mmap.mmap(-1, max(lead + slots * row_bytes, mmap.PAGESIZE))
+                self._buffers.append((buffer, lead))
+                whole = torch.frombuffer(buffer, dtype=torch.uint8)
+                table = whole[lead : lead + slots * row_bytes].view(entry.dtype).view(slots, *entry.shape[1:])
+                if device.type == "cuda":
+                    register_host_memory(whole.data_ptr(), len(buffer), what=f"the host expert slots of {fqn}")
+                    self._registered.append(whole.data_ptr())
+                self.host_tables.append(table)
+                self._rows.append((fqn, entry.offset, row_bytes))
+                self._of_source[ptd.host_tensor(fqn).data_ptr()] = at
+            # what the kernels read: device views of the slots on CUDA, the slots themselves elsewhere
+            self.tables = [device_view_of(t, device, f"the host expert slots of {fqn}") if device.type == "cuda" else t
+                           for t, (fqn, _, _) in zip(self.host_tables, self._rows)]
+        except BaseException:
+            self.close()
+            raise
+        self.expert_of = [-1] * slots
+        self.slot_of: dict[int, int] = {}
+        self._last_use = [-slots + s for s in range(slots)]  # empty slots first, the first slot first
+        self._clock = 0
+        self._readers: list = [None] * slots  # per slot: the event after the last kernels that read it
+        self.hits = self.misses = 0
+
+    def tables_for(self, *sources: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """The slots' tables standing for ``sources`` (the block's tables as its call got them)."""
+        out = []
+        for t in sources:
+            if t is None:
+                out.append(None)
+                continue
+            at = self._of_source.get(t.data_ptr())
+            if at is None:
+                raise AssertionError(f"the routed experts of {self.block} got a table its host cache does not hold")
+            out.append(self.tables[at])
+        return tuple(out)
+
+    def bring(self, experts: list[int]) -> list[int]:
+        """The slot of each of ``experts`` (distinct), those the slots lack read from the file
+        into the least recently used slots no other of them holds; all stamped as used now."""
+        if len(experts) > self.slots:
+            raise ValueError(f"{len(experts)} experts of {self.block} at once; its host cache holds {self.slots}")
+        self._clock += 1
+        hit = [e for e in experts if e in self.slot_of]
+        missed = [e for e in experts if e not in self.slot_of]
+        held = {self.slot_of[e] for e in hit}
+        victims = sorted((s for s in range(self.slots) if s not in held), key=lambda s: self._last_use[s])[: len(missed)]
+        requests = []
+        for e, s in zip(missed, victims):
+            if self._readers[s] is not None:  # the kernels that read its last expert are done first
+                self._readers[s].synchronize()
+                self._readers[s] = None
+            old = self.expert_of[s]
+            if old >= 0:
+                del self.slot_of[old]
+            self.expert_of[s], self.slot_of[e] = e, s
+            for (fqn, offset, row_bytes), (buffer, lead) in zip(self._rows, self._buffers):
+                requests.append((f"expert {e} of weight '{fqn}'", offset + e * row_bytes, row_bytes, buffer, lead + s * row_bytes))
+        try:
+            self._reader.read(requests)
+        except BaseException:
+            for e, s in zip(missed, victims):  # what a failed read left in them is no expert
+                self.expert_of[s] = -1
+                self.slot_of.pop(e, None)
+            raise
+        self.hits += len(hit)
+        self.misses += len(missed)
+        slots = [self.slot_of[e] for e in experts]
+        for s in slots:
+            self._last_use[s] = self._clock
+        return slots
+
+    def read_by_kernels(self, slots: list[int]) -> None:
+        """The kernels queued so far read ``slots``: none of them is refilled before they finish."""
+        if self._device.type != "cuda":
+            return  # CPU kernels have run by now
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        for s in slots:
+            self._readers[s] = event
+
+    def stats(self) -> dict:
+        return {"slots": self.slots, "policy": POLICY, "hits": self.hits, "misses": self.misses,
+                "bytes_read": self.misses * self.unit_bytes}
+
+    def close(self) -> None:
+        for pointer in self._registered:
+            unregister_host_memory(pointer)
+        self._registered = []
+        self.tables = []
+        self.host_tables = []
+        for buffer, _ in self._buffers:
+            try:
+                buffer.close()
+            except BufferError:
+                pass  # a view handed out still holds it; it goes with that view
+        self._buffers = []
+
+
+def open_host_experts(plan: HostExpertPlan, blocks: tuple[ExpertBlock, ...], ptd: PtdFile, device: torch.device) -> tuple[ExpertReader | None, dict[str, HostExpertCache]]:
+    """The reader and each block's host cache for a plan with experts on disk (none otherwise)."""
+    if not plan.on_disk:
+        return None, {}
+    reader = ExpertReader(ptd)
+    caches: dict[str, HostExpertCache] = {}
+    try:
+        for b in blocks:
+            caches[b.block] = HostExpertCache(b, ptd, plan.slots[b.block], reader, device)
+    except BaseException:
+        close_host_experts(reader, caches)
+        raise
+    return reader, caches
+
+
+def close_host_experts(reader: ExpertReader | None, caches: dict[str, HostExpertCache]) -> None:
+    for cache in caches.values():
+        cache.close()
+    if reader is not None:
+        reader.close()

@@ -1,0 +1,275 @@
+"""Routed experts read from the disk through a host cache, where their tables do not fit in
+the host memory a load may pin (runtime/expert_store.py).
+
+The tokens and logits must be those of the same program with its expert tables pinned whole,
+on every MoE architecture; the cache must hold the file's bytes of the experts it says it
+holds; and a cache too small for one call's picks is refused at load, naming the least.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import types
+
+import pytest
+import torch
+
+import hostswap
+import hostswap.llm as llm
+from hostswap.kernels.routed_experts import ExpertIndexError
+from hostswap.runtime import Module
+from hostswap.runtime.disk_reader import CHUNK_BYTES
+from hostswap.runtime.expert_store import ExpertReader, HostExpertCache, minimum_host_cache_bytes, plan_host_experts
+from hostswap.runtime.host_tier import AUTO_HOST_SHARE, plan_expert_host_tier
+from hostswap.runtime.ptd import PtdFile, file_identity
+from hostswap.schedules.artifacts import ArtifactError
+from hostswap.schedules.experts import ExpertBlock
+from hostswap.schedules.serialization import load_weight_schedules
+
+from test_experts import CHUNK, MAX_SEQ_LEN, MOE, _get, _mixtral, _prompt
+
+MB = 2**20
+
+
+@pytest.fixture(scope="module", params=list(MOE))
+def moe(request, tmp_path_factory):
+    return _get(request.param, tmp_path_factory)
+
+
+def _least_mb(moe) -> float:
+    """One call's picks of every block: the smallest host cache a load takes."""
+    return minimum_host_cache_bytes(moe.schedules["decode"].expert_blocks) / MB
+
+
+@pytest.mark.parametrize("budget", ["floor", "cache"])
+def test_experts_from_disk_give_the_tokens_and_logits_of_experts_pinned(moe, budget):
+    """At the floor (every pick read from the host slots) and with a device cache in front of
+    them; the host cache holds one call's picks, so prefill chunks whose union is larger go
+    through it in parts."""
+    prompt = _prompt(7)
+    expected = moe.transformers_tokens(prompt, 12)
+    mb = {"floor": moe.floor, "cache": moe.cached}[budget] / MB
+    blocks = moe.schedules["decode"].expert_blocks
+    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=mb, device="cpu", expert_host_cache_mb=_least_mb(moe)) as g:
+        plan = g.module.expert_host_plan
+        assert plan.on_disk and plan.slots == {b.block: b.top_k for b in blocks}
+        out = g.generate(prompt, 12, eos_token_id=[])
+        assert torch.equal(out, expected), (out.tolist(), expected.tolist())
+        s = g.stats
+        assert set(s["expert_host_cache"]) == {b.block for b in blocks}
+        for c in s["expert_host_cache"].values():
+            assert c["slots"] == blocks[0].top_k and c["policy"] == "lru" and c["misses"] > c["slots"] and c["hits"] > 0
+        assert s["expert_disk_bytes_read"] == sum(c["bytes_read"] for c in s["expert_host_cache"].values()) > 0
+        assert re.search(rf"experts from disk: {blocks[0].top_k} a block in host memory, \d+% of picks found there", g.summary()), g.summary()
+        assert "read from the disk through" in g.memory_report()
+        if budget == "cache":
+            assert set(g.module.expert_caches) == {b.block for b in blocks}
+            assert all(r["cache_hits"] > 0 for r in s["expert_reads"].values())
+        # step by step, against the same program with its tables pinned whole
+        steps = [("prefill", _prompt(CHUNK, 3), torch.arange(CHUNK)), ("decode", _prompt(1, 4), torch.tensor([CHUNK])),
+                 ("decode", _prompt(1, 5), torch.tensor([CHUNK + 1]))]
+        g.module.reset_state()
+        from_disk = [g.module.run_method(m, [x, p])[0] for m, x, p in steps]
+    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=mb, device="cpu") as g:
+        assert not g.module.expert_host_plan.on_disk and not g.module.host_experts
+        g.module.reset_state()
+        pinned = [g.module.run_method(m, [x, p])[0] for m, x, p in steps]
+    for (method, _, _), a, b in zip(steps, from_disk, pinned):
+        assert torch.equal(a, b), (method, (a - b).abs().max().item())
+
+
+def test_a_host_cache_holds_the_files_rows_and_evicts_the_least_recently_used(tmp_path_factory):
+    moe = _get("Qwen3-MoE", tmp_path_factory)
+    block = moe.schedules["decode"].expert_blocks[0]
+    with PtdFile(moe.ptd) as ptd:
+        reader = ExpertReader(ptd)
+        cache = HostExpertCache(block, ptd, 3, reader, torch.device("cpu"))
+        try:
+            def holds(expert, slot):
+                for fqn, table in zip(block.tables, cache.host_tables):
+                    assert torch.equal(table[slot], ptd.host_tensor(fqn)[expert]), (fqn, expert, slot)
+
+            assert cache.bring([5, 1]) == [0, 1]  # empty slots first, in order
+            assert cache.bring([1, 7]) == [1, 2]
+            # 5 was used least recently; 1 and 7 are this call's own
+            assert cache.bring([7, 0]) == [2, 0]
+            assert cache.bring([3, 0, 7]) == [1, 0, 2]
+            assert (cache.hits, cache.misses) == (4, 5)
+            assert cache.expert_of == [0, 3, 7] and cache.slot_of == {0: 0, 3: 1, 7: 2}
+            for expert, slot in cache.slot_of.items():
+                holds(expert, slot)
+            assert reader.bytes_read == 5 * block.unit_bytes == cache.stats()["bytes_read"]
+            with pytest.raises(ValueError, match=re.escape(f"4 experts of {block.block} at once; its host cache holds 3")):
+                cache.bring([0, 1, 2, 4])
+            with pytest.raises(ValueError, match=re.escape(f"a host cache of {block.block} needs top_k ({block.top_k}) to {block.num_experts} slots, not 1")):
+                HostExpertCache(block, ptd, 1, reader, torch.device("cpu"))
+        finally:
+            cache.close()
+            reader.close()
+
+
+def _file_like(path) -> types.SimpleNamespace:
+    """What ExpertReader takes of a PtdFile: its path, descriptor and identity at load."""
+    f = open(path, "rb")
+    return types.SimpleNamespace(path=str(path), identity=file_identity(os.fstat(f.fileno())), fileno=f.fileno, file=f)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_reader_reads_any_range_to_any_place(tmp_path, direct):
+    """Ranges at any offset and length, into places at the same offset within a disk block
+    (the middle read with O_DIRECT where the file takes it) and at another (buffered)."""
+    import mmap
+
+    data = torch.randint(0, 256, (CHUNK_BYTES + 3 * 4096 + 123,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    path = tmp_path / "bytes"
+    path.write_bytes(data)
+    source = _file_like(path)
+    reader = ExpertReader(source, direct=direct)
+    buffer = mmap.mmap(-1, 2 * len(data))
+    try:
+        cases = [(0, 4096, 0), (100, 50, 100), (4000, 200, 4000), (4000, 9000, 8096), (123, CHUNK_BYTES + 5000, 123), (8192, 3 * 4096, 0),
+                 (5, 4096 * 2, 77), (len(data) - 10, 10, 12)]
+        for offset, nbytes, start in cases:
+            reader.read([("range", offset, nbytes, buffer, start)])
+            assert buffer[start : start + nbytes] == data[offset : offset + nbytes], (offset, nbytes, start)
+        assert reader.bytes_read == sum(n for _, n, _ in cases)
+        if reader.mode == "O_DIRECT":
+            assert reader.direct_bytes > 0  # the congruent ranges' whole blocks
+        else:
+            assert reader.direct_bytes == 0
+    finally:
+        reader.close()
+        source.file.close()
+
+
+def test_the_reader_names_a_file_changed_or_cut_short_since_load(tmp_path):
+    import mmap
+
+    path = tmp_path / "bytes"
+    path.write_bytes(bytes(range(256)) * 64)
+    source = _file_like(path)
+    reader = ExpertReader(source)
+    buffer = mmap.mmap(-1, 1 << 16)
+    try:
+        with pytest.raises(ArtifactError, match="read 0 of 100 bytes at offset 20000: the file is shorter than at load"):
+            reader.read([("expert 3 of weight 'w'", 20000, 100, buffer, 0)])
+        os.utime(path, ns=(0, 12345))
+        with pytest.raises(ArtifactError, match="changed on disk while routed experts were read from it"):
+            reader.read([("expert 0 of weight 'w'", 0, 100, buffer, 0)])
+    finally:
+        reader.close()
+        source.file.close()
+
+
+def _blocks(n=2, experts=8, top_k=2, unit=1000) -> tuple[ExpertBlock, ...]:
+    return tuple(ExpertBlock(f"layers.{i}.experts", (f"layers.{i}.gate_up", f"layers.{i}.down"), top_k, 1, experts, unit, "float32") for i in range(n))
+
+
+def test_the_experts_stay_pinned_where_they_fit_else_slots_of_the_room():
+    blocks = _blocks()  # 2 blocks of 8 experts of 1000 bytes: 16000 bytes of tables
+    pinned = plan_host_experts("auto", blocks, 16000)
+    assert not pinned.on_disk and pinned.pinned_bytes == 16000 and "pinned whole" in pinned.explain()
+    on_disk = plan_host_experts("auto", blocks, 11999)  # 5 experts a block
+    assert on_disk.slots == {b.block: 5 for b in blocks} and on_disk.cache_bytes == on_disk.pinned_bytes == 10000
+    assert "read from the disk through" in on_disk.explain() and "5 experts per block" in on_disk.explain()
+    given = plan_host_experts(6000 / MB, blocks, 10**12)  # a figure given is taken whatever the room
+    assert given.slots == {b.block: 3 for b in blocks} and given.room_bytes is None
+    assert not plan_host_experts(16000 / MB, blocks, 0).on_disk
+    assert not plan_host_experts("auto", (), 0).on_disk
+
+
+def test_a_host_cache_below_one_calls_picks_is_refused_naming_the_least():
+    blocks = _blocks()  # one call's picks: 2 blocks x top-2 x 1000 bytes
+    least = f"at least {4000 / MB:.1f} MiB"
+    with pytest.raises(ValueError, match=re.escape("expert_host_cache_mb=0.001 holds fewer than one call's picks") + ".*" + re.escape(least)):
+        plan_host_experts(0.001, blocks, 10**12)
+    with pytest.raises(ValueError, match=re.escape("the host memory left for them at load (0.0 MiB)") + ".*" + re.escape(least)):
+        plan_host_experts("auto", blocks, 3999)
+    for bad in ("big", -1, 0, float("nan"), True):
+        with pytest.raises(ValueError, match="expert_host_cache_mb must be"):
+            plan_host_experts(bad, blocks, 10**12)
+
+
+def test_auto_puts_the_experts_on_disk_where_the_host_share_cannot_hold_them_besides_the_rest(tmp_path_factory):
+    moe = _get("Mixtral", tmp_path_factory)
+    decode = moe.schedules["decode"]
+    tables = sum(b.table_bytes for b in decode.expert_blocks)
+    others = sum(n for f, n in zip(decode.host_read, decode.host_read_bytes) if not any(f in b.tables for b in decode.expert_blocks))
+    streamed = list(range(len(decode.fqns)))
+    every = others + sum(decode.weight_bytes) + tables
+    assert not plan_expert_host_tier("auto", decode, streamed, available_bytes=int(every / AUTO_HOST_SHARE) + 1).on_disk
+    short = plan_expert_host_tier("auto", decode, streamed, available_bytes=int((every - tables // 4) / AUTO_HOST_SHARE) + 2)
+    assert short.on_disk and short.cache_bytes <= tables - tables // 4 and set(short.slots.values()) == {3}  # of 4 experts
+    # streamed weights that leave less than one call's picks give way to them (the disk tier reads what they lack)
+    least = minimum_host_cache_bytes(decode.expert_blocks)
+    crowded = plan_expert_host_tier("auto", decode, streamed, available_bytes=int((others + least) / AUTO_HOST_SHARE) + 2)
+    assert crowded.on_disk and crowded.cache_bytes == least
+    # blocks the device holds whole need no host memory
+    assert not plan_expert_host_tier("auto", decode, streamed, frozenset(b.block for b in decode.expert_blocks), available_bytes=1).on_disk
+
+
+def test_a_load_below_one_calls_picks_is_refused_and_a_compiled_one_named(tmp_path_factory):
+    moe = _get("Mixtral", tmp_path_factory)
+    least = _least_mb(moe)
+    with pytest.raises(ValueError, match=re.escape(f"at least {least:.1f} MiB of host slots")):
+        Module(moe.pte, moe.ptd, weight_offload_budget_mb=moe.floor / MB, device="cpu", expert_host_cache_mb=least / 2)
+    with pytest.raises(ValueError, match="expert_host_cache_mb must be a number of MB or 'auto'"):
+        Module(moe.pte, moe.ptd, weight_offload_budget_mb=moe.floor / MB, device="cpu", expert_host_cache_mb="half")
+    with pytest.raises(ValueError, match="compiled needs the routed experts in pinned host memory; expert tables .* read from the disk through"):
+        Module(moe.pte, moe.ptd, weight_offload_budget_mb=moe.cached / MB, device="cpu", expert_host_cache_mb=least, compiled=("decode",))
+
+
+def test_a_corrupted_router_stops_a_call_of_experts_on_disk_before_any_read(tmp_path):
+    model = _mixtral().eval()
+    router = model.model.layers[1].mlp.gate
+    original = router.forward
+
+    def corrupted(hidden_states):
+        logits, scores, indices = original(hidden_states)
+        return logits, scores, indices + router.num_experts - 1
+
+    router.forward = corrupted
+    pte, ptd = llm.export(model, tmp_path / "m", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK)
+    schedules = load_weight_schedules(pte)
+    floor = hostswap.schedules.load_floor_bytes(schedules)
+    least = minimum_host_cache_bytes(schedules["decode"].expert_blocks) / MB
+    with llm.Generator(pte, ptd, weight_offload_budget_mb=floor / MB, device="cpu", warm_up=False, expert_host_cache_mb=least) as g:
+        with pytest.raises(ExpertIndexError, match=re.escape("router of model.layers.1.mlp.experts picked an expert outside 0..3")):
+            g.generate(_prompt(7), 4, eos_token_id=[])
+        assert g.module.host_experts["model.layers.1.mlp.experts"].misses == 0
+
+
+def test_a_batch_of_sequences_reads_its_experts_from_disk_and_each_gets_its_own_tokens(tmp_path_factory):
+    """Continuous batching over a program whose expert tables are on disk: a step's union goes
+    through a host cache of one token's picks per block, in parts."""
+    from hostswap import batching
+    from test_batching import Batched, _prompts
+
+    b = Batched("Mixtral", None, tmp_path_factory.mktemp("batched-mixtral"))
+    prompts, news = _prompts([5, 3, 9, 2]), [6, 9, 4, 7]
+    expected = [b.transformers_tokens(p, n) for p, n in zip(prompts, news)]
+    least = minimum_host_cache_bytes(load_weight_schedules(b.pte)["decode"].expert_blocks) / MB
+    with batching.BatchGenerator(b.pte, b.ptd, weight_offload_budget_mb=b.floor / MB, device="cpu", expert_host_cache_mb=least) as g:
+        assert g.module.expert_host_plan.on_disk
+        assert g.generate(prompts, news, eos_token_id=[]) == expected
+        assert all(c.misses > c.slots for c in g.module.host_experts.values())
+
+
+def test_generate_command_takes_the_host_cache_and_names_a_bad_one(tmp_path_factory):
+    import subprocess
+    import sys
+
+    moe = _get("Mixtral", tmp_path_factory)
+    prefix = os.path.splitext(moe.pte)[0]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "hostswap.cli", "generate", prefix, "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
+                               "--device", "cpu", "--budget-mb", str(moe.floor / MB + 0.01), *map(str, args)], capture_output=True, text=True, timeout=600)
+
+    ok = cli("--expert-host-cache-mb", _least_mb(moe) + 0.01)
+    assert ok.returncode == 0, ok.stderr
+    assert "read from the disk through" in ok.stderr and "experts from disk: 2 a block in host memory" in ok.stderr
+    for bad, named in (("half", "--expert-host-cache-mb"), (_least_mb(moe) / 4, "at least")):
+        result = cli("--expert-host-cache-mb", bad)
+        assert result.returncode == 2 and named in result.stderr, result.stderr
