@@ -72,8 +72,10 @@ class HostExpertPlan:
 
 
 def minimum_host_cache_bytes(blocks) -> int:
-    """The fewest host bytes experts on disk need: each block's top-k (one call's picks)."""
-    return sum(min(b.top_k, b.num_experts) * b.unit_bytes for b in blocks)
+    """The fewest host bytes experts on disk need: one call's picks of every block, in slots of
+    the same number per block (``plan_expert_cache``), so the largest top-k in each."""
+    least = max((min(b.top_k, b.num_experts) for b in blocks), default=0)
+    return sum(min(least, b.num_experts) * b.unit_bytes for b in blocks)
 
 
 def plan_host_experts(option, blocks: tuple[ExpertBlock, ...], room_bytes: int) -> HostExpertPlan:
@@ -105,13 +107,11 @@ class ExpertReader:
 
     def __init__(self, ptd: PtdFile, threads: int = READER_THREADS, direct: bool = True):
         self.path, self._identity = ptd.path, ptd.identity
+        # both opened through the mapping's own descriptor: the file mapped, even if the path was replaced since
         self.mode, self._fd = _open_for_reads(ptd.fileno(), direct)
         self._buffered_fd = -1
         try:
             self._buffered_fd = os.open(f"/proc/self/fd/{ptd.fileno()}", os.O_RDONLY) if self.mode == "O_DIRECT" else self._fd
-            for fd in (self._fd, self._buffered_fd):
-                if os.fstat(fd).st_ino != os.fstat(ptd.fileno()).st_ino:
-                    raise ArtifactError(self.path, "file", "was replaced between mapping it and opening it for expert reads; load it again")
         except BaseException:
             self._close_fds()
             raise
@@ -158,14 +158,18 @@ class ExpertReader:
         with memoryview(buffer) as view:
             while got < length:  # a read may return fewer bytes than asked (a signal, a network filesystem)
                 with view[start + got : start + length] as target:
-                    n = os.preadv(fd, [target], offset + got)
+                    try:
+                        n = os.preadv(fd, [target], offset + got)
+                    except OSError as e:  # O_DIRECT past a file cut to an unaligned length: EINVAL
+                        raise ArtifactError(self.path, what, f"cannot be read at offset {offset + got} ({e.strerror}): the file changed since load. Load it again") from None
                 if n == 0:
                     break
                 got += n
         if got < length:
             raise ArtifactError(self.path, what, f"read {got} of {length} bytes at offset {offset}: the file is shorter than at load. Load it again")
-        if buffered:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        if buffered:  # whole pages: the partial ones at the ends would otherwise stay
+            first = offset // mmap.PAGESIZE * mmap.PAGESIZE
+            os.posix_fadvise(fd, first, -(-(offset + length) // mmap.PAGESIZE) * mmap.PAGESIZE - first, os.POSIX_FADV_DONTNEED)
 
     def _close_fds(self) -> None:
         for fd in {self._fd, self._buffered_fd} - {-1}:
@@ -245,24 +249,26 @@ class HostExpertCache:
         missed = [e for e in experts if e not in self.slot_of]
         held = {self.slot_of[e] for e in hit}
         victims = sorted((s for s in range(self.slots) if s not in held), key=lambda s: self._last_use[s])[: len(missed)]
-        requests = []
-        for e, s in zip(missed, victims):
-            if self._readers[s] is not None:  # the kernels that read its last expert are done first
-                self._readers[s].synchronize()
-                self._readers[s] = None
-            old = self.expert_of[s]
-            if old >= 0:
-                del self.slot_of[old]
-            self.expert_of[s], self.slot_of[e] = e, s
-            for (fqn, offset, row_bytes), (buffer, lead) in zip(self._rows, self._buffers):
-                requests.append((f"expert {e} of weight '{fqn}'", offset + e * row_bytes, row_bytes, buffer, lead + s * row_bytes))
         try:
+            requests = []
+            for e, s in zip(missed, victims):
+                # the slot holds no expert until its read is in (an interrupted wait or read leaves it empty)
+                old = self.expert_of[s]
+                if old >= 0:
+                    del self.slot_of[old]
+                self.expert_of[s] = -1
+                if self._readers[s] is not None:  # the kernels that read its last expert are done first
+                    self._readers[s].synchronize()
+                    self._readers[s] = None
+                for (fqn, offset, row_bytes), (buffer, lead) in zip(self._rows, self._buffers):
+                    requests.append((f"expert {e} of weight '{fqn}'", offset + e * row_bytes, row_bytes, buffer, lead + s * row_bytes))
             self._reader.read(requests)
         except BaseException:
-            for e, s in zip(missed, victims):  # what a failed read left in them is no expert
-                self.expert_of[s] = -1
-                self.slot_of.pop(e, None)
+            for s in victims:
+                self._last_use[s] = -self.slots - 1  # empty: taken first
             raise
+        for e, s in zip(missed, victims):
+            self.expert_of[s], self.slot_of[e] = e, s
         self.hits += len(hit)
         self.misses += len(missed)
         slots = [self.slot_of[e] for e in experts]
@@ -289,11 +295,7 @@ class HostExpertCache:
         self._registered = []
         self.tables = []
         self.host_tables = []
-        for buffer, _ in self._buffers:
-            try:
-                buffer.close()
-            except BufferError:
-                pass  # a view handed out still holds it; it goes with that view
+        # not closed here: a tensor over a buffer holds it, and the pages go with the last one
         self._buffers = []
 
 

@@ -77,35 +77,40 @@ def plan_expert_host_tier(option, schedule, streamed: list[int], experts_on_devi
     """Whether the routed experts' tables (of the blocks not held whole on the device) stay
     pinned or on disk behind a host cache (runtime/expert_store.py). ``"auto"``: on disk where
     they do not fit in ``AUTO_HOST_SHARE`` of ``available_bytes`` (default: the system's, now)
-    besides the other tables read in place and every streamed weight, which each token reads
-    (where the streamed weights leave less than one call's picks of every block, they give way)."""
+    besides the other tables read in place, the staging ring and every streamed weight, which
+    each token reads (where those leave less than one call's picks of every block, the
+    streamed weights give way: what the share then lacks of them is read from the disk tier)."""
     blocks = tuple(b for b in schedule.expert_blocks if b.block not in experts_on_device)
     if option != AUTO or not blocks:
         return plan_host_experts(option, blocks, 0)
     available = available_host_memory() if available_bytes is None else available_bytes
     expert_tables = {t for b in schedule.expert_blocks for t in b.tables}
     other_tables = sum(n for f, n in zip(schedule.host_read, schedule.host_read_bytes) if f not in expert_tables)
-    share = int(available * AUTO_HOST_SHARE) - other_tables
+    # what host_budget leaves the streamed weights and the experts together
+    share = int(available * AUTO_HOST_SHARE) - other_tables - staging_bytes(schedule.weight_bytes[w] for w in streamed)
     room = share - sum(schedule.weight_bytes[w] for w in streamed)
     least = minimum_host_cache_bytes(blocks)
-    if room < least <= share:  # the streamed weights give way: what the share then lacks of them is read from the disk tier
+    if room < least <= share:
         room = least
     return plan_host_experts(option, blocks, max(0, room))
 
 
 def plan_host_tiers(budget_mb, schedule, layout: PlannedLayout | None, lru_budget_bytes: int = 0, expert_host_cache_mb="auto",
-                    experts_on_device: frozenset[str] = frozenset()) -> tuple[HostBudget, TierPlan, HostExpertPlan]:
+                    experts_on_device: frozenset[str] = frozenset(), available_bytes: int | None = None) -> tuple[HostBudget, TierPlan, HostExpertPlan]:
     """The host budget, every weight's tier under it, and the routed experts' host tier.
     ``layout``: the planned policy's (None: the lru policy at ``lru_budget_bytes``, which
     streams every weight it does not keep resident from pinned memory and has no disk tier).
-    ``experts_on_device``: MoE blocks whose tables the device holds whole."""
+    ``experts_on_device``: MoE blocks whose tables the device holds whole. ``available_bytes``:
+    the RAM available, for ``"auto"`` (default: the system's, read once, now)."""
     resident = layout.resident if layout is not None else frozenset(lru_resident(schedule, lru_budget_bytes))
     streamed = [w for w in range(len(schedule.fqns)) if w not in resident]
-    experts = plan_expert_host_tier(expert_host_cache_mb, schedule, streamed, experts_on_device)
+    if available_bytes is None and AUTO in (budget_mb, expert_host_cache_mb):
+        available_bytes = available_host_memory()
+    experts = plan_expert_host_tier(expert_host_cache_mb, schedule, streamed, experts_on_device, available_bytes)
     on_disk = {t for b in schedule.expert_blocks if b.block in experts.slots for t in b.tables}
     # the tables pinned: those not on disk, and the host slots of those that are
     host_read_bytes = sum(n for f, n in zip(schedule.host_read, schedule.host_read_bytes) if f not in on_disk) + experts.cache_bytes
-    budget = host_budget(budget_mb, schedule, streamed, host_read_bytes=host_read_bytes)
+    budget = host_budget(budget_mb, schedule, streamed, available_bytes, host_read_bytes=host_read_bytes)
     if layout is not None:
         return budget, dataclasses.replace(plan_tiers(schedule, layout, budget.budget_bytes), host_read_bytes=host_read_bytes), experts
     nbytes = schedule.weight_bytes

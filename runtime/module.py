@@ -268,12 +268,12 @@ class Module:
                 raise ValueError(f"cuda_graph needs every streamed weight in pinned host memory; host_memory_budget_mb={self.host_budget.budget_bytes / 2**20:.1f} "
                                  f"leaves {len(self.tiers.disk)} weights on disk, read eagerly. Raise the host budget or load without cuda_graph")
             graphed.clear()
-        if self.expert_host_plan.on_disk and (graphed or self._compiled_names):
+        if self.expert_host_plan.on_disk:
             # a call learns its picks on the host to read them from the file: no graph holds that
-            if not (self._graph_where_possible if graphed else self._compiled_where_possible):
-                option = "cuda_graph" if graphed else "compiled"
-                raise ValueError(f"{option} needs the routed experts in pinned host memory; {self.expert_host_plan.explain()}, read eagerly. "
-                                 f"Load without {option}, or where the host memory holds the expert tables")
+            for option, asked, where_possible in (("cuda_graph", graphed, self._graph_where_possible), ("compiled", self._compiled_names, self._compiled_where_possible)):
+                if asked and not where_possible:
+                    raise ValueError(f"{option} needs the routed experts in pinned host memory; {self.expert_host_plan.explain()}, read eagerly. "
+                                     f"Load without {option}, or where the host memory holds the expert tables")
             graphed.clear()
             self._compiled_names = set()
         on_disk = {t for b in blocks if b.block in self.expert_host_plan.slots for t in b.tables}

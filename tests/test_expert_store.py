@@ -8,6 +8,7 @@ holds; and a cache too small for one call's picks is refused at load, naming the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import types
@@ -102,6 +103,17 @@ def test_a_host_cache_holds_the_files_rows_and_evicts_the_least_recently_used(tm
             assert reader.bytes_read == 5 * block.unit_bytes == cache.stats()["bytes_read"]
             with pytest.raises(ValueError, match=re.escape(f"4 experts of {block.block} at once; its host cache holds 3")):
                 cache.bring([0, 1, 2, 4])
+            # a read that fails (a file cut short, an interrupt) leaves its slots holding no expert
+            real = reader.read
+            reader.read = lambda requests: (_ for _ in ()).throw(KeyboardInterrupt())
+            with pytest.raises(KeyboardInterrupt):
+                cache.bring([5, 6])
+            reader.read = real
+            assert sorted(cache.slot_of) == [7] and cache.expert_of.count(-1) == 2
+            misses = cache.misses
+            assert sorted(cache.bring([5, 6, 7])) == [0, 1, 2] and cache.misses == misses + 2  # 5 and 6 read again
+            for expert, slot in cache.slot_of.items():
+                holds(expert, slot)
             with pytest.raises(ValueError, match=re.escape(f"a host cache of {block.block} needs top_k ({block.top_k}) to {block.num_experts} slots, not 1")):
                 HostExpertCache(block, ptd, 1, reader, torch.device("cpu"))
         finally:
@@ -131,8 +143,10 @@ def test_the_reader_reads_any_range_to_any_place(tmp_path, direct):
         cases = [(0, 4096, 0), (100, 50, 100), (4000, 200, 4000), (4000, 9000, 8096), (123, CHUNK_BYTES + 5000, 123), (8192, 3 * 4096, 0),
                  (5, 4096 * 2, 77), (len(data) - 10, 10, 12)]
         for offset, nbytes, start in cases:
+            buffer[:] = b"\xa5" * len(buffer)  # a sentinel around the range, which must stay
             reader.read([("range", offset, nbytes, buffer, start)])
             assert buffer[start : start + nbytes] == data[offset : offset + nbytes], (offset, nbytes, start)
+            assert buffer[:start] == b"\xa5" * start and buffer[start + nbytes :] == b"\xa5" * (len(buffer) - start - nbytes), (offset, nbytes, start)
         assert reader.bytes_read == sum(n for _, n, _ in cases)
         if reader.mode == "O_DIRECT":
             assert reader.direct_bytes > 0  # the congruent ranges' whole blocks
@@ -179,6 +193,13 @@ def test_the_experts_stay_pinned_where_they_fit_else_slots_of_the_room():
     assert not plan_host_experts("auto", (), 0).on_disk
 
 
+def test_blocks_of_other_top_ks_need_the_largest_in_each():
+    blocks = _blocks(1, top_k=2) + tuple(dataclasses.replace(b, block="other", top_k=4) for b in _blocks(1))
+    assert minimum_host_cache_bytes(blocks) == 2 * 4 * 1000  # equal slots per block: 4 in each
+    plan = plan_host_experts(minimum_host_cache_bytes(blocks) / MB, blocks, 0)
+    assert set(plan.slots.values()) == {4}
+
+
 def test_a_host_cache_below_one_calls_picks_is_refused_naming_the_least():
     blocks = _blocks()  # one call's picks: 2 blocks x top-2 x 1000 bytes
     least = f"at least {4000 / MB:.1f} MiB"
@@ -197,14 +218,29 @@ def test_auto_puts_the_experts_on_disk_where_the_host_share_cannot_hold_them_bes
     tables = sum(b.table_bytes for b in decode.expert_blocks)
     others = sum(n for f, n in zip(decode.host_read, decode.host_read_bytes) if not any(f in b.tables for b in decode.expert_blocks))
     streamed = list(range(len(decode.fqns)))
-    every = others + sum(decode.weight_bytes) + tables
+    from hostswap.schedules.tiers import staging_bytes
+
+    staging = staging_bytes(decode.weight_bytes)  # the ring a disk tier of these weights would need
+    every = others + sum(decode.weight_bytes) + staging + tables
     assert not plan_expert_host_tier("auto", decode, streamed, available_bytes=int(every / AUTO_HOST_SHARE) + 1).on_disk
     short = plan_expert_host_tier("auto", decode, streamed, available_bytes=int((every - tables // 4) / AUTO_HOST_SHARE) + 2)
     assert short.on_disk and short.cache_bytes <= tables - tables // 4 and set(short.slots.values()) == {3}  # of 4 experts
     # streamed weights that leave less than one call's picks give way to them (the disk tier reads what they lack)
     least = minimum_host_cache_bytes(decode.expert_blocks)
-    crowded = plan_expert_host_tier("auto", decode, streamed, available_bytes=int((others + least) / AUTO_HOST_SHARE) + 2)
+    crowded = plan_expert_host_tier("auto", decode, streamed, available_bytes=int((others + staging + least) / AUTO_HOST_SHARE) + 2)
     assert crowded.on_disk and crowded.cache_bytes == least
+    # the whole plan: the streamed weights (and their staging ring) keep what they need, the
+    # experts take the rest, and the pinned total stays within the share
+    from hostswap.runtime.host_tier import plan_host_tiers
+    from hostswap.schedules.policies import plan_layout
+
+    layout = plan_layout(decode, decode.floor_bytes)
+    moved = [w for w in range(len(decode.fqns)) if w not in layout.resident]
+    assert moved
+    share = others + sum(decode.weight_bytes[w] for w in moved) + staging_bytes(decode.weight_bytes[w] for w in moved) + tables * 3 // 4
+    budget, tiers, experts = plan_host_tiers("auto", decode, layout, expert_host_cache_mb="auto", available_bytes=int(share / AUTO_HOST_SHARE) + 2)
+    assert experts.on_disk and not tiers.disk and set(experts.slots.values()) == {3}
+    assert tiers.pinned_bytes + tiers.host_read_bytes + tiers.staging_bytes <= share + 2
     # blocks the device holds whole need no host memory
     assert not plan_expert_host_tier("auto", decode, streamed, frozenset(b.block for b in decode.expert_blocks), available_bytes=1).on_disk
 
