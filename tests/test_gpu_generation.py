@@ -242,9 +242,12 @@ def test_routed_experts_read_from_disk_on_the_device(name, tmp_path):
             s = g.stats
             assert s["expert_disk_bytes_read"] > 0 and s["bytes_from_disk_per_token"] > 0
             assert all(c["misses"] > 0 for c in s["expert_host_cache"].values())
-            # the tables themselves are never registered: only their host slots are pinned
-            entries = [g.module.ptd.entries[t] for b in blocks for t in b.tables]
-            assert not any(start <= g.module.ptd.base_pointer + e.offset < start + length for e in entries for start, length in g.module.ptd.registered)
+            # the tables themselves are not registered, only their host slots (a page at either
+            # end may be, for a weight beside it)
+            base = g.module.ptd.base_pointer
+            for e in (g.module.ptd.entries[t] for b in blocks for t in b.tables):
+                covered = sum(max(0, min(start + length, base + e.offset + e.nbytes) - max(start, base + e.offset)) for start, length in g.module.ptd.registered)
+                assert covered <= 2 * 4096 < e.nbytes, (e.fqn, covered, e.nbytes)
             if label == "device cache":
                 assert all(r["cache_hits"] > 0 for r in s["expert_reads"].values())
 
