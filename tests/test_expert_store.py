@@ -309,3 +309,19 @@ def test_generate_command_takes_the_host_cache_and_names_a_bad_one(tmp_path_fact
     for bad, named in (("half", "--expert-host-cache-mb"), (_least_mb(moe) / 4, "at least")):
         result = cli("--expert-host-cache-mb", bad)
         assert result.returncode == 2 and named in result.stderr, result.stderr
+
+
+def test_speculative_decoding_of_a_target_with_experts_on_disk_keeps_its_greedy_output(tmp_path):
+    """A verify pass checks several drafted tokens in one call: its union goes through the
+    host cache in parts, and the output is the target's own greedy output."""
+    model = _mixtral().eval()
+    target = llm.export(model, tmp_path / "target", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, speculate_k=4)
+    schedules = load_weight_schedules(target[0])
+    floor = hostswap.schedules.load_floor_bytes(schedules) / MB + 0.01
+    least = minimum_host_cache_bytes(schedules["decode"].expert_blocks) / MB
+    with llm.Generator(*target, weight_offload_budget_mb=floor, device="cpu") as g:
+        expected = g.generate(_prompt(7), 12, eos_token_id=[])
+    with llm.Generator(*target, weight_offload_budget_mb=floor, device="cpu", expert_host_cache_mb=least, draft=str(tmp_path / "target"), speculate_k=4) as g:
+        assert g.module.expert_host_plan.on_disk
+        assert torch.equal(g.generate(_prompt(7), 12, eos_token_id=[]), expected)
+        assert g.last_speculation.passes > 0 and g.last_speculation.acceptance == 1.0
