@@ -113,7 +113,7 @@ def using_caches(caches: dict):
 
 def using_host_experts(caches: dict):
     """While the body runs, a call of a block in ``caches`` (block -> a host cache of experts
-    read from the disk: ``bring(experts)`` -> slots, ``tables_for(*tables)``,
+    read from the disk: ``bring(experts)`` -> slots, ``holds(expert)``, ``tables_for(*tables)``,
     ``read_by_kernels(slots)``; runtime/expert_store.py) reads its experts from the cache's
     slots, which it fills from the file."""
     return _setting("host_experts", caches)
@@ -226,23 +226,29 @@ def _expert(x, e: int, gate_up, down, gate_up_bias, down_bias, activate, transpo
 
 
 def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, num_experts: int, host=None):
-    """Each expert of the union once, over its tokens: transformers' eager experts loop. With
-    ``host`` (a host cache of experts read from the disk, whose slots the tables are) the
-    union goes through the slots as many experts at a time as they hold, in the same order."""
+    """Each expert of the union once, over its tokens: transformers' eager experts loop, its
+    sums in the order of the experts. With ``host`` (a host cache of experts read from the disk,
+    whose slots the tables are) the union goes through the slots as many experts at a time as
+    they hold, those the slots hold first: in the experts' order, a union larger than the slots
+    would evict each expert just before the next call asks for it, and miss every one."""
     out = torch.zeros_like(hidden)
     experts = torch.unique(ids).tolist()  # the host learns the union: one sync per call
     mask = F.one_hot(ids, num_classes=num_experts).permute(2, 1, 0)
+    order = experts if host is None else sorted(experts, key=lambda e: not host.holds(e))
     step = max(1, len(experts) if host is None else host.slots)
-    for start in range(0, len(experts), step):
-        part = experts[start : start + step]
+    products = {}
+    for start in range(0, len(order), step):
+        part = order[start : start + step]
         rows = part if host is None else host.bring(part)
         for e, row in zip(part, rows):
             slot, token = torch.where(mask[e])
             y = _expert(hidden[token], row, gate_up, down, gate_up_bias, down_bias, activate, transposed)
-            y = y * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+            products[e] = (token, y * weights[token, slot, None])
         if host is not None:
             host.read_by_kernels(rows)  # before the next part may refill a slot these products read
+    for e in experts:
+        token, y = products[e]
+        out.index_add_(0, token, y.to(out.dtype))
     return out, len(experts)
 
 

@@ -239,6 +239,9 @@ class HostExpertCache:
             out.append(self.tables[at])
         return tuple(out)
 
+    def holds(self, expert: int) -> bool:
+        return expert in self.slot_of
+
     def bring(self, experts: list[int]) -> list[int]:
         """The slot of each of ``experts`` (distinct), those the slots lack read from the file
         into the least recently used slots no other of them holds; all stamped as used now."""

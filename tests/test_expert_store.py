@@ -325,3 +325,35 @@ def test_speculative_decoding_of_a_target_with_experts_on_disk_keeps_its_greedy_
         assert g.module.expert_host_plan.on_disk
         assert torch.equal(g.generate(_prompt(7), 12, eos_token_id=[]), expected)
         assert g.last_speculation.passes > 0 and g.last_speculation.acceptance == 1.0
+
+
+def test_a_union_larger_than_the_slots_reads_only_what_they_lack(tmp_path_factory):
+    """A prefill chunk whose experts outnumber the slots: the held ones go first, so a chunk
+    that routes as the last one did misses only what the slots cannot hold (in the experts'
+    order it would evict each just before reaching it, and miss all). The sums keep the
+    experts' order: the output is that of the tables read whole, bitwise."""
+    from hostswap.kernels.routed_experts import _grouped, gate
+
+    moe = _get("Qwen3-MoE", tmp_path_factory)
+    block = moe.schedules["prefill"].expert_blocks[0]
+    torch.manual_seed(0)
+    tokens = 6
+    ids = torch.stack([torch.randperm(block.num_experts)[: block.top_k] for _ in range(tokens)])
+    ids[:4] = torch.arange(block.num_experts).view(4, 2)  # every expert in the union
+    weights = torch.rand(tokens, block.top_k)
+    activate = lambda x: gate(x, "silu", True, False, 0.0, 0.0)  # noqa: E731
+    with PtdFile(moe.ptd) as ptd:
+        tables = tuple(ptd.host_tensor(t) for t in block.tables)
+        hidden = torch.randn(tokens, tables[0].shape[-1])
+        whole, _ = _grouped(hidden, ids, weights, *tables, None, None, activate, False, block.num_experts)
+        reader = ExpertReader(ptd)
+        cache = HostExpertCache(block, ptd, block.num_experts - 2, reader, torch.device("cpu"))
+        try:
+            for call in range(3):
+                misses = cache.misses
+                out, read = _grouped(hidden, ids, weights, *cache.tables_for(*tables), None, None, activate, False, block.num_experts, host=cache)
+                assert read == block.num_experts and torch.equal(out, whole)
+                assert cache.misses - misses == (block.num_experts if call == 0 else 2), call
+        finally:
+            cache.close()
+            reader.close()
