@@ -290,10 +290,22 @@ def _prefetch_next(caches, next_block: str, next_logits: torch.Tensor | None) ->
         cache.prefetch(cache.guess(next_logits))
 
 
+def _through_device_cache(cache, experts: list[int], host, device) -> tuple[list[int], torch.Tensor]:
+    """``experts`` (distinct) about to be looked up or filled in the device ``cache``: those it
+    lacks brought into ``host``'s slots (one held on the device is read from there, so its bytes
+    need not come from the disk), and the host slot row of each (0, never read, for those held).
+    Returns (the host slots brought, the rows)."""
+    held = (cache.slot_of[torch.tensor(experts, device=device)] >= 0).tolist() if cache is not None else [False] * len(experts)
+    lacking = [e for e, h in zip(experts, held) if not h]
+    slots = host.bring(lacking)
+    row_of = dict(zip(lacking, slots))
+    return slots, torch.tensor([row_of.get(e, 0) for e in experts], device=device)
+
+
 def _from_host(hidden, ids, weights, tables, host, cache, activate, transposed, block: str, num_experts: int):
     """A call of a block whose tables are on disk: its picks learnt on the host and brought into
     ``host``'s slots, then the pairs (one token) or the union (several) read from those slots,
-    through the device ``cache`` where the block has one."""
+    through the device ``cache`` where the block has one (whose hits need nothing from the disk)."""
     picks = ids.cpu()  # experts on disk are read by the host: one sync per block and call
     _check_ids(picks, num_experts, block)
     slots_tables = host.tables_for(*tables)
@@ -302,15 +314,13 @@ def _from_host(hidden, ids, weights, tables, host, cache, activate, transposed, 
         _record(block, read, unit_bytes(*tables))
         if cache is not None:  # the decode after a prefill chunk starts with its last row's experts cached
             last = torch.unique(picks[-1]).tolist()
-            rows = host.bring(last)
-            cache.fill(torch.tensor(last, device=ids.device), slots_tables, rows=torch.tensor(rows, device=ids.device))
-            host.read_by_kernels(rows)
+            slots, rows = _through_device_cache(cache, last, host, ids.device)
+            cache.fill(torch.tensor(last, device=ids.device), slots_tables, rows=rows)
+            host.read_by_kernels(slots)
         return out
     _record(block, ids.numel(), unit_bytes(*tables))
-    experts = sorted(set(picks.reshape(-1).tolist()))
-    slots = host.bring(experts)
-    row_of = dict(zip(experts, slots))
-    rows = torch.tensor([row_of[e] for e in picks.reshape(-1).tolist()], device=ids.device, dtype=ids.dtype)
+    flat = picks.reshape(-1).tolist()  # one token's top-k: distinct
+    slots, rows = _through_device_cache(cache, flat, host, ids.device)
     read, fill, at = slots_tables, None, rows.view_as(ids)
     if cache is not None:  # the picks' device slots, the missed ones filled from the host slots
         in_pass = (0, 1) if _reads_in_place(hidden, *slots_tables[:2]) else ()

@@ -67,6 +67,9 @@ def test_experts_from_disk_give_the_tokens_and_logits_of_experts_pinned(moe, bud
         if budget == "cache":
             assert set(g.module.expert_caches) == {b.block for b in blocks}
             assert all(r["cache_hits"] > 0 for r in s["expert_reads"].values())
+            # a pick the device cache holds needs nothing from the disk: decode reads at most its misses
+            device_misses = sum(r["cache_misses"] for r in s["expert_reads"].values())  # since load, the warm-up's step too
+            assert 0 < s["bytes_from_disk_per_token"] * (s["new_tokens"] - 1) <= device_misses * blocks[0].unit_bytes  # the decode steps
         # step by step, against the same program with its tables pinned whole
         steps = [("prefill", _prompt(CHUNK, 3), torch.arange(CHUNK)), ("decode", _prompt(1, 4), torch.tensor([CHUNK])),
                  ("decode", _prompt(1, 5), torch.tensor([CHUNK + 1]))]
