@@ -107,7 +107,7 @@ class DiskReader:
         self.sequence = sequence
         self.path = ptd.path
         self._identity = ptd.identity
-        self.mode, self._fd = _open_for_reads(ptd.fileno(), direct)
+        self.mode, self._fd = open_for_reads(ptd.fileno(), direct)
         self._pinned = False
         try:
             if os.fstat(self._fd).st_ino != os.fstat(ptd.fileno()).st_ino:
@@ -189,14 +189,8 @@ class DiskReader:
             self._next = (self._next + 1) % len(self.sequence)
 
     def _read_chunk(self, fqn: str, at: int, offset: int, length: int, needed: int) -> None:
-        got = 0
-        with memoryview(self._buffer) as view:
-            while got < min(length, needed):  # a read may return fewer bytes than asked (a signal, a network filesystem)
-                with view[at + got : at + length] as target:
-                    n = os.preadv(self._fd, [target], offset + got)
-                if n == 0:
-                    break
-                got += n
+        with memoryview(self._buffer) as view, view[at : at + length] as target:
+            got = pread_into(self._fd, target, offset, min(length, needed))
         if got < min(length, needed):
             raise ArtifactError(self.path, f"weight '{fqn}'", f"read {got} of {min(length, needed)} bytes at offset {offset}: the file is shorter than at load. Load it again")
         if self.mode == "buffered":
@@ -245,7 +239,22 @@ def _stop(reads) -> None:
         concurrent.futures.wait(read.futures)
 
 
-def _open_for_reads(fd: int, direct: bool) -> tuple[str, int]:
+def pread_into(fd: int, target: memoryview, offset: int, needed: int | None = None) -> int:
+    """Read the file at ``fd`` from ``offset`` into ``target`` until ``needed`` bytes (default:
+    all of ``target``) are in or the file ends; returns the bytes read. A read may return fewer
+    bytes than asked (a signal, a network filesystem), so it is repeated."""
+    needed = len(target) if needed is None else needed
+    got = 0
+    while got < needed:
+        with target[got:] as rest:
+            n = os.preadv(fd, [rest], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def open_for_reads(fd: int, direct: bool) -> tuple[str, int]:
     """("O_DIRECT" | "buffered", a new read-only descriptor of the file open at ``fd``)."""
     path = f"/proc/self/fd/{fd}"
     if direct and hasattr(os, "O_DIRECT"):

@@ -29,7 +29,7 @@ import time
 import torch
 
 from hostswap.runtime.budget import AUTO, check_mb_argument
-from hostswap.runtime.disk_reader import CHUNK_BYTES, READER_THREADS, _open_for_reads
+from hostswap.runtime.disk_reader import CHUNK_BYTES, READER_THREADS, open_for_reads, pread_into
 from hostswap.runtime.ptd import PtdFile, device_view_of, file_identity, register_host_memory, unregister_host_memory
 from hostswap.schedules.artifacts import ArtifactError
 from hostswap.schedules.experts import ExpertBlock, plan_expert_cache
@@ -49,6 +49,7 @@ class HostExpertPlan:
     disk behind ``slots`` experts of pinned host memory per block."""
 
     slots: dict[str, int]
+    tables: frozenset[str]  # the FQNs of the blocks' tables
     table_bytes: int  # every block's tables
     cache_bytes: int  # the host slots' bytes (0 when the tables are pinned)
     room_bytes: int | None  # what the choice was made from (None: given)
@@ -56,6 +57,11 @@ class HostExpertPlan:
     @property
     def on_disk(self) -> bool:
         return bool(self.slots)
+
+    @property
+    def disk_tables(self) -> frozenset[str]:
+        """The tables left in the ``.ptd`` (none when they are pinned)."""
+        return self.tables if self.on_disk else frozenset()
 
     @property
     def pinned_bytes(self) -> int:
@@ -85,10 +91,11 @@ def plan_host_experts(option, blocks: tuple[ExpertBlock, ...], room_bytes: int) 
     number per block, at least its top-k: a smaller figure is refused, naming the least."""
     check_expert_host_cache_argument(option)
     table_bytes = sum(b.table_bytes for b in blocks)
+    tables = frozenset(t for b in blocks for t in b.tables)
     given = None if option == AUTO else round(option * 2**20)
     room = room_bytes if given is None else given
     if not blocks or room >= table_bytes:
-        return HostExpertPlan({}, table_bytes, 0, room_bytes if given is None else None)
+        return HostExpertPlan({}, tables, table_bytes, 0, room_bytes if given is None else None)
     least = minimum_host_cache_bytes(blocks)
     slots = plan_expert_cache(blocks, room)
     if room < least or any(slots[b.block] < min(b.top_k, b.num_experts) for b in blocks):
@@ -98,7 +105,7 @@ def plan_host_experts(option, blocks: tuple[ExpertBlock, ...], room_bytes: int) 
                          f"than one call's picks of every block; experts read from the disk need at least {least / 2**20:.1f} MiB "
                          f"of host slots (expert_host_cache_mb)")
     cache = sum(slots[b.block] * b.unit_bytes for b in blocks)
-    return HostExpertPlan(slots, table_bytes, cache, room_bytes if given is None else None)
+    return HostExpertPlan(slots, tables, table_bytes, cache, room_bytes if given is None else None)
 
 
 class ExpertReader:
@@ -108,7 +115,7 @@ class ExpertReader:
     def __init__(self, ptd: PtdFile, threads: int = READER_THREADS, direct: bool = True):
         self.path, self._identity = ptd.path, ptd.identity
         # both opened through the mapping's own descriptor: the file mapped, even if the path was replaced since
-        self.mode, self._fd = _open_for_reads(ptd.fileno(), direct)
+        self.mode, self._fd = open_for_reads(ptd.fileno(), direct)
         self._buffered_fd = -1
         try:
             self._buffered_fd = os.open(f"/proc/self/fd/{ptd.fileno()}", os.O_RDONLY) if self.mode == "O_DIRECT" else self._fd
@@ -154,17 +161,11 @@ class ExpertReader:
         self.seconds += time.perf_counter() - t
 
     def _read_chunk(self, fd: int, what: str, offset: int, buffer, start: int, length: int, buffered: bool) -> None:
-        got = 0
-        with memoryview(buffer) as view:
-            while got < length:  # a read may return fewer bytes than asked (a signal, a network filesystem)
-                with view[start + got : start + length] as target:
-                    try:
-                        n = os.preadv(fd, [target], offset + got)
-                    except OSError as e:  # O_DIRECT past a file cut to an unaligned length: EINVAL
-                        raise ArtifactError(self.path, what, f"cannot be read at offset {offset + got} ({e.strerror}): the file changed since load. Load it again") from None
-                if n == 0:
-                    break
-                got += n
+        with memoryview(buffer) as view, view[start : start + length] as target:
+            try:
+                got = pread_into(fd, target, offset)
+            except OSError as e:  # O_DIRECT past a file cut to an unaligned length: EINVAL
+                raise ArtifactError(self.path, what, f"cannot be read at offset {offset} ({e.strerror}): the file changed since load. Load it again") from None
         if got < length:
             raise ArtifactError(self.path, what, f"read {got} of {length} bytes at offset {offset}: the file is shorter than at load. Load it again")
         if buffered:  # whole pages: the partial ones at the ends would otherwise stay

@@ -58,6 +58,11 @@ class HostBudget:
         return f"host budget {_mib(self.budget_bytes)} ({given}): {where}"
 
 
+def _tables_bytes(schedule, aside: frozenset[str]) -> int:
+    """Bytes of the tables read in place, those in ``aside`` left out."""
+    return sum(n for f, n in zip(schedule.host_read, schedule.host_read_bytes) if f not in aside)
+
+
 def host_budget(budget_mb, schedule, streamed: list[int], available_bytes: int | None = None, host_read_bytes: int | None = None) -> HostBudget:
     """The budget in bytes; for ``"auto"``, ``AUTO_HOST_SHARE`` of ``available_bytes`` (default:
     the system's, now) less the tables read in place (``host_read_bytes``, default every
@@ -84,8 +89,7 @@ def plan_expert_host_tier(option, schedule, streamed: list[int], experts_on_devi
     if option != AUTO or not blocks:
         return plan_host_experts(option, blocks, 0)
     available = available_host_memory() if available_bytes is None else available_bytes
-    expert_tables = {t for b in schedule.expert_blocks for t in b.tables}
-    other_tables = sum(n for f, n in zip(schedule.host_read, schedule.host_read_bytes) if f not in expert_tables)
+    other_tables = _tables_bytes(schedule, frozenset(t for b in blocks for t in b.tables))
     # what host_budget leaves the streamed weights and the experts together
     share = int(available * AUTO_HOST_SHARE) - other_tables - staging_bytes(schedule.weight_bytes[w] for w in streamed)
     room = share - sum(schedule.weight_bytes[w] for w in streamed)
@@ -107,9 +111,8 @@ def plan_host_tiers(budget_mb, schedule, layout: PlannedLayout | None, lru_budge
     if available_bytes is None and AUTO in (budget_mb, expert_host_cache_mb):
         available_bytes = available_host_memory()
     experts = plan_expert_host_tier(expert_host_cache_mb, schedule, streamed, experts_on_device, available_bytes)
-    on_disk = {t for b in schedule.expert_blocks if b.block in experts.slots for t in b.tables}
-    # the tables pinned: those not on disk, and the host slots of those that are
-    host_read_bytes = sum(n for f, n in zip(schedule.host_read, schedule.host_read_bytes) if f not in on_disk) + experts.cache_bytes
+    # the tables pinned: the others, and the experts' tables or their host slots
+    host_read_bytes = _tables_bytes(schedule, experts.tables) + experts.pinned_bytes
     budget = host_budget(budget_mb, schedule, streamed, available_bytes, host_read_bytes=host_read_bytes)
     if layout is not None:
         return budget, dataclasses.replace(plan_tiers(schedule, layout, budget.budget_bytes), host_read_bytes=host_read_bytes), experts

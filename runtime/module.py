@@ -276,7 +276,7 @@ class Module:
                                      f"Load without {option}, or where the host memory holds the expert tables")
             graphed.clear()
             self._compiled_names = set()
-        on_disk = {t for b in blocks if b.block in self.expert_host_plan.slots for t in b.tables}
+        on_disk = self.expert_host_plan.disk_tables
         # only what is copied after load (resident weights are copied once, at load) and the
         # tables row gathers read in place: the pages the host tier keeps
         host_tier = [self.schedule.fqns[w] for w in sorted(self.tiers.pinned)] + [f for f in self.schedule.host_read if f not in on_disk]
@@ -580,9 +580,10 @@ class Module:
         s["expert_scratch_bytes"] = self.expert_scratch_bytes
         # experts read from the disk: each block's host cache, and the bytes read from the file
         s["expert_host_cache"] = {block: cache.stats() for block, cache in self.host_experts.items()}
-        s["expert_disk_bytes_read"] = self._host_experts[0].bytes_read if self._host_experts[0] is not None else 0
-        s["expert_disk_seconds"] = self._host_experts[0].seconds if self._host_experts[0] is not None else 0.0
-        s["expert_disk_reads"] = self._host_experts[0].mode if self._host_experts[0] is not None else None
+        experts_reader = self._host_experts[0]
+        s["expert_disk_bytes_read"] = experts_reader.bytes_read if experts_reader is not None else 0
+        s["expert_disk_seconds"] = experts_reader.seconds if experts_reader is not None else 0.0
+        s["expert_disk_reads"] = experts_reader.mode if experts_reader is not None else None
         s["policy"] = self.policy
         return s
 
