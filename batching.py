@@ -230,7 +230,8 @@ class BatchGenerator:
             # one-time costs (lazy initialisation, the decode graph's capture) before the first request
             self.module.run_method(PREFILL, [torch.zeros(1, self.prefill_chunk, dtype=torch.long), torch.arange(self.prefill_chunk)[None], torch.zeros(1, dtype=torch.long)])
             every = torch.arange(self.max_batch_size)
-            (logits,) = self.module.run_method(DECODE, [torch.zeros(self.max_batch_size, 1, dtype=torch.long), torch.zeros(self.max_batch_size, 1, dtype=torch.long), every])
+            (logits,) = self.module.run_method(DECODE, [torch.zeros(self.max_batch_size, 1, dtype=torch.long), torch.zeros(self.max_batch_size, 1, dtype=torch.long), every],
+                                               live_rows=torch.ones(self.max_batch_size, dtype=torch.bool))
             warm_up_sampling(logits[0])  # the sampling kernels' first launch, not the first sampled request's
             self.module.reset_state()
         except BaseException:
@@ -300,15 +301,14 @@ class BatchGenerator:
             # overwrites first. A slot whose prompt is still coming in chunks holds its keys
             # from 0 on: its row writes at the last position, which no sequence writes (a
             # prompt and its new tokens but the last fill at most max_seq_len - 1 positions)
-            # and none attends to. (An empty row of token 0 at position 0 picks the same MoE
-            # experts every step: it holds them in the expert caches but adds no misses. A row
-            # repeating a live one picks other experts, its keys being its own, and misses more:
-            # measured, docs/design.md.)
+            # and none attends to. Rows of no sequence taking tokens read no routed experts
+            # (``live_rows``): an MoE step moves its live rows' experts alone.
             ids = torch.zeros(self.max_batch_size, 1, dtype=torch.long)
             positions = torch.tensor([[0 if s is None else self.max_seq_len - 1] for s in self.slots], dtype=torch.long)
+            live = torch.zeros(self.max_batch_size, dtype=torch.bool)
             for s in active:
-                ids[s.slot, 0], positions[s.slot, 0] = s.tokens[-1], s.position
-            (logits,) = self.module.run_method(DECODE, [ids, positions, torch.arange(self.max_batch_size)])
+                ids[s.slot, 0], positions[s.slot, 0], live[s.slot] = s.tokens[-1], s.position, True
+            (logits,) = self.module.run_method(DECODE, [ids, positions, torch.arange(self.max_batch_size)], live_rows=live)
             greedy = [s for s in active if s.chooser is None]
             if greedy:
                 rows = torch.tensor([s.slot for s in greedy], device=logits.device)

@@ -1,7 +1,7 @@
 """Batched MoE decode through the expert caches: a step's (token, expert) pairs from the caches'
 slots against the same pairs read in place from the tables, at the same budget.
 
-    python bench/moe_batch.py [--shape many] [--layers 4] [--batches 4,8] [--budgets 25%,50%]
+    python bench/moe_batch.py [--shape many] [--layers 4] [--batches 4,8] [--live all,2] [--budgets 25%,50%]
 
 A random bf16 checkpoint of bench/moe.py's shape (``--layers`` of them) is exported with
 ``max_batch_size=B`` for each batch size B, its experts read in place. For each budget a
@@ -12,7 +12,10 @@ those steps and the experts that crossed the bus per step (the misses). Each bud
 with its caches ("cache") and with them withheld ("in place": the same budget and program, each
 pair read from the tables in mapped host memory, as at a budget with no room for a cache).
 A row's bound is max(the all-resident step at that B, its experts over the bus per step /
-pinned H2D bandwidth measured in this run). Rows go to ``bench/results/moebatch_<device>.json``
+pinned H2D bandwidth measured in this run). ``--live`` adds rows where only some of the B slots
+hold a sequence ("all": every slot): the step still computes every row, and its empty rows read
+no experts ("live rows"); each such row is measured again with the empty rows reading theirs
+("every row"), as a program stepped without its live rows named would. Rows go to ``bench/results/moebatch_<device>.json``
 as they are measured. ``--device cpu`` runs the script's paths without a GPU: a CPU step is
 not a captured graph, so both modes read the union in place there and no bound is given.
 """
@@ -55,6 +58,17 @@ def caches_withheld():
         runtime_module.place_experts = place
 
 
+@contextlib.contextmanager
+def every_row_read():
+    """Modules run in the body read every row's experts: the rows a step names live are ignored."""
+    reading = runtime_module.reading_rows
+    runtime_module.reading_rows = lambda live: reading(None)
+    try:
+        yield
+    finally:
+        runtime_module.reading_rows = reading
+
+
 def measure(pte: str, ptd: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int, device: torch.device, temperature: float) -> dict:
     sampling = SamplingParams(temperature=temperature, seed=0) if temperature else None
     with batching.BatchGenerator(pte, ptd, weight_offload_budget_mb=budget_bytes / 2**20, device=device) as b:
@@ -85,6 +99,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="many", help="bench/moe.py's shapes: many, mixtral, tiny")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batches", default="4,8")
+    parser.add_argument("--live", default="all,2", help="sequences decoding in the B slots: all, or a count below B")
     parser.add_argument("--budgets", default="25%,50%", help="shares of every weight, experts included")
     parser.add_argument("--prompt", type=int, default=20)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -116,22 +131,26 @@ def main(argv=None) -> int:
             floor = load_floor_on(schedules, device)
             scratch_bytes = max(s.expert_scratch_bytes for s in schedules.values())
             resident = measure(pte, ptd, max(total + scratch_bytes, floor), prompts, args.new_tokens, device, args.temperature)
-            add_row(result, {"batch": b, "budget": "all", "mode": "all resident", **resident}, path, shown={"batch": b, "budget": "all", "ms_per_step": resident["ms_per_step"]})
-            for budget in args.budgets.split(","):
+            add_row(result, {"batch": b, "live": b, "rows_read": "live rows", "budget": "all", "mode": "all resident", **resident}, path, shown={"batch": b, "budget": "all", "ms_per_step": resident["ms_per_step"]})
+            lives = [b if n == "all" else int(n) for n in args.live.split(",")]
+            for live, budget in [(n, budget) for n in lives if 0 < n <= b for budget in args.budgets.split(",")]:
                 budget_bytes = max(floor, int(total * float(budget.rstrip("%")) / 100))
                 rows = {}
                 for mode in ("cache", "in place"):
-                    with caches_withheld() if mode == "in place" else contextlib.nullcontext():
-                        rows[mode] = measure(pte, ptd, budget_bytes, prompts, args.new_tokens, device, args.temperature)
-                for mode, row in rows.items():
-                    row["same_tokens"] = row["tokens"] == resident["tokens"]
+                    for read in ("live rows", "every row") if live < b else ("live rows",):
+                        with caches_withheld() if mode == "in place" else contextlib.nullcontext(), every_row_read() if read == "every row" else contextlib.nullcontext():
+                            rows[mode, read] = measure(pte, ptd, budget_bytes, prompts[:live], args.new_tokens, device, args.temperature)
+                for (mode, read), row in rows.items():
+                    row["same_tokens"] = row["tokens"] == resident["tokens"][:live]
                     if result["pinned_h2d_bytes_per_s"]:
                         row["bound_ms_per_step"] = max(resident["ms_per_step"], row["expert_bytes_per_step"] / result["pinned_h2d_bytes_per_s"] * 1e3)
                         row["ratio_to_bound"] = row["ms_per_step"] / row["bound_ms_per_step"]
                     if mode == "cache":
-                        row["speedup_over_in_place"] = rows["in place"]["ms_per_step"] / row["ms_per_step"]
-                    add_row(result, {"batch": b, "budget": budget, "mode": mode, **row}, path,
-                            shown={k: v for k, v in row.items() if k != "tokens"} | {"batch": b, "budget": budget, "mode": mode})
+                        row["speedup_over_in_place"] = rows["in place", read]["ms_per_step"] / row["ms_per_step"]
+                    if read == "live rows" and live < b:
+                        row["speedup_over_every_row"] = rows[mode, "every row"]["ms_per_step"] / row["ms_per_step"]
+                    labels = {"batch": b, "live": live, "rows_read": read, "budget": budget, "mode": mode}
+                    add_row(result, labels | row, path, shown={k: v for k, v in row.items() if k != "tokens"} | labels)
     save_result(result, path)
     print(f"wrote {path}")
     return 0

@@ -55,7 +55,7 @@ def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_to
     options = {} if host_cache_bytes is None else {"expert_host_cache_mb": host_cache_bytes / 2**20}
     with llm.Generator(pte, ptd, weight_offload_budget_mb=budget_bytes / 2**20, device=device, cuda_graph=cuda_graph, **options) as g:
         out = g.generate(prompt, new_tokens, eos_token_id=[], sampling=SamplingParams(temperature=temperature, seed=0) if temperature else None)
-        s = g.stats
+        s, m = g.stats, g.module.stats
         host = s["expert_host_cache"].values()
         picks = sum(c["hits"] + c["misses"] for c in host)
         reads = s["expert_reads"].values()
@@ -66,6 +66,8 @@ def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_to
                 "host_hit_rate": sum(c["hits"] for c in host) / picks if picks else None,
                 "device_cache_hit_rate": sum(r["cache_hits"] for r in reads) / lookups if lookups else None,
                 "disk_reads": g.module.stats["expert_disk_reads"],
+                # the experts' reader while it reads (prefill too): the bytes over the time the calls waited for them
+                "reader_bytes_per_s": m["expert_disk_bytes_read"] / m["expert_disk_seconds"] if m["expert_disk_seconds"] else None,
                 "tokens": out[0, prompt.shape[1]:].tolist()}
 
 

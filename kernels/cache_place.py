@@ -35,12 +35,15 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def cache_place(ids_ptr, slot_of_ptr, expert_of_ptr, last_use_ptr, fresh_ptr, clock_ptr, counters_ptr, target_ptr, copy_ptr,
-                    k, slots, never, guessed, K: tl.constexpr, SLOTS: tl.constexpr, MODE: tl.constexpr):
+    def cache_place(ids_ptr, slot_of_ptr, expert_of_ptr, last_use_ptr, fresh_ptr, clock_ptr, counters_ptr, target_ptr, copy_ptr, on_ptr,
+                    k, slots, never, guessed, K: tl.constexpr, SLOTS: tl.constexpr, MODE: tl.constexpr, GATED: tl.constexpr):
         lane = tl.arange(0, K)
-        live = lane < k
+        inside = lane < k
+        live = inside
+        if GATED:  # a call of a row nobody reads: it changes nothing, and its slots are -1
+            live = live & (tl.load(on_ptr) != 0)
         ids = tl.load(ids_ptr + lane, mask=live, other=0)
-        clock = tl.load(clock_ptr) + 1
+        clock = tl.load(clock_ptr) + tl.max(live.to(tl.int64), 0)
         slot = tl.load(slot_of_ptr + ids, mask=live, other=-1)
         hit = live & (slot >= 0)
         miss = live & (slot < 0)
@@ -81,24 +84,26 @@ def _kernel():
             else:
                 tl.store(counters_ptr + 4, tl.load(counters_ptr + 4) + tl.sum(miss.to(tl.int64), 0))
         tl.store(clock_ptr, clock)
-        tl.store(target_ptr + lane, target, mask=live)
-        tl.store(copy_ptr + lane, miss.to(tl.int32), mask=live)
+        tl.store(target_ptr + lane, tl.where(live, target, -1), mask=inside)
+        tl.store(copy_ptr + lane, miss.to(tl.int32), mask=inside)
 
     return cache_place
 
 
 def cache_place(ids: torch.Tensor, slot_of: torch.Tensor, expert_of: torch.Tensor, last_use: torch.Tensor, fresh: torch.Tensor,
-                clock: torch.Tensor, counters: torch.Tensor, mode: int, never: int, guessed: int) -> tuple[torch.Tensor, torch.Tensor]:
+                clock: torch.Tensor, counters: torch.Tensor, mode: int, never: int, guessed: int, on: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Place ``ids`` (distinct experts) in the cache whose state the other tensors are, as
     ``mode`` (LOOKUP, FILL or GUESS) does: (slot per id, 1 where its rows must be copied in).
-    The state tensors are updated in place; no host sync."""
+    The state tensors are updated in place; no host sync. Where ``on`` (a 0-d bool device
+    tensor) is false the call leaves the state as it is: slots -1, nothing to copy."""
     import triton
 
     k, slots = ids.numel(), last_use.numel()
     target = torch.empty(k, dtype=torch.int64, device=ids.device)
     copy = torch.empty(k, dtype=torch.int32, device=ids.device)
     with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
-        _kernel()[(1,)](ids, slot_of, expert_of, last_use, fresh.view(torch.int8), clock, counters, target, copy, k, slots, never, guessed,
-                        K=max(2, triton.next_power_of_2(k)), SLOTS=max(2, triton.next_power_of_2(slots)), MODE=mode, num_warps=4)
+        _kernel()[(1,)](ids, slot_of, expert_of, last_use, fresh.view(torch.int8), clock, counters, target, copy, clock if on is None else on,
+                        k, slots, never, guessed, K=max(2, triton.next_power_of_2(k)), SLOTS=max(2, triton.next_power_of_2(slots)), MODE=mode,
+                        GATED=on is not None, num_warps=4)
     return target, copy
 

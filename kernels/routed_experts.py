@@ -42,6 +42,10 @@ from the file into pinned slots, and runs the path its tokens take from those sl
 of the slots' tables in place of the experts' rows), through the device cache where the block
 has one. The call is eager (a forward with weights on disk is not graphed).
 
+A batched decode step names the rows it reads (``reading_rows``: the slots with a sequence
+decoding); the picks of the others become none (-1, weight 0), which a product read in place
+and a cache's lookup skip, and an eager call's union leaves out. Those rows' outputs are 0.
+
 An expert id outside ``0..E-1`` stops the call with ``ExpertIndexError`` naming the block
 (on the GPU without a host sync: a device-side assertion), never a read of other bytes.
 """
@@ -81,6 +85,23 @@ class ExpertReads:
     calls: int = 0
     experts: int = 0  # rows read, summed over calls (a pair path reads one per pair)
     bytes: int = 0
+    # What a call of a batch with its live rows marked (``reading_rows``) reads per live row:
+    # a replayed graph reads as many rows as that replay's batch has live, which only the
+    # runtime knows; it adds them in with ``fold``.
+    row_experts: int = 0
+    row_bytes: int = 0
+
+    def fold(self, live_rows: int) -> None:
+        """Add the reads per live row in, for a forward of ``live_rows`` live rows."""
+        self.experts += self.row_experts * live_rows
+        self.bytes += self.row_bytes * live_rows
+        self.row_experts = self.row_bytes = 0
+
+    def add(self, other: "ExpertReads", live_rows: int) -> None:
+        """Add ``other`` (what one replay of a captured forward reads) in, for ``live_rows`` live rows."""
+        self.calls += other.calls
+        self.experts += other.experts + other.row_experts * live_rows
+        self.bytes += other.bytes + other.row_bytes * live_rows
 
 
 # What the running Module gives its kernels: where to count reads, and its expert caches. Per
@@ -119,6 +140,34 @@ def using_host_experts(caches: dict):
     return _setting("host_experts", caches)
 
 
+def reading_rows(live: torch.Tensor | None):
+    """While the body runs, a call of several tokens reads the experts of the rows ``live``
+    marks (a bool device tensor, one per row of the batch) and gives the others a zero output: a batched
+    decode step's empty slots, whose outputs nobody reads, would otherwise read experts over
+    the bus and hold cache slots. ``None``: every row is read."""
+    return _setting("live_rows", live)
+
+
+def _live_rows(block: str, tokens: int) -> torch.Tensor | None:
+    """The rows a call of ``tokens`` tokens reads (``reading_rows``), or None for all."""
+    live = getattr(_context, "live_rows", None)
+    if live is None or tokens == 1:
+        return None
+    if tokens % live.numel():
+        raise ValueError(f"the live rows given for this forward are {live.numel()}; {block} is called with {tokens} tokens, not a whole number per row")
+    # a row's tokens are consecutive (a block's hidden states flattened from [rows, tokens, hidden])
+    return live if tokens == live.numel() else live.repeat_interleave(tokens // live.numel())
+
+
+def _without_dead_rows(ids: torch.Tensor, weights: torch.Tensor, live: torch.Tensor | None):
+    """The picks and weights of a call with the rows ``live`` clears marked as no pick (-1,
+    which the products and the caches skip) and weighted 0."""
+    if live is None:
+        return ids, weights
+    dead = ~live[:, None]
+    return ids.masked_fill(dead, -1), weights.masked_fill(dead, 0)
+
+
 def warming_a_graph():
     """While the body runs, calls take the paths a CUDA graph's capture will take: the
     forwards before a capture launch its kernels once outside it (compiling and loading a
@@ -139,6 +188,18 @@ def _record(block: str, experts: int, unit_bytes: int) -> None:
         reads.calls += 1
         reads.experts += experts
         reads.bytes += experts * unit_bytes
+
+
+def _record_pairs(block: str, ids: torch.Tensor, unit_bytes: int, live: torch.Tensor | None) -> None:
+    """Count a pair path's reads: one expert per (token, pick), or per live row's picks."""
+    if live is None:
+        _record(block, ids.numel(), unit_bytes)
+        return
+    _record(block, 0, unit_bytes)
+    reads = getattr(_context, "recorder", None)
+    if reads is not None:
+        reads[block].row_experts += ids.shape[1]
+        reads[block].row_bytes += ids.shape[1] * unit_bytes
 
 
 def unit_bytes(*tables: torch.Tensor | None) -> int:
@@ -186,7 +247,8 @@ def reads_pairs_when_captured(tokens: int, top_k: int, num_experts: int, in_plac
 def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, fill=None):
     """Each (token, expert) pair through its expert's rows: transformers'
     ``batched_mm_experts_forward`` arithmetic (its gathered batched matmul, or on CUDA the same
-    products read in place). ``fill`` = ((gate_up source, down source), source rows, copy):
+    products read in place). A pick of -1 is none (its weight is 0; read in place, it reads
+    nothing). ``fill`` = ((gate_up source, down source), source rows, copy):
     ``gate_up`` and ``down`` are a cache's slots whose missed rows (``copy`` set) the products
     read from the sources and fill as they go (products read in place only)."""
     tokens, k = ids.shape
@@ -198,14 +260,16 @@ def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activat
     selected = hidden if gemv and tokens == 1 else hidden.repeat_interleave(k, dim=0)
     gate_up_source, down_source = fill[0] if fill is not None else (None, None)
 
+    at = flat.clamp(min=0)  # a row of -1 (no pick: weighted 0) gathers row 0 where the products do not skip it
+
     def linear(x, table, bias, source):
         if gemv:
             out = routed_gemv(x, table, flat, transposed, None if source is None else (source, fill[1], fill[2]))
         else:
-            w = table[flat]
+            w = table[at]
             out = torch.bmm(x.unsqueeze(1), w).squeeze(1) if transposed else torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
         if bias is not None:
-            out.add_(bias[flat])
+            out.add_(bias[at])
         return out
 
     out = linear(activate(linear(selected, gate_up, gate_up_bias, gate_up_source)), down, down_bias, down_source)
@@ -225,12 +289,20 @@ def _expert(x, e: int, gate_up, down, gate_up_bias, down_bias, activate, transpo
     return linear(activate(linear(x, gate_up, gate_up_bias)), down, down_bias)
 
 
-def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, num_experts: int, host=None):
+def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, num_experts: int, host=None, live=None):
     """Each expert of the union once, over its tokens: transformers' eager experts loop, its
     sums in the order of the experts. With ``host`` (a host cache of experts read from the disk,
     whose slots the tables are) the union goes through the slots as many experts at a time as
     they hold, those the slots hold first: in the experts' order, a union larger than the slots
-    would evict each expert just before the next call asks for it, and miss every one."""
+    would evict each expert just before the next call asks for it, and miss every one. With
+    ``live``, the union and the products are the marked rows' alone; the others' outputs are 0."""
+    if live is not None:
+        rows = live.nonzero().squeeze(1)  # the host learns the live rows (it learns the union anyway)
+        out = torch.zeros_like(hidden)
+        if not rows.numel():
+            return out, 0
+        part, read = _grouped(hidden[rows], ids[rows], weights[rows], gate_up, down, gate_up_bias, down_bias, activate, transposed, num_experts, host)
+        return out.index_copy_(0, rows, part), read
     out = torch.zeros_like(hidden)
     experts = torch.unique(ids).tolist()  # the host learns the union: one sync per call
     mask = F.one_hot(ids, num_classes=num_experts).permute(2, 1, 0)
@@ -265,20 +337,21 @@ def _dense(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activat
     return out.to(hidden.dtype)
 
 
-def _cached_pairs(hidden, ids, weights, tables, cache, activate, transposed):
+def _cached_pairs(hidden, ids, weights, tables, cache, activate, transposed, live=None):
     """A captured call of several tokens (a batched decode step) through the block's expert
     cache: each token looks its top-k up in turn, its misses copied into slots (a later token
     that picks the same expert then hits it), and each (token, expert) pair is multiplied from
     its slot. As many tokens at a time as the slots hold every pick of: a token's lookup evicts
     the least recently used slots, never those the tokens before it in the group just stamped,
     so a group's slots all hold its picks when its products read them; the next group's
-    lookups come after those products on the stream."""
+    lookups come after those products on the stream. A row ``live`` clears looks nothing up
+    (its slots are -1: no pick) and reads nothing."""
     tokens, k = ids.shape
     group = max(1, cache.slots // k)
     out = []
     for start in range(0, tokens, group):
         end = min(tokens, start + group)
-        rows = torch.cat([cache.lookup(ids[t], tables)[0] for t in range(start, end)]).view(end - start, k)
+        rows = torch.cat([cache.lookup(ids[t], tables, live=None if live is None else live[t])[0] for t in range(start, end)]).view(end - start, k)
         out.append(_pairs(hidden[start:end], rows, weights[start:end], *cache.tables, activate, transposed))
     return torch.cat(out) if len(out) > 1 else out[0]
 
@@ -302,18 +375,28 @@ def _through_device_cache(cache, experts: list[int], host, device) -> tuple[list
     return slots, torch.tensor([row_of.get(e, 0) for e in experts], device=device)
 
 
-def _from_host(hidden, ids, weights, tables, host, cache, activate, transposed, block: str, num_experts: int):
+def _last_row(ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor | None:
+    """The last row's picks of a call of several tokens (its last live row's), or None."""
+    if live is None:
+        return ids[-1]
+    rows = live.nonzero()
+    return ids[rows[-1, 0]] if rows.numel() else None
+
+
+def _from_host(hidden, ids, weights, tables, host, cache, activate, transposed, block: str, num_experts: int, live=None):
     """A call of a block whose tables are on disk: its picks learnt on the host and brought into
-    ``host``'s slots, then the pairs (one token) or the union (several) read from those slots,
-    through the device ``cache`` where the block has one (whose hits need nothing from the disk)."""
+    ``host``'s slots, then the pairs (one token) or the union (several; its ``live`` rows') read
+    from those slots, through the device ``cache`` where the block has one (whose hits need
+    nothing from the disk)."""
     picks = ids.cpu()  # experts on disk are read by the host: one sync per block and call
     _check_ids(picks, num_experts, block)
     slots_tables = host.tables_for(*tables)
     if ids.shape[0] > 1:
-        out, read = _grouped(hidden, ids, weights, *slots_tables, activate, transposed, num_experts, host=host)
+        out, read = _grouped(hidden, ids, weights, *slots_tables, activate, transposed, num_experts, host=host, live=live)
         _record(block, read, unit_bytes(*tables))
-        if cache is not None:  # the decode after a prefill chunk starts with its last row's experts cached
-            last = torch.unique(picks[-1]).tolist()
+        last = _last_row(picks, None if live is None else live.cpu()) if cache is not None else None
+        if last is not None:  # the decode after a prefill chunk starts with its last row's experts cached
+            last = torch.unique(last).tolist()
             slots, rows = _through_device_cache(cache, last, host, ids.device)
             cache.fill(torch.tensor(last, device=ids.device), slots_tables, rows=rows)
             host.read_by_kernels(slots)
@@ -341,10 +424,11 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
     cache = caches.get(block) if caches else None
     hosts = getattr(_context, "host_experts", None)
     host = hosts.get(block) if hosts else None
+    live = _live_rows(block, top_k_index.shape[0])  # None unless a batch marks the rows it reads
     if host is not None:
         if cache is not None:
             cache.settle()
-        return _from_host(hidden, top_k_index, top_k_weights, tables, host, cache, gate_of, transposed, block, num_experts)
+        return _from_host(hidden, top_k_index, top_k_weights, tables, host, cache, gate_of, transposed, block, num_experts, live)
     _check_ids(top_k_index, num_experts, block)
     if top_k_index.shape[0] == 1:  # one token: its top-k (gathered off CUDA: k experts of scratch)
         _record(block, top_k_index.numel(), unit_bytes(*tables))
@@ -363,16 +447,18 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
     if _graph_paths(hidden):  # a graph cannot learn the union
         if cache is not None and (_reads_in_place(hidden, gate_up, down) or not hidden.is_cuda):
             # (a gathered copy of a group's picks on CUDA would be memory the floor does not hold)
-            _record(block, top_k_index.numel(), unit_bytes(*tables))
-            return _cached_pairs(hidden, top_k_index, top_k_weights, tables, cache, gate_of, transposed)
+            _record_pairs(block, top_k_index, unit_bytes(*tables), live)
+            return _cached_pairs(hidden, *_without_dead_rows(top_k_index, top_k_weights, live), tables, cache, gate_of, transposed, live)
         if reads_pairs_when_captured(*top_k_index.shape, num_experts, _reads_in_place(hidden, gate_up, down)):
-            _record(block, top_k_index.numel(), unit_bytes(*tables))
-            return _pairs(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
-        _record(block, num_experts, unit_bytes(*tables))
-        return _dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed)
-    out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed, num_experts)
+            _record_pairs(block, top_k_index, unit_bytes(*tables), live)
+            return _pairs(hidden, *_without_dead_rows(top_k_index, top_k_weights, live), *tables, gate_of, transposed)
+        _record(block, num_experts, unit_bytes(*tables))  # every expert, once, whatever the rows
+        weights = top_k_weights if live is None else top_k_weights.masked_fill(~live[:, None], 0)
+        return _dense(hidden, top_k_index, weights, *tables, gate_of, transposed)
+    out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed, num_experts, live=live)
     _record(block, read, unit_bytes(*tables))
-    if cache is not None:  # the decode after a prefill chunk starts with its last row's experts cached
+    last = _last_row(top_k_index, live) if cache is not None else None
+    if last is not None:  # the decode after a prefill chunk starts with its last row's experts cached
         # (a padded last chunk's padding repeats the prompt's last token: a near guess of its experts)
-        cache.fill(torch.unique(top_k_index[-1]), tables)
+        cache.fill(torch.unique(last), tables)
     return out

@@ -48,10 +48,12 @@ def _kernel():
         pick = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row = tl.load(rows_ptr + pick).to(tl.int64)
+        picked = row >= 0  # a row of -1 is no pick (a batch row nobody reads): nothing is read, its product is 0
+        row = tl.maximum(row, 0)
         w_row = w_ptr + row * stride_we + n[:, None].to(tl.int64) * stride_wn
         read_row = w_row
         if FILL:  # a missed pick reads its source row and leaves it in its slot row as it goes
-            fill = tl.load(copy_ptr + pick) != 0
+            fill = (tl.load(copy_ptr + pick) != 0) & picked
             source = tl.load(src_rows_ptr + pick).to(tl.int64)
             read_row = tl.where(fill, src_ptr + source * stride_se, w_ptr + row * stride_we) + n[:, None].to(tl.int64) * stride_wn
         x_row = x_ptr + pick.to(tl.int64) * stride_xp
@@ -59,7 +61,7 @@ def _kernel():
         for start in range(0, K_IN, BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + k, mask=k < K_IN, other=0.0).to(tl.float32)
-            ok = (n[:, None] < n_out) & (k[None, :] < K_IN)
+            ok = (n[:, None] < n_out) & (k[None, :] < K_IN) & picked
             at = k[None, :].to(tl.int64) * stride_wk
             w = tl.load(read_row + at, mask=ok, other=0.0)
             if FILL:
@@ -87,8 +89,9 @@ def routed_gemv(x: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, transp
                 fill_from: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``out[p] = table[rows[p]] @ x[p]`` ([experts, N, K] table), or ``x[p] @ table[rows[p]]``
     where ``transposed`` ([experts, K, N]). ``x`` is [picks, K], or [1, K] for one vector shared
-    by every pick; ``rows`` a 1-D device tensor of the picks' rows. Returns [picks, N] in the
-    table's dtype. No host sync, no copy of the table's rows.
+    by every pick; ``rows`` a 1-D device tensor of the picks' rows, -1 for a pick to skip (its
+    output is 0 and it reads no byte of the table). Returns [picks, N] in the table's dtype. No
+    host sync, no copy of the table's rows.
 
     ``fill_from`` = (source, source_rows, copy): ``table`` is an expert cache's slots, and a pick
     whose ``copy`` is set missed. It reads row ``source_rows[p]`` of ``source`` (the block's

@@ -63,7 +63,8 @@ def _words(table: torch.Tensor) -> torch.Tensor:
 def masked_row_copy(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor, copy: torch.Tensor) -> None:
     """``dst[dst_rows[j]] = src[src_rows[j]]`` for each pick ``j`` whose ``copy[j]`` is set.
     ``src`` and ``dst`` are contiguous tables of the same row shape and dtype; the row lists
-    and ``copy`` are 1-D device tensors of one length. No host sync."""
+    and ``copy`` are 1-D device tensors of one length (a row of -1 only where ``copy`` is 0,
+    and then in every pick of the call). No host sync."""
     if src.is_cuda and triton_available():
         s, d = _words(src), _words(dst)
         if s.dtype != d.dtype:  # alignment can differ between the two; take the narrower word
@@ -78,6 +79,8 @@ def masked_row_copy(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor
         with torch.cuda.device(dst.device):
             _kernel()[(src_rows.numel(), chunks)](s, d, src_rows, dst_rows, copy, row_words, chunk_words, BLOCK=BLOCK, num_warps=4)
         return
+    # a row of -1 (a pick whose call changed nothing) is never copied; row 0 stands in for it
+    src_rows, dst_rows = src_rows.clamp(min=0), dst_rows.clamp(min=0)
     rows = src.index_select(0, src_rows.to(src.device))
     keep = dst.index_select(0, dst_rows)
     mask = copy.to(torch.bool).reshape(-1, *([1] * (dst.dim() - 1)))

@@ -36,7 +36,9 @@ used slot and counts as never used until a lookup reads it, so a wrong guess is 
 how many guesses were used (``prefetch_hits``) against those made (``prefetched``).
 
 A captured batched decode step (several tokens, kernels/routed_experts.py) looks its tokens
-up one after another, misses copied in by the lookup, and reads every pair from the slots.
+up one after another, misses copied in by the lookup, and reads every pair from the slots. A
+row no sequence holds looks nothing up: its lookup's ``live`` flag, read on the device, turns
+the call into one that changes and counts nothing.
 
 A prefill chunk reads its union in place, not through the cache; it then ``fill``s the cache
 with its last row's experts, stamped as a lookup would stamp them, so the first decode step
@@ -90,25 +92,28 @@ class ExpertCache:
         self._never = torch.iinfo(torch.int64).max
 
     def lookup(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], left: tuple[int, ...] = (),
-               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               rows: torch.Tensor | None = None, live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots of ``ids`` (one token's distinct top-k), the missed ones filled from
         ``sources`` (the block's tables, in the order the cache was built with; their rows
         ``rows`` where given, else the experts' own), and 1 per id that missed. The tables at
         positions ``left`` are not copied: the caller's products fill their missed rows as they
-        read them (``routed_gemv``'s ``fill_from``)."""
-        return self._use(ids, sources, LOOKUP, left, rows)
+        read them (``routed_gemv``'s ``fill_from``). Where ``live`` (a 0-d bool device tensor)
+        is false the token is a batch row nobody reads: the lookup changes and counts nothing,
+        its slots are -1 and it copies nothing."""
+        return self._use(ids, sources, LOOKUP, left, rows, live)
 
     def fill(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], rows: torch.Tensor | None = None) -> None:
         """Bring ``ids`` (distinct experts: a prefill chunk's last row's) in as a lookup of them
         would, counted as filled rather than as hits or misses. Eager: a captured step never fills."""
         self._use(ids, sources, FILL, rows=rows)
 
-    def _use(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], mode: int, left: tuple[int, ...] = (), rows: torch.Tensor | None = None):
+    def _use(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], mode: int, left: tuple[int, ...] = (), rows: torch.Tensor | None = None,
+             live: torch.Tensor | None = None):
         """Place ``ids`` as used now, once any queued prefetch is in: (slot per id, 1 where it missed)."""
         ids = ids.reshape(-1)
         self._make_tables(sources, ids.device)
         self.settle()
-        return self._place(ids, sources, mode, left, rows)
+        return self._place(ids, sources, mode, left, rows, live)
 
     def _make_tables(self, sources: tuple[torch.Tensor | None, ...], device: torch.device) -> None:
         """The slots' tables, made at the first call (a warm-up forward runs before any capture)."""
@@ -159,7 +164,8 @@ class ExpertCache:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             self._pending = False
 
-    def _place(self, ids: torch.Tensor, sources, mode: int, left: tuple[int, ...] = (), rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _place(self, ids: torch.Tensor, sources, mode: int, left: tuple[int, ...] = (), rows: torch.Tensor | None = None,
+               live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Give each of ``ids`` a slot (its own on a hit; else the least recently used slot
         no hit of these ids holds), copy the missed rows in, stamp the slots and count the
         call as ``mode`` (LOOKUP, FILL or GUESS): the slot per id. A lookup or fill stamps
@@ -167,12 +173,19 @@ class ExpertCache:
         found, and its misses below every expert a lookup read: a wrong guess is the first to
         go, so guesses evict mostly earlier guesses, not what lookups keep reading. The tables
         at positions ``left`` are not copied; ``rows``: the sources' row of each id (default: the id).
-        Returns (slot per id, 1 where it missed)."""
+        ``live`` false: the call leaves the state as it is. Returns (slot per id, 1 where it missed)."""
         if self.fused:
             target, copy = cache_place(ids, self.slot_of, self.expert_of, self.last_use, self.fresh, self.clock, self._counters, mode,
-                                       self._never, GUESSED)
-        else:
+                                       self._never, GUESSED, None if live is None else live.reshape(()).view(torch.uint8))
+        elif live is None:
             target, copy = self._place_ops(ids, mode)
+        else:  # placed, then undone where the row is not live: device ops, no host sync
+            state = (self.slot_of, self.expert_of, self.last_use, self.fresh, self.clock, self._counters)
+            before = [t.clone() for t in state]
+            target, copy = self._place_ops(ids, mode)
+            for now, then in zip(state, before):
+                now.copy_(torch.where(live, now, then))
+            target, copy = torch.where(live, target, -1), torch.where(live, copy, 0)
         for at, (source, table) in enumerate(zip(sources, self.tables)):
             if table is not None and at not in left:
                 masked_row_copy(source, table, ids if rows is None else rows.reshape(-1), target, copy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -12,7 +13,7 @@ import weakref
 
 import torch
 
-from hostswap.kernels.routed_experts import ExpertReads, recording_reads, using_caches, using_host_experts, warming_a_graph
+from hostswap.kernels.routed_experts import ExpertReads, reading_rows, recording_reads, using_caches, using_host_experts, warming_a_graph
 from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, expert_scratch_on, free_memory, total_memory
 from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
@@ -424,20 +425,33 @@ class Module:
         return mapping
 
     # --- running -------------------------------------------------------------------------------
-    def _run_forward(self, method: "_ProbedMethod", inputs=None) -> None:
-        """One forward; ``inputs`` are bound after the pool has started its first copies."""
+    def _kernels_context(self, method: "_ProbedMethod") -> contextlib.ExitStack:
+        """What the kernels of a forward are given: where to count reads, the expert caches, and
+        the rows of the batch that are read."""
+        stack = contextlib.ExitStack()
+        for context in (recording_reads(self.expert_reads), using_caches(self.expert_caches), using_host_experts(self.host_experts),
+                        reading_rows(method.live_rows)):
+            stack.enter_context(context)
+        return stack
+
+    def _run_forward(self, method: "_ProbedMethod", inputs=None, captured: bool = False) -> None:
+        """One forward; ``inputs`` are bound after the pool has started its first copies. A
+        forward run (not ``captured``) adds the reads its calls counted per live row in."""
         if method.compiled:  # every weight resident: nothing for the pool to copy or count
             if inputs is not None:
                 method.executor.bind_inputs(inputs)
-            with recording_reads(self.expert_reads), using_caches(self.expert_caches), using_host_experts(self.host_experts):
+            with self._kernels_context(method):
                 method.executor.run()
-            return
-        self.pool.begin_forward()
-        if inputs is not None:
-            method.executor.bind_inputs(inputs)
-        with recording_reads(self.expert_reads), using_caches(self.expert_caches), using_host_experts(self.host_experts):
-            method.executor.run(method.on_kernel, hooked=method.hooked)
-        self.pool.end_forward()
+        else:
+            self.pool.begin_forward()
+            if inputs is not None:
+                method.executor.bind_inputs(inputs)
+            with self._kernels_context(method):
+                method.executor.run(method.on_kernel, hooked=method.hooked)
+            self.pool.end_forward()
+        if not captured:
+            for reads in self.expert_reads.values():
+                reads.fold(method.live_count)
 
     def ensure_open(self) -> None:
         """Raise unless the Module can run: not closed, its ``.ptd`` unchanged since load."""
@@ -445,17 +459,22 @@ class Module:
             raise ModuleClosedError(f"this hostswap Module ({self.pte_path}) was closed; load it again to run it")
         self.ptd.check_unchanged()
 
-    def run_method(self, name: str = "forward", inputs=()):
+    def run_method(self, name: str = "forward", inputs=(), live_rows=None):
+        """Run method ``name`` on ``inputs``; its outputs. ``live_rows`` (one bool per row, for
+        a method whose inputs are a batch: a batched decode step) names the rows whose outputs
+        the caller reads: the routed experts of the others are not read (no bytes over the bus,
+        no expert cache slots), and their outputs are not the model's. Once given for a method,
+        a call without it reads every row."""
         self.ensure_open()
         if not self._lock.acquire(blocking=False):
             raise ConcurrentExecutionError("this hostswap Module is already executing on another thread; one loaded Module runs one call at a time (load one per thread)")
         try:
             with torch.no_grad():
-                return _owned(self._run_method(name, list(inputs)))
+                return _owned(self._run_method(name, list(inputs), live_rows))
         finally:
             self._lock.release()
 
-    def _run_method(self, name, inputs):
+    def _run_method(self, name, inputs, live_rows=None):
         method = self._probed.get(name)
         if method is None:
             if name not in self._executors:
@@ -469,19 +488,36 @@ class Module:
             executor.bind_inputs(inputs)
             executor.run()
             return executor.outputs()
+        live = _live_row_flags(name, method, live_rows, inputs)
         if method.graphed:
-            return self._run_graphed(name, method, inputs)
+            return self._run_graphed(name, method, inputs, live)
         method.executor.check_inputs(inputs)  # a refused input must not leave a forward half begun
+        self._write_live_rows(method, live)
         self._run_forward(method, inputs)
         return method.executor.outputs()
 
-    def _run_graphed(self, name: str, method: "_ProbedMethod", inputs):
+    def _write_live_rows(self, method: "_ProbedMethod", live: torch.Tensor | None) -> None:
+        """Set the rows the method's next forward reads: ``live`` (host bools), or every row
+        where the method was given live rows before (a captured graph reads the same tensor)."""
+        if live is None and method.live_rows is None:
+            return
+        if method.live_rows is None:
+            method.live_rows = torch.empty(live.shape, dtype=torch.bool, device=self.device)
+        if live is None:
+            method.live_rows.fill_(True)
+            method.live_count = method.live_rows.numel()
+        else:
+            method.live_rows.copy_(live)
+            method.live_count = int(live.sum())
+
+    def _run_graphed(self, name: str, method: "_ProbedMethod", inputs, live: torch.Tensor | None = None):
         if method.capture_error is not None:
             raise method.capture_error
         executor = method.executor
         if method.graph is None:
             device_inputs = [i.to(self.device) if isinstance(i, torch.Tensor) else i for i in inputs]
             executor.check_inputs(device_inputs)  # before the first forward starts any copy
+            self._write_live_rows(method, live)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             # Warm-up outside the graph (lazy inits, cuBLAS handles); the second forward's
@@ -499,7 +535,7 @@ class Module:
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph):
-                    self._run_forward(method)
+                    self._run_forward(method, captured=True)
             except (RuntimeError, torch.AcceleratorError) as e:
                 if "captur" not in str(e).lower():
                     raise
@@ -518,7 +554,8 @@ class Module:
             after, self.pool.stats = self.pool.stats, before
             method.replay_counts = {f: getattr(after, f) - getattr(before, f) for f in _REPLAY_COUNTED}
             # likewise the experts each replay reads (a captured call takes the path without host syncs, whose reads its shapes fix)
-            method.replay_expert_reads = {b: ExpertReads(*(getattr(r, f) - getattr(experts_before.get(b, ExpertReads()), f) for f in ("calls", "experts", "bytes")))
+            method.replay_expert_reads = {b: ExpertReads(**{f.name: getattr(r, f.name) - getattr(experts_before.get(b, ExpertReads()), f.name)
+                                                            for f in dataclasses.fields(ExpertReads)})
                                           for b, r in self.expert_reads.items()}
             self.expert_reads = experts_before
             method.replayed = torch.cuda.Event()
@@ -533,13 +570,13 @@ class Module:
         for static, given in zip(method.static_inputs, inputs):
             if isinstance(static, torch.Tensor):
                 static.copy_(given)
+        self._write_live_rows(method, live)
         method.graph.replay()
         method.replayed.record()
         for f, n in method.replay_counts.items():
             setattr(self.pool.stats, f, getattr(self.pool.stats, f) + n)
         for block, r in method.replay_expert_reads.items():
-            total = self.expert_reads.setdefault(block, ExpertReads())
-            total.calls, total.experts, total.bytes = total.calls + r.calls, total.experts + r.experts, total.bytes + r.bytes
+            self.expert_reads.setdefault(block, ExpertReads()).add(r, method.live_count)
         return method.graph_outputs
 
     def graph_method(self, name: str) -> None:
@@ -661,6 +698,25 @@ class _ProbedMethod:
         self.replay_counts: dict[str, int] = {}
         self.replay_expert_reads: dict[str, ExpertReads] = {}
         self.replayed = None
+        # the rows of a batch its forwards read (Module.run_method's live_rows), on the device,
+        # and how many are set: None until a call gives them
+        self.live_rows: torch.Tensor | None = None
+        self.live_count = 0
+
+
+def _live_row_flags(name: str, method: _ProbedMethod, live_rows, inputs: list) -> torch.Tensor | None:
+    """``live_rows`` as host bools, refused unless one flag per row of the batch: the first
+    input's first dimension."""
+    if live_rows is None:
+        return None
+    flags = torch.as_tensor(live_rows)
+    rows = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else None
+    if flags.dtype != torch.bool or flags.dim() != 1 or flags.numel() != rows:
+        raise ValueError(f"live_rows of method '{name}' must be one bool per row of the batch ({rows} rows: the first input's first dimension), "
+                         f"got {tuple(flags.shape)} {flags.dtype}")
+    if method.live_rows is not None and method.live_rows.shape != flags.shape:
+        raise ValueError(f"live_rows of method '{name}' gives {flags.numel()} rows; its calls take {method.live_rows.numel()}")
+    return flags.cpu()
 
 
 def _one_weight_order(schedules: dict, source: str):

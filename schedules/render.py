@@ -16,9 +16,12 @@ def _mb(nbytes: int) -> str:
     return f"{nbytes / MB:.2f}"
 
 
-def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, host_budget_bytes: int | None = None) -> dict:
+def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, host_budget_bytes: int | None = None,
+                    experts_host: dict | None = None) -> dict:
     """The schedule as plain data; with ``budget_bytes``, what each policy streams under it, and
-    with ``host_budget_bytes`` too, each weight's tier (GPU, pinned host, disk) under both."""
+    with ``host_budget_bytes`` too, each weight's tier (GPU, pinned host, disk) under both.
+    ``experts_host``: where the routed experts' tables are in host memory (pinned whole, or on
+    disk behind host slots), as the runtime plans it; it sets the bytes pinned for tables."""
     floor = schedule.floor
     kernel_bytes = schedule.kernel_weight_bytes()
     j = floor.floor_kernel
@@ -91,9 +94,12 @@ def schedule_report(schedule: ScheduleFacts, budget_bytes: int | None = None, ho
                     "gpu_bytes": layout.resident_bytes, "host_bytes": tiers.pinned_bytes,
                     "disk_bytes": sum(schedule.weight_bytes[w] for w in tiers.disk),
                     "host_bytes_per_forward": tiers.pinned_bytes_per_forward, "disk_bytes_per_forward": tiers.disk_bytes_per_forward,
-                    "staging_bytes": tiers.staging_bytes, "host_read_bytes": tiers.host_read_bytes,
+                    "staging_bytes": tiers.staging_bytes,
+                    "host_read_bytes": tiers.host_read_bytes if experts_host is None else experts_host["host_read_bytes"],
                     "weights": {schedule.fqns[w]: tiers.tier_of(w) for w in range(len(schedule.fqns))},
                 }
+                if experts_host is not None:
+                    budget["tiers"]["experts"] = experts_host
         else:
             budget["required_mb"] = mb_ceil(schedule.load_floor_bytes)
         report["budget"] = budget
@@ -127,8 +133,8 @@ def _experts_tables(experts: dict) -> list[str]:
             "step gathers its picks (off CUDA; on CUDA with Triton its products read bf16, fp16 or fp32 tables in place and the floor adds none)"]
 
 
-def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host_budget_bytes: int | None = None) -> str:
-    r = schedule_report(schedule, budget_bytes, host_budget_bytes)
+def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host_budget_bytes: int | None = None, experts_host: dict | None = None) -> str:
+    r = schedule_report(schedule, budget_bytes, host_budget_bytes, experts_host)
     tier = r.get("budget", {}).get("tiers", {}).get("weights")
     s = r["summary"]
     out = ["Summary"]
@@ -205,6 +211,8 @@ def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host
                     )
                 )
                 out.append(f"  pinned besides: staging for disk reads {t['staging_bytes']} bytes, tables read in place {t['host_read_bytes']} bytes")
+                if "experts" in t:
+                    out.append(f"  routed experts: {t['experts']['explain']}")
         else:
             out.append(f"  would NOT load: at least {b['required_mb']} MB required")
     return "\n".join(out)

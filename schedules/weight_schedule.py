@@ -158,11 +158,11 @@ class WeightSchedule:
         )
 
     # Rendering lives in schedules/render.py (which reads the schedule as ScheduleFacts); these are conveniences over it.
-    def table(self, budget_bytes: int | None = None, host_budget_bytes: int | None = None) -> str:
-        return render_tables(self, budget_bytes, host_budget_bytes)
+    def table(self, budget_bytes: int | None = None, host_budget_bytes: int | None = None, experts_host: dict | None = None) -> str:
+        return render_tables(self, budget_bytes, host_budget_bytes, experts_host)
 
-    def to_dict(self, budget_bytes: int | None = None, host_budget_bytes: int | None = None) -> dict:
-        return schedule_report(self, budget_bytes, host_budget_bytes)
+    def to_dict(self, budget_bytes: int | None = None, host_budget_bytes: int | None = None, experts_host: dict | None = None) -> dict:
+        return schedule_report(self, budget_bytes, host_budget_bytes, experts_host)
 
     def plot(self, path: str, budget_bytes: int | None = None) -> None:
         plot_schedule(self, path, budget_bytes)

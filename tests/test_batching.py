@@ -89,8 +89,8 @@ def test_a_sequences_logits_do_not_depend_on_its_companions(tmp_path_factory):
             sequences = [b.add(target, 6, eos_token_id=[])] + [b.add(c, 6, eos_token_id=[]) for c in companions]
             original = b.module.run_method
 
-            def recording(name, inputs):
-                outputs = original(name, inputs)
+            def recording(name, inputs, **options):
+                outputs = original(name, inputs, **options)
                 if name == "decode":
                     seen.append(outputs[0][sequences[0].slot].clone())
                 return outputs
@@ -188,8 +188,8 @@ def test_a_prompt_prefilled_between_decode_steps_keeps_its_keys(tmp_path_factory
                 sequence = b.add(long, 4, eos_token_id=[])
             original = b.module.run_method
 
-            def recording(name, inputs):
-                outputs = original(name, inputs)
+            def recording(name, inputs, **options):
+                outputs = original(name, inputs, **options)
                 if name == "decode":
                     seen.append(outputs[0][sequence.slot].clone())
                 return outputs

@@ -108,8 +108,8 @@ def test_the_guess_keeps_the_predicted_cached_experts_where_the_lacking_one_evic
 
 def test_moe_batch_bench_measures_each_budget_with_its_caches_and_with_them_withheld(tmp_path):
     """bench/moe_batch.py on the tiny shape on the CPU: an all-resident row, then each budget with
-    its caches and with them withheld (the context restores the placement after); the result
-    file renders."""
+    its caches and with them withheld (the context restores the placement after), with both
+    slots decoding and with one, its empty row's experts read or not; the result file renders."""
     import hostswap.runtime.module as runtime_module
 
     moe_batch = bench_scripts.load("moe_batch")
@@ -117,11 +117,20 @@ def test_moe_batch_bench_measures_each_budget_with_its_caches_and_with_them_with
     with moe_batch.caches_withheld():
         assert runtime_module.place_experts(None, 0, None) == (frozenset(), {})
     assert runtime_module.place_experts is place
-    assert moe_batch.main(["--shape", "tiny", "--layers", "2", "--batches", "2", "--budgets", "75%", "--new-tokens", "3", "--prompt", "5",
-                           "--device", "cpu", "--out", str(tmp_path)]) == 0
+    reading = runtime_module.reading_rows
+    with moe_batch.every_row_read():
+        assert runtime_module.reading_rows is not reading
+    assert runtime_module.reading_rows is reading
+    assert moe_batch.main(["--shape", "tiny", "--layers", "2", "--batches", "2", "--live", "all,1", "--budgets", "75%", "--new-tokens", "3",
+                           "--prompt", "5", "--device", "cpu", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "moebatch_cpu.json").read_text())["rows"]
-    assert [(r["batch"], r["budget"], r["mode"]) for r in rows] == [(2, "all", "all resident"), (2, "75%", "cache"), (2, "75%", "in place")]
-    assert all(r["ms_per_step"] > 0 and len(r["tokens"]) == 2 for r in rows)
+    assert [(r["live"], r["budget"], r["mode"], r["rows_read"]) for r in rows] == [
+        (2, "all", "all resident", "live rows"), (2, "75%", "cache", "live rows"), (2, "75%", "in place", "live rows"),
+        (1, "75%", "cache", "live rows"), (1, "75%", "cache", "every row"), (1, "75%", "in place", "live rows"), (1, "75%", "in place", "every row")]
+    assert all(r["ms_per_step"] > 0 and len(r["tokens"]) == r["live"] and r["same_tokens"] for r in rows[1:])
+    # one sequence in two slots: its empty row's experts are read only when every row is
+    assert rows[5]["expert_bytes_per_step"] < rows[6]["expert_bytes_per_step"] and rows[5]["speedup_over_every_row"] > 0
+    rows = rows[:3]
     assert rows[1]["same_tokens"] and rows[2]["same_tokens"] and rows[1]["speedup_over_in_place"] > 0
     # the budget gives each block a cache of 2 of its 4 experts; withheld, none
     assert rows[1]["cache_slots"] == [2] and rows[2]["cache_slots"] == [] and rows[0]["resident_blocks"] == 2

@@ -1,6 +1,6 @@
 """The expert cache's bookkeeping as one Triton kernel (kernels/cache_place.py) against the same
 bookkeeping as torch ops: the same slots and the same state after every call, over a random
-run of lookups, guesses and fills."""
+run of lookups, guesses, fills and lookups of rows nobody reads."""
 
 from __future__ import annotations
 
@@ -37,6 +37,13 @@ def _same_state_over_a_run(device: torch.device, experts: int, k: int, slots: in
             guess = torch.randperm(experts, generator=gen)[:k].to(device)
             for cache in (fused, ops):
                 cache.prefetch(guess)
+        if step % 7 == 5:  # a batch row nobody reads: nothing changes, its slots are -1
+            before = {name: getattr(fused, name).clone() for name in STATE}
+            off = torch.tensor(False, device=device)
+            for cache in (fused, ops):
+                target, missed = cache.lookup(ids.view(1, k), tables, live=off)
+                assert target.tolist() == [-1] * k and missed.tolist() == [0] * k, step
+                assert all(torch.equal(getattr(cache, name), before[name]) for name in STATE), step
         (got, got_missed), (want, want_missed) = fused.lookup(ids.view(1, k), tables), ops.lookup(ids.view(1, k), tables)
         assert torch.equal(got, want) and torch.equal(got_missed, want_missed), step
         for name in STATE:

@@ -314,6 +314,32 @@ def test_generate_command_takes_the_host_cache_and_names_a_bad_one(tmp_path_fact
         assert result.returncode == 2 and named in result.stderr, result.stderr
 
 
+def test_inspect_shows_where_the_experts_tables_are_in_host_memory(tmp_path_factory, capsys):
+    """``hostswap inspect`` with a host budget places the expert tables as a load would: behind
+    host slots of ``--expert-host-cache-mb`` (the tables then not counted as pinned), pinned
+    whole where this machine's RAM holds them (auto), and a figure below one call's picks
+    refused naming the least."""
+    import json
+
+    from hostswap.cli import main
+
+    moe = _get("Mixtral", tmp_path_factory)
+    decode = moe.schedules["decode"]
+    tables = sum(b.table_bytes for b in decode.expert_blocks)
+    base = ["inspect", moe.pte, "--method", "decode", "--budget-mb", str(moe.floor / MB + 0.01), "--host-budget-mb", "1000"]
+    assert main(base + ["--expert-host-cache-mb", str(_least_mb(moe) + 0.01), "--format", "json"]) == 0
+    tiers = json.loads(capsys.readouterr().out)["budget"]["tiers"]
+    experts = tiers["experts"]
+    assert experts["on_disk"] and experts["table_bytes"] == tables and experts["host_cache_bytes"] == minimum_host_cache_bytes(decode.expert_blocks)
+    assert tiers["host_read_bytes"] == sum(decode.host_read_bytes) - tables + experts["pinned_bytes"] < sum(decode.host_read_bytes)
+    assert main(base + ["--expert-host-cache-mb", str(_least_mb(moe) + 0.01)]) == 0
+    assert "routed experts: expert tables (" in capsys.readouterr().out
+    assert main(base) == 0
+    assert "routed experts: expert tables pinned whole" in capsys.readouterr().out
+    assert main(base + ["--expert-host-cache-mb", str(_least_mb(moe) / 4)]) == 2
+    assert "experts read from the disk need at least" in capsys.readouterr().err
+
+
 def test_speculative_decoding_of_a_target_with_experts_on_disk_keeps_its_greedy_output(tmp_path):
     """A verify pass checks several drafted tokens in one call: its union goes through the
     host cache in parts, and the output is the target's own greedy output."""

@@ -41,6 +41,11 @@ def _products_match(device: torch.device) -> None:
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
                 else:  # the float32 sum rounded once: within a unit in the last place of bfloat16
                     assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-6).all(), (dtype, transposed)
+            # a pick of -1 is none: its product is 0, the others' as they were
+            skipped = torch.tensor([4, -1, 4, 5]).to(device)
+            x = torch.randn(rows.numel(), k_in, generator=gen).to(dtype).to(device)
+            got, want = routed_gemv(x, table, skipped, transposed), routed_gemv(x, table, rows.to(device), transposed)
+            assert torch.equal(got[1], torch.zeros_like(got[1])) and torch.equal(got[[0, 2, 3]], want[[0, 2, 3]])
             # a cache's slots: picks 0 and 2 missed and read their source rows, filling their slots
             slots = torch.randn((3, *shape[1:]), generator=gen).to(dtype).to(device)
             kept = slots[0].clone()
@@ -49,6 +54,10 @@ def _products_match(device: torch.device) -> None:
             x = torch.randn(1, k_in, generator=gen).to(dtype).to(device)
             got = routed_gemv(x, slots, slot_rows, transposed, (table, source_rows, copy))
             assert torch.equal(slots[2], table[4]) and torch.equal(slots[1], table[5]) and torch.equal(slots[0], kept)
+            # a pick of -1 marked to copy writes nothing
+            before = slots.clone()
+            routed_gemv(x, slots, torch.tensor([-1, 0]).to(device), transposed, (table, torch.tensor([3, 0]).to(device), torch.tensor([1, 0], dtype=torch.int32).to(device)))
+            assert torch.equal(slots, before)
             if dtype == torch.float32:
                 torch.testing.assert_close(got, _gathered(x, slots, slot_rows, transposed), rtol=1e-5, atol=1e-4)
 
