@@ -47,6 +47,9 @@ def _inspect(args) -> int:
         print("hostswap inspect: --host-budget-mb needs --budget-mb (the GPU budget decides what is streamed) and a number of MB, 0 or more", file=sys.stderr)
         return 2
     host_budget = None if args.host_budget_mb is None else int(args.host_budget_mb * 2**20)
+    if args.expert_host_cache_mb is not None and host_budget is None:
+        print("hostswap inspect: --expert-host-cache-mb needs --host-budget-mb (the host memory the streamed weights take beside it)", file=sys.stderr)
+        return 2
     try:
         experts_host = _experts_host_tier(schedule, budget, args) if host_budget is not None and schedule.expert_blocks else None
     except ValueError as e:
@@ -63,8 +66,9 @@ def _inspect(args) -> int:
 
 
 def _experts_host_tier(schedule, budget: int, args) -> dict | None:
-    """Where the routed experts' tables would be in host memory as a load on this machine now
-    places them (runtime/host_tier.py), as plain data for the schedule's views."""
+    """Where the routed experts' tables would be in host memory (runtime/host_tier.py), "auto"
+    counting this machine's RAM now, as plain data for the schedule's views. The budget is
+    split as the rest of the report splits it (the scratch of a device that gathers picks)."""
     from hostswap.runtime.host_tier import plan_host_tiers
     from hostswap.schedules.experts import plan_expert_cache, resident_blocks
     from hostswap.schedules.policies import plan_layout
@@ -75,7 +79,7 @@ def _experts_host_tier(schedule, budget: int, args) -> dict | None:
     layout = plan_layout(schedule, budget)
     blocks = schedule.expert_blocks
     on_device = resident_blocks(plan_expert_cache(blocks, budget - schedule.resident_bytes), blocks)
-    _, tiers, plan = plan_host_tiers(args.host_budget_mb, schedule, layout, budget, args.expert_host_cache_mb, on_device)
+    _, tiers, plan = plan_host_tiers(args.host_budget_mb, schedule, layout, budget, args.expert_host_cache_mb or "auto", on_device)
     return {"on_disk": plan.on_disk, "table_bytes": plan.table_bytes, "host_cache_bytes": plan.cache_bytes, "pinned_bytes": plan.pinned_bytes,
             "slots_per_block": dict(plan.slots), "host_read_bytes": tiers.host_read_bytes, "explain": plan.explain()}
 
@@ -308,8 +312,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-mb", type=float, help="also tell whether this budget loads and what each policy streams")
     p.add_argument("--host-budget-mb", type=float, help="with --budget-mb: also place each streamed weight in pinned host memory or on disk "
                    "within this many MB of pinned weights, as generate --host-budget-mb does")
-    p.add_argument("--expert-host-cache-mb", type=_budget_mb, default="auto",
-                   help="with --host-budget-mb: the routed experts' host slots, as generate takes it (auto: as a load on this machine now)")
+    p.add_argument("--expert-host-cache-mb", type=_budget_mb,
+                   help="with --host-budget-mb: the routed experts' host slots, as generate takes it (default auto: what this machine's RAM leaves now)")
     p.add_argument("--format", choices=["table", "json"], default="table")
     p.add_argument("--plot", metavar="FILE", help="draw weight bytes per kernel with floor and budget lines (.png or .svg)")
     p.set_defaults(func=_inspect)

@@ -168,6 +168,12 @@ def _without_dead_rows(ids: torch.Tensor, weights: torch.Tensor, live: torch.Ten
     return ids.masked_fill(dead, -1), weights.masked_fill(dead, 0)
 
 
+def _zero_dead_rows(out: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """``out`` with the rows ``live`` clears set to 0: whatever their products met (a slot
+    never filled, a bias), they give nothing to their residual stream."""
+    return out if live is None else out.masked_fill_(~live[:, None], 0)
+
+
 def warming_a_graph():
     """While the body runs, calls take the paths a CUDA graph's capture will take: the
     forwards before a capture launch its kernels once outside it (compiling and loading a
@@ -191,15 +197,16 @@ def _record(block: str, experts: int, unit_bytes: int) -> None:
 
 
 def _record_pairs(block: str, ids: torch.Tensor, unit_bytes: int, live: torch.Tensor | None) -> None:
-    """Count a pair path's reads: one expert per (token, pick), or per live row's picks."""
+    """Count a pair path's reads: one expert per (token, pick), or per live row's (its tokens' picks)."""
     if live is None:
         _record(block, ids.numel(), unit_bytes)
         return
     _record(block, 0, unit_bytes)
     reads = getattr(_context, "recorder", None)
     if reads is not None:
-        reads[block].row_experts += ids.shape[1]
-        reads[block].row_bytes += ids.shape[1] * unit_bytes
+        per_row = ids.numel() // _context.live_rows.numel()
+        reads[block].row_experts += per_row
+        reads[block].row_bytes += per_row * unit_bytes
 
 
 def unit_bytes(*tables: torch.Tensor | None) -> int:
@@ -247,8 +254,8 @@ def reads_pairs_when_captured(tokens: int, top_k: int, num_experts: int, in_plac
 def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, fill=None):
     """Each (token, expert) pair through its expert's rows: transformers'
     ``batched_mm_experts_forward`` arithmetic (its gathered batched matmul, or on CUDA the same
-    products read in place). A pick of -1 is none (its weight is 0; read in place, it reads
-    nothing). ``fill`` = ((gate_up source, down source), source rows, copy):
+    products read in place). A pick of -1 is none (its weight is 0; read in place, none of its
+    matrices' bytes are read). ``fill`` = ((gate_up source, down source), source rows, copy):
     ``gate_up`` and ``down`` are a cache's slots whose missed rows (``copy`` set) the products
     read from the sources and fill as they go (products read in place only)."""
     tokens, k = ids.shape
@@ -448,13 +455,13 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
         if cache is not None and (_reads_in_place(hidden, gate_up, down) or not hidden.is_cuda):
             # (a gathered copy of a group's picks on CUDA would be memory the floor does not hold)
             _record_pairs(block, top_k_index, unit_bytes(*tables), live)
-            return _cached_pairs(hidden, *_without_dead_rows(top_k_index, top_k_weights, live), tables, cache, gate_of, transposed, live)
+            out = _cached_pairs(hidden, *_without_dead_rows(top_k_index, top_k_weights, live), tables, cache, gate_of, transposed, live)
+            return _zero_dead_rows(out, live)
         if reads_pairs_when_captured(*top_k_index.shape, num_experts, _reads_in_place(hidden, gate_up, down)):
             _record_pairs(block, top_k_index, unit_bytes(*tables), live)
-            return _pairs(hidden, *_without_dead_rows(top_k_index, top_k_weights, live), *tables, gate_of, transposed)
+            return _zero_dead_rows(_pairs(hidden, *_without_dead_rows(top_k_index, top_k_weights, live), *tables, gate_of, transposed), live)
         _record(block, num_experts, unit_bytes(*tables))  # every expert, once, whatever the rows
-        weights = top_k_weights if live is None else top_k_weights.masked_fill(~live[:, None], 0)
-        return _dense(hidden, top_k_index, weights, *tables, gate_of, transposed)
+        return _zero_dead_rows(_dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed), live)
     out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed, num_experts, live=live)
     _record(block, read, unit_bytes(*tables))
     last = _last_row(top_k_index, live) if cache is not None else None

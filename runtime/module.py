@@ -464,7 +464,8 @@ class Module:
         a method whose inputs are a batch: a batched decode step) names the rows whose outputs
         the caller reads: the routed experts of the others are not read (no bytes over the bus,
         no expert cache slots), and their outputs are not the model's. Once given for a method,
-        a call without it reads every row."""
+        a call without it reads every row; a CUDA graph captured before the method's first call
+        with it reads every row at each replay."""
         self.ensure_open()
         if not self._lock.acquire(blocking=False):
             raise ConcurrentExecutionError("this hostswap Module is already executing on another thread; one loaded Module runs one call at a time (load one per thread)")
@@ -540,6 +541,7 @@ class Module:
                 if "captur" not in str(e).lower():
                     raise
                 self.pool.stats = before
+                self.expert_reads = experts_before
                 # The pool is left mid-forward by the invalidated capture: this method stays
                 # refused, and the same error is raised at every later call.
                 method.capture_error = ProgramError(

@@ -317,8 +317,8 @@ def test_generate_command_takes_the_host_cache_and_names_a_bad_one(tmp_path_fact
 def test_inspect_shows_where_the_experts_tables_are_in_host_memory(tmp_path_factory, capsys):
     """``hostswap inspect`` with a host budget places the expert tables as a load would: behind
     host slots of ``--expert-host-cache-mb`` (the tables then not counted as pinned), pinned
-    whole where this machine's RAM holds them (auto), and a figure below one call's picks
-    refused naming the least."""
+    whole where this machine's RAM holds them (auto), and a figure below one call's picks, or
+    one without a host budget, refused naming the least or what is missing."""
     import json
 
     from hostswap.cli import main
@@ -338,6 +338,8 @@ def test_inspect_shows_where_the_experts_tables_are_in_host_memory(tmp_path_fact
     assert "routed experts: expert tables pinned whole" in capsys.readouterr().out
     assert main(base + ["--expert-host-cache-mb", str(_least_mb(moe) / 4)]) == 2
     assert "experts read from the disk need at least" in capsys.readouterr().err
+    assert main(base[:-2] + ["--expert-host-cache-mb", "5"]) == 2
+    assert "--expert-host-cache-mb needs --host-budget-mb" in capsys.readouterr().err
 
 
 def test_speculative_decoding_of_a_target_with_experts_on_disk_keeps_its_greedy_output(tmp_path):

@@ -30,9 +30,15 @@ EXPERTS, K, HIDDEN, INNER = 8, 2, 6, 4
 STATE = ("slot_of", "expert_of", "last_use", "fresh", "clock", "_counters")
 
 
-def _tables(seed: int = 0):
+def _tables(seed: int = 0, poisoned: bool = False):
+    """The block's tables; ``poisoned``: experts 4..7 (which only ``_batch``'s dead rows pick)
+    are NaN, so a live output that read them is NaN."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(EXPERTS, 2 * INNER, HIDDEN, generator=gen), torch.randn(EXPERTS, HIDDEN, INNER, generator=gen)
+    tables = torch.randn(EXPERTS, 2 * INNER, HIDDEN, generator=gen), torch.randn(EXPERTS, HIDDEN, INNER, generator=gen)
+    if poisoned:
+        for t in tables:
+            t[4:] = float("nan")
+    return tables
 
 
 def _activate(x):
@@ -60,16 +66,16 @@ def test_a_captured_batched_step_reads_its_live_rows_alone(cached):
     """The paths without host syncs (a graphed step; ``warming_a_graph`` takes them on the CPU):
     every expert once (products not read in place, off CUDA), and pairs through a cache of 5
     slots. The live rows' outputs are those of the call over every row and the dead rows' are
-    0; a cache looks up the live rows alone, so the dead rows' experts never enter it, and its
-    reads are counted per live row. (The GPU test of batched MoE decode checks pairs read in
-    place.)"""
-    tables = _tables()
+    0; a cache looks up the live rows alone, so the dead rows' experts never enter it (with
+    them NaN, nothing live is), and its reads are counted per live row. (The GPU test of
+    batched MoE decode checks pairs read in place.)"""
+    clean, tables = _tables(), _tables(poisoned=cached)  # every expert once reads all of them: no poison there
     hidden, ids, weights, live = _batch(3, seed=1)  # 3 x 2 pairs < 8 experts: pairs, not every expert
     cache = ExpertCache("block", EXPERTS, (2 * INNER * HIDDEN + HIDDEN * INNER) * 4, 5, K, torch.device("cpu")) if cached else None
     caches = {"block": cache} if cached else None
     reads: dict[str, ExpertReads] = {}
     out = _call(hidden, ids, weights, tables, live, caches, reads)
-    every_row = _pairs(hidden, ids, weights, *tables, None, None, _activate, False)
+    every_row = _pairs(hidden, ids, weights, *clean, None, None, _activate, False)
     torch.testing.assert_close(out[live], every_row[live], atol=1e-5, rtol=1e-5)
     assert torch.equal(out[~live], torch.zeros_like(out[~live]))
     if not cached:
@@ -78,11 +84,10 @@ def test_a_captured_batched_step_reads_its_live_rows_alone(cached):
     assert (reads["block"].calls, reads["block"].experts, reads["block"].row_experts) == (1, 0, K)
     reads["block"].fold(int(live.sum()))
     assert reads["block"].experts == int(live.sum()) * K and reads["block"].row_experts == 0
-    if cached:
-        hits, misses = cache.counts()[:2]
-        assert hits + misses == int(live.sum()) * K
-        held = set(cache.expert_of.tolist()) - {EXPERTS}
-        assert held and held <= set(ids[live].reshape(-1).tolist()), held
+    hits, misses = cache.counts()[:2]
+    assert hits + misses == int(live.sum()) * K
+    held = set(cache.expert_of.tolist()) - {EXPERTS}
+    assert held and held <= set(ids[live].reshape(-1).tolist()), held
 
 
 def test_pairs_of_no_pick_are_zero_and_leave_the_others_as_they_are():
@@ -99,23 +104,32 @@ def test_pairs_of_no_pick_are_zero_and_leave_the_others_as_they_are():
 
 def test_an_eager_batched_step_reads_the_union_of_its_live_rows():
     """An eager step of several rows (weights read from disk, or a step not graphed) learns the
-    union of its live rows' picks alone, and reads each of those experts once."""
-    tables = _tables()
+    union of its live rows' picks alone, and reads each of those experts once: the dead rows'
+    experts, NaN here, are never read."""
     hidden, ids, weights, live = _batch(4, seed=2)
     reads: dict[str, ExpertReads] = {}
-    out = _call(hidden, ids, weights, tables, live, reads=reads, warming=False)
-    want, union = _grouped(hidden[live], ids[live], weights[live], *tables, None, None, _activate, False, EXPERTS)
-    assert union == len(torch.unique(ids[live])) and reads["block"].experts == union
-    assert torch.equal(out[live], want) and torch.equal(out[~live], torch.zeros_like(out[~live]))
+    out = _call(hidden, ids, weights, _tables(poisoned=True), live, reads=reads, warming=False)
+    every_row, _ = _grouped(hidden, ids, weights, *_tables(), None, None, _activate, False, EXPERTS)
+    assert reads["block"].experts == len(torch.unique(ids[live]))
+    torch.testing.assert_close(out[live], every_row[live], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
 
 
 def test_a_batch_of_several_tokens_a_row_marks_each_rows_tokens():
-    """A call of 2 tokens per row (hidden states flattened row by row) takes each row's flag
-    for both its tokens; a count of tokens that is not a whole number per row is refused."""
+    """A call of 2 tokens per row (hidden states flattened row by row, as a verify pass's) takes
+    each row's flag for both its tokens, through a cache: the live row's outputs are the call's
+    over every row, and its reads count both tokens' picks (as many as the cache looked up). A
+    count of tokens that is not a whole number per row is refused."""
     tables = _tables()
     hidden, ids, weights, _ = _batch(4, seed=3)
-    out = _call(hidden, ids, weights, tables, torch.tensor([True, False]))
-    assert torch.equal(out[2:], torch.zeros_like(out[2:])) and out[:2].abs().sum() > 0
+    cache = ExpertCache("block", EXPERTS, (2 * INNER * HIDDEN + HIDDEN * INNER) * 4, 5, K, torch.device("cpu"))
+    reads: dict[str, ExpertReads] = {}
+    out = _call(hidden, ids, weights, tables, torch.tensor([True, False]), {"block": cache}, reads)
+    every_row = _pairs(hidden, ids, weights, *tables, None, None, _activate, False)
+    torch.testing.assert_close(out[:2], every_row[:2], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    reads["block"].fold(1)
+    assert reads["block"].experts == 2 * K == sum(cache.counts()[:2])
     with pytest.raises(ValueError, match=r"live rows given for this forward are 3; block is called with 4 tokens"):
         _call(hidden, ids, weights, tables, torch.tensor([True, False, True]))
 

@@ -54,10 +54,10 @@ def _products_match(device: torch.device) -> None:
             x = torch.randn(1, k_in, generator=gen).to(dtype).to(device)
             got = routed_gemv(x, slots, slot_rows, transposed, (table, source_rows, copy))
             assert torch.equal(slots[2], table[4]) and torch.equal(slots[1], table[5]) and torch.equal(slots[0], kept)
-            # a pick of -1 marked to copy writes nothing
+            # a pick of -1 marked to copy writes nothing, and its product is 0
             before = slots.clone()
-            routed_gemv(x, slots, torch.tensor([-1, 0]).to(device), transposed, (table, torch.tensor([3, 0]).to(device), torch.tensor([1, 0], dtype=torch.int32).to(device)))
-            assert torch.equal(slots, before)
+            none = routed_gemv(x, slots, torch.tensor([-1, 0]).to(device), transposed, (table, torch.tensor([3, 0]).to(device), torch.tensor([1, 0], dtype=torch.int32).to(device)))
+            assert torch.equal(slots, before) and torch.equal(none[0], torch.zeros_like(none[0]))
             if dtype == torch.float32:
                 torch.testing.assert_close(got, _gathered(x, slots, slot_rows, transposed), rtol=1e-5, atol=1e-4)
 
