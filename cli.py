@@ -69,17 +69,12 @@ def _experts_host_tier(schedule, budget: int, args) -> dict | None:
     """Where the routed experts' tables would be in host memory (runtime/host_tier.py), "auto"
     counting this machine's RAM now, as plain data for the schedule's views. The budget is
     split as the rest of the report splits it (the scratch of a device that gathers picks)."""
-    from hostswap.runtime.host_tier import plan_host_tiers
-    from hostswap.schedules.experts import plan_expert_cache, resident_blocks
-    from hostswap.schedules.policies import plan_layout
+    from hostswap.runtime.host_tier import plan_placement
 
     if budget < schedule.load_floor_bytes:
         return None  # the report says it does not load
-    budget -= schedule.expert_scratch_bytes  # the pool's and the resident experts', as a Module's
-    layout = plan_layout(schedule, budget)
-    blocks = schedule.expert_blocks
-    on_device = resident_blocks(plan_expert_cache(blocks, budget - schedule.resident_bytes), blocks)
-    _, tiers, plan = plan_host_tiers(args.host_budget_mb, schedule, layout, budget, args.expert_host_cache_mb or "auto", on_device)
+    # the pool's and the resident experts' share, as a Module's
+    _, _, tiers, plan = plan_placement(schedule, budget - schedule.expert_scratch_bytes, True, args.host_budget_mb, args.expert_host_cache_mb or "auto")
     return {"on_disk": plan.on_disk, "table_bytes": plan.table_bytes, "host_cache_bytes": plan.cache_bytes, "pinned_bytes": plan.pinned_bytes,
             "slots_per_block": dict(plan.slots), "host_read_bytes": tiers.host_read_bytes, "explain": plan.explain()}
 

@@ -65,7 +65,7 @@ def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_to
                 "disk_bytes_per_token": s["bytes_from_disk_per_token"] or 0, "expert_bytes_over_bus_per_token": s["expert_bytes_per_token"] or 0,
                 "host_hit_rate": sum(c["hits"] for c in host) / picks if picks else None,
                 "device_cache_hit_rate": sum(r["cache_hits"] for r in reads) / lookups if lookups else None,
-                "disk_reads": g.module.stats["expert_disk_reads"],
+                "disk_reads": m["expert_disk_reads"],
                 # the experts' reader while it reads (prefill too): the bytes over the time the calls waited for them
                 "reader_bytes_per_s": m["expert_disk_bytes_read"] / m["expert_disk_seconds"] if m["expert_disk_seconds"] else None,
                 "tokens": out[0, prompt.shape[1]:].tolist()}

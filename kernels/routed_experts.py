@@ -296,20 +296,21 @@ def _expert(x, e: int, gate_up, down, gate_up_bias, down_bias, activate, transpo
     return linear(activate(linear(x, gate_up, gate_up_bias)), down, down_bias)
 
 
-def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, num_experts: int, host=None, live=None):
+def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, num_experts: int, host=None, rows=None):
     """Each expert of the union once, over its tokens: transformers' eager experts loop, its
     sums in the order of the experts. With ``host`` (a host cache of experts read from the disk,
     whose slots the tables are) the union goes through the slots as many experts at a time as
     they hold, those the slots hold first: in the experts' order, a union larger than the slots
     would evict each expert just before the next call asks for it, and miss every one. With
-    ``live``, the union and the products are the marked rows' alone; the others' outputs are 0."""
-    if live is not None:
-        rows = live.nonzero().squeeze(1)  # the host learns the live rows (it learns the union anyway)
+    ``rows`` (``_live_indices``), the union and the products are those rows' alone; the others'
+    outputs are 0."""
+    if rows is not None:
         out = torch.zeros_like(hidden)
         if not rows.numel():
             return out, 0
-        part, read = _grouped(hidden[rows], ids[rows], weights[rows], gate_up, down, gate_up_bias, down_bias, activate, transposed, num_experts, host)
-        return out.index_copy_(0, rows, part), read
+        at = rows.to(hidden.device)
+        part, read = _grouped(hidden[at], ids[at], weights[at], gate_up, down, gate_up_bias, down_bias, activate, transposed, num_experts, host)
+        return out.index_copy_(0, at, part), read
     out = torch.zeros_like(hidden)
     experts = torch.unique(ids).tolist()  # the host learns the union: one sync per call
     mask = F.one_hot(ids, num_classes=num_experts).permute(2, 1, 0)
@@ -382,12 +383,16 @@ def _through_device_cache(cache, experts: list[int], host, device) -> tuple[list
     return slots, torch.tensor([row_of.get(e, 0) for e in experts], device=device)
 
 
-def _last_row(ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor | None:
-    """The last row's picks of a call of several tokens (its last live row's), or None."""
-    if live is None:
+def _live_indices(live: torch.Tensor | None) -> torch.Tensor | None:
+    """The live rows of an eager call, learnt on the host once (it learns the union anyway), or None for all."""
+    return None if live is None else live.cpu().nonzero().squeeze(1)
+
+
+def _last_row(ids: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """The last row's picks of a call of several tokens (of its ``rows``, the last), or None."""
+    if rows is None:
         return ids[-1]
-    rows = live.nonzero()
-    return ids[rows[-1, 0]] if rows.numel() else None
+    return ids[int(rows[-1])] if rows.numel() else None
 
 
 def _from_host(hidden, ids, weights, tables, host, cache, activate, transposed, block: str, num_experts: int, live=None):
@@ -399,9 +404,10 @@ def _from_host(hidden, ids, weights, tables, host, cache, activate, transposed, 
     _check_ids(picks, num_experts, block)
     slots_tables = host.tables_for(*tables)
     if ids.shape[0] > 1:
-        out, read = _grouped(hidden, ids, weights, *slots_tables, activate, transposed, num_experts, host=host, live=live)
+        live_rows = _live_indices(live)
+        out, read = _grouped(hidden, ids, weights, *slots_tables, activate, transposed, num_experts, host=host, rows=live_rows)
         _record(block, read, unit_bytes(*tables))
-        last = _last_row(picks, None if live is None else live.cpu()) if cache is not None else None
+        last = _last_row(picks, live_rows) if cache is not None else None
         if last is not None:  # the decode after a prefill chunk starts with its last row's experts cached
             last = torch.unique(last).tolist()
             slots, rows = _through_device_cache(cache, last, host, ids.device)
@@ -462,9 +468,10 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
             return _zero_dead_rows(_pairs(hidden, *_without_dead_rows(top_k_index, top_k_weights, live), *tables, gate_of, transposed), live)
         _record(block, num_experts, unit_bytes(*tables))  # every expert, once, whatever the rows
         return _zero_dead_rows(_dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed), live)
-    out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed, num_experts, live=live)
+    live_rows = _live_indices(live)
+    out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed, num_experts, rows=live_rows)
     _record(block, read, unit_bytes(*tables))
-    last = _last_row(top_k_index, live) if cache is not None else None
+    last = _last_row(top_k_index, live_rows) if cache is not None else None
     if last is not None:  # the decode after a prefill chunk starts with its last row's experts cached
         # (a padded last chunk's padding repeats the prompt's last token: a near guess of its experts)
         cache.fill(torch.unique(last), tables)

@@ -22,7 +22,8 @@ from hostswap.runtime.disk_reader import DiskReader
 from hostswap.runtime.expert_store import HostExpertPlan, minimum_host_cache_bytes, plan_host_experts
 from hostswap.runtime.host_memory import available_host_memory
 from hostswap.runtime.ptd import PtdFile
-from hostswap.schedules.policies import PlannedLayout, lru_resident
+from hostswap.schedules.experts import plan_expert_cache, resident_blocks
+from hostswap.schedules.policies import PlannedLayout, lru_resident, plan_layout
 from hostswap.schedules.tiers import TierPlan, plan_tiers, staging_bytes
 
 # Of the memory available at load: the rest stays for the process itself (Python, torch, the
@@ -124,6 +125,17 @@ def plan_host_tiers(budget_mb, schedule, layout: PlannedLayout | None, lru_budge
     return budget, TierPlan(resident=resident, pinned=frozenset(streamed), disk=frozenset(), disk_fills=(), host_budget_bytes=budget.budget_bytes,
                             pinned_bytes=streamed_bytes, host_read_bytes=host_read_bytes, staging_bytes=0,
                             disk_bytes_per_forward=0, pinned_bytes_per_forward=sum(nbytes[w] for w in schedule.probe_weight if w not in resident)), experts
+
+
+def plan_placement(schedule, budget_bytes: int, planned: bool, host_budget_mb, expert_host_cache_mb="auto", available_bytes: int | None = None):
+    """What a load places where under a device budget of ``budget_bytes`` (the pool's and the
+    resident experts'): the planned layout (None where ``planned`` is false: the lru policy),
+    and ``plan_host_tiers``' host budget, tiers and experts' host tier, the MoE blocks the
+    budget holds whole on the device left out of the host's."""
+    layout = plan_layout(schedule, budget_bytes) if planned else None
+    blocks = schedule.expert_blocks
+    on_device = resident_blocks(plan_expert_cache(blocks, budget_bytes - schedule.resident_bytes), blocks)
+    return (layout, *plan_host_tiers(host_budget_mb, schedule, layout, budget_bytes, expert_host_cache_mb, on_device, available_bytes))
 
 
 def open_disk_reader(ptd: PtdFile, schedule, tiers: TierPlan, device) -> DiskReader | None:

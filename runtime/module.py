@@ -17,7 +17,7 @@ from hostswap.kernels.routed_experts import ExpertReads, reading_rows, recording
 from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, expert_scratch_on, free_memory, total_memory
 from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
-from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_host_tiers
+from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_placement
 from hostswap.runtime.expert_cache import check_prefetch, expert_read_stats, place_experts
 from hostswap.runtime.expert_store import check_expert_host_cache_argument, close_host_experts, open_host_experts
 from hostswap.runtime.instructions import ListRef, ProgramError
@@ -27,8 +27,7 @@ from hostswap.runtime.planned_pool import PlannedPool
 from hostswap.runtime.pool import PoolCreationError
 from hostswap.runtime.ptd import PtdFile, open_pair, verify_showing_progress
 from hostswap.schedules.artifacts import ArtifactError
-from hostswap.schedules.experts import plan_expert_cache, resident_blocks
-from hostswap.schedules.policies import check_budget, plan_layout
+from hostswap.schedules.policies import check_budget
 from hostswap.schedules.pte_program import constant_method_outputs, external_weights, plan_by_name, read_program, read_program_bytes, torch_dtype
 from hostswap.schedules.serialization import decode_program
 from hostswap.schedules.weight_schedule import check_prefetch_depth
@@ -259,11 +258,8 @@ class Module:
     def _load(self, policy: str, graphed: set[str], prefault: bool, lock: bool, warm_pool: bool, verify: bool) -> None:
         self._check_weights()
         self.verified_bytes, self.verify_seconds = verify_showing_progress(self.ptd) if verify else (0, 0.0)
-        layout = plan_layout(self.schedule, self.budget_bytes) if policy == "planned" else None
-        blocks = self.schedule.expert_blocks
-        experts_on_device = resident_blocks(plan_expert_cache(blocks, self.budget_bytes - self.schedule.resident_bytes), blocks)
-        self.host_budget, self.tiers, self.expert_host_plan = plan_host_tiers(self._host_budget_mb, self.schedule, layout, self.budget_bytes,
-                                                                              self._expert_host_cache_mb, experts_on_device)
+        layout, self.host_budget, self.tiers, self.expert_host_plan = plan_placement(self.schedule, self.budget_bytes, policy == "planned",
+                                                                                    self._host_budget_mb, self._expert_host_cache_mb)
         if self.tiers.disk and graphed:
             if not self._graph_where_possible:
                 raise ValueError(f"cuda_graph needs every streamed weight in pinned host memory; host_memory_budget_mb={self.host_budget.budget_bytes / 2**20:.1f} "
@@ -311,7 +307,7 @@ class Module:
             self.ptd.register_with_cuda(host_tier)
         # experts on disk: their host caches; the tables' mapped views bound to the program are
         # never read (a call reads the experts it picks through its block's host cache)
-        self._host_experts = open_host_experts(self.expert_host_plan, tuple(b for b in blocks if b.block in self.expert_host_plan.slots), self.ptd, self.device)
+        self._host_experts = open_host_experts(self.expert_host_plan, tuple(b for b in self.schedule.expert_blocks if b.block in self.expert_host_plan.slots), self.ptd, self.device)
         self._host_read = {fqn: self.ptd.host_tensor(fqn).to(self.device, copy=True) if fqn in on_device
                            else self.ptd.device_view(fqn, self.device) if self.device.type == "cuda" and fqn not in on_disk else self.ptd.host_tensor(fqn)
                            for fqn in self.schedule.host_read}
