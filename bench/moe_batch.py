@@ -12,7 +12,9 @@ those steps and the experts that crossed the bus per step (the misses). Each bud
 with its caches ("cache") and with them withheld ("in place": the same budget and program, each
 pair read from the tables in mapped host memory, as at a budget with no room for a cache).
 A row's bound is max(the all-resident step at that B, its experts over the bus per step /
-pinned H2D bandwidth measured in this run). ``--live`` adds rows where only some of the B slots
+pinned H2D bandwidth measured in this run). In place, a step reads each expert its rows picked
+once (``routed_union``); each budget runs a third time with every (row, pick) read on its own
+("in place, per pick", as a decode step of one token reads its picks). ``--live`` adds rows where only some of the B slots
 hold a sequence ("all": every slot): the step still computes every row, and its empty rows read
 no experts ("live rows"); each such row is measured again with the empty rows reading theirs
 ("every row"), as a program stepped without its live rows named would. Rows go to ``bench/results/moebatch_<device>.json``
@@ -38,6 +40,7 @@ from checkpoints import write_checkpoint  # noqa: E402
 from moe import shape_config  # noqa: E402
 from weights import add_row, environment, h2d_bandwidth, result_path, save_result, sync  # noqa: E402
 
+import hostswap.kernels.routed_experts as routed_experts  # noqa: E402
 import hostswap.runtime.module as runtime_module  # noqa: E402
 from hostswap import batching  # noqa: E402
 from hostswap.checkpoint import export_checkpoint  # noqa: E402
@@ -67,6 +70,24 @@ def every_row_read():
         yield
     finally:
         runtime_module.reading_rows = reading
+
+
+@contextlib.contextmanager
+def per_pick_products():
+    """Modules run in the body read a captured step's experts once per (row, pick), as one
+    token's decode step does (``routed_gemv``), rather than each picked expert once: the
+    reference the union's reads are measured against."""
+    pairs, record = routed_experts._pairs, routed_experts._record_union
+
+    def record_pairs(block, ids, num_experts, unit_bytes):
+        routed_experts._record_pairs(block, ids, unit_bytes, routed_experts._live_rows(block, ids.shape[0]))
+
+    routed_experts._pairs = lambda *args, union=False, **kwargs: pairs(*args, **kwargs)
+    routed_experts._record_union = record_pairs
+    try:
+        yield
+    finally:
+        routed_experts._pairs, routed_experts._record_union = pairs, record
 
 
 def measure(pte: str, ptd: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int, device: torch.device, temperature: float) -> dict:
@@ -136,9 +157,10 @@ def main(argv=None) -> int:
             for live, budget in [(n, budget) for n in lives if 0 < n <= b for budget in args.budgets.split(",")]:
                 budget_bytes = max(floor, int(total * float(budget.rstrip("%")) / 100))
                 rows = {}
-                for mode in ("cache", "in place"):
-                    for read in ("live rows", "every row") if live < b else ("live rows",):
-                        with caches_withheld() if mode == "in place" else contextlib.nullcontext(), every_row_read() if read == "every row" else contextlib.nullcontext():
+                for mode in ("cache", "in place", "in place, per pick"):
+                    for read in ("live rows", "every row") if live < b and mode != "in place, per pick" else ("live rows",):
+                        with (caches_withheld() if mode != "cache" else contextlib.nullcontext(), every_row_read() if read == "every row" else contextlib.nullcontext(),
+                              per_pick_products() if mode == "in place, per pick" else contextlib.nullcontext()):
                             rows[mode, read] = measure(pte, ptd, budget_bytes, prompts[:live], args.new_tokens, device, args.temperature)
                 for (mode, read), row in rows.items():
                     row["same_tokens"] = row["tokens"] == resident["tokens"][:live]
@@ -147,7 +169,9 @@ def main(argv=None) -> int:
                         row["ratio_to_bound"] = row["ms_per_step"] / row["bound_ms_per_step"]
                     if mode == "cache":
                         row["speedup_over_in_place"] = rows["in place", read]["ms_per_step"] / row["ms_per_step"]
-                    if read == "live rows" and live < b:
+                    if mode == "in place" and read == "live rows":
+                        row["speedup_over_per_pick"] = rows["in place, per pick", "live rows"]["ms_per_step"] / row["ms_per_step"]
+                    if read == "live rows" and live < b and mode != "in place, per pick":
                         row["speedup_over_every_row"] = rows[mode, "every row"]["ms_per_step"] / row["ms_per_step"]
                     labels = {"batch": b, "live": live, "rows_read": read, "budget": budget, "mode": mode}
                     add_row(result, labels | row, path, shown={k: v for k, v in row.items() if k != "tokens"} | labels)

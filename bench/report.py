@@ -1134,9 +1134,10 @@ def moe_batch_section(paths: list[str], plot_path: str | None) -> str:
                      f"{row['ratio_to_bound']:.2f}" if "ratio_to_bound" in row else "",
                      f"{row['speedup_over_in_place']:.2f}" if "speedup_over_in_place" in row else "",
                      f"{row['speedup_over_every_row']:.2f}" if "speedup_over_every_row" in row else "",
+                     f"{row['speedup_over_per_pick']:.2f}" if "speedup_over_per_pick" in row and row.get("rows_read") != "every row" else "",
                      "" if "same_tokens" not in row else "yes" if row["same_tokens"] else "no"])
     headers = ["sequences in slots", "experts read for", "budget", "experts", "GiB", "cache slots per block", "step cache hits", "experts over the bus MiB/step",
-               "ms/step", "tokens/s", "bound ms", "ratio", "x in place", "x every row", "tokens as all resident"]
+               "ms/step", "tokens/s", "bound ms", "ratio", "x in place", "x every row", "x per pick", "tokens as all resident"]
     return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
@@ -1276,8 +1277,9 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "moebatch": "`hostswap.batching.BatchGenerator` on a random MoE checkpoint exported with `max_batch_size` = the row's sequences, its "
                 "experts read in place (`bench/moe_batch.py`); decode graphed. With a cache (\"cache\"), each block's step looks its tokens' picks "
                 "up in turn, as many tokens at a time as its slots hold every pick of, copies the misses into slots and multiplies each "
-                "(token, expert) pair from its slot; \"in place\" is the same program at the same budget with the caches withheld, every pair "
-                "read from the tables in mapped host memory. The program steps every slot; the rows of slots no sequence holds read no experts "
+                "(token, expert) pair from its slot; \"in place\" is the same program at the same budget with the caches withheld, each expert "
+                "its rows picked read once from the tables in mapped host memory and multiplied by those rows' vectors; \"in place, per pick\" "
+                "reads each (token, expert) pair on its own instead, as a one-token decode step does (\"x per pick\": its ms over in place's). The program steps every slot; the rows of slots no sequence holds read no experts "
                 "(\"live rows\"), and where some slots are empty the row is measured again with every row reading its experts (\"every row\": "
                 "\"x every row\" is its ms over the live rows'). "
                 "Hits count the timed steps' lookups; experts over the bus are their misses. The bound is max(the all-resident step at that "

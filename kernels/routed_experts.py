@@ -19,15 +19,17 @@ Three ways through, chosen by the call's tokens (and whether a CUDA graph is bei
   of the call's experts once, and each expert of it is read once and applied to its tokens,
   as transformers' eager experts loop does; a block with a cache then gets the last row's
   experts into it (``fill``), for the decode step that follows;
-- **dense** (several tokens while a CUDA graph is captured: a batched decode step): every expert applied to every token, weighted by its routing weight (zero
-  where not picked); each expert read once, with no host sync and no gathered copies. Where
-  the step's (token, expert) pairs are fewer than the experts, it runs as pairs read in place
-  instead (each pair its expert's rows, no host sync either): fewer bytes, and each token's
-  arithmetic that of its decode step alone, whatever its companions. A block with an expert
-  cache runs its pairs from the cache's slots instead (where the products read in place), its
+- **union** (several tokens while a CUDA graph is captured: a batched decode step, a verify
+  pass of speculative decoding; on CUDA): each expert any token picked, read once where its
+  rows lie and multiplied by the vectors of the tokens that picked it, the others not read
+  (kernels/routed_union.py). No host sync: the union is learnt on the device, by the programs
+  of each expert, and counted there (``ExpertReads.on_device``). A block with an expert cache
+  runs its pairs from the cache's slots instead (where the products read in place), its
   tokens looked up in turn: a miss crosses the bus once per group of tokens looked up
-  together however many of them pick it, and a hit not at all. A graphed verify pass of
-  speculative decoding (several tokens) takes the same path.
+  together however many of them pick it, and a hit not at all.
+- **dense** (the same calls where products are not read in place: off CUDA, without
+  Triton): every expert applied to every token, weighted by its routing weight (zero where
+  not picked); each expert read once, with no host sync and no gathered copies.
 
 A decode step also gives the cache of the next routed block (``next_block``) a guess at its
 experts: ``next_logits``, that block's router applied to this layer's residual stream
@@ -60,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from hostswap.kernels.routed_gemv import routed_gemv, supports as routed_gemv_supports
+from hostswap.kernels.routed_union import routed_union
 
 # activation name -> function (the gate of a gated expert, or the whole activation of a plain one)
 ACTIVATIONS = {
@@ -90,6 +93,11 @@ class ExpertReads:
     # runtime knows; it adds them in with ``fold``.
     row_experts: int = 0
     row_bytes: int = 0
+    # What captured calls that read the union of their picks (``routed_union``) read: only the
+    # device learns the union, so a replayed graph adds it to this device counter itself, and
+    # ``settle`` moves it into ``experts``/``bytes`` when the host asks.
+    on_device: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    unit_bytes: int = 0
 
     def fold(self, live_rows: int) -> None:
         """Add the reads per live row in, for a forward of ``live_rows`` live rows."""
@@ -102,6 +110,28 @@ class ExpertReads:
         self.calls += other.calls
         self.experts += other.experts + other.row_experts * live_rows
         self.bytes += other.bytes + other.row_bytes * live_rows
+
+    def counter(self, device: torch.device, unit_bytes: int) -> torch.Tensor:
+        """The device counter a captured union call adds its experts to, made outside a capture
+        (a tensor made inside one would be a graph's, reset at each replay)."""
+        if self.on_device is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise AssertionError("a block's union read counter is made by a forward before the capture (the warm-up's)")
+            self.on_device = torch.zeros((), dtype=torch.int64, device=device)
+            self.unit_bytes = unit_bytes
+        return self.on_device
+
+    def settle(self) -> None:
+        """Move what the device counted into ``experts`` and ``bytes``: a host sync, for stats."""
+        if self.on_device is not None:
+            read = int(self.on_device.item())
+            self.on_device.sub_(read)  # in stream order: replays queued after the read still count
+            self.experts += read
+            self.bytes += read * self.unit_bytes
+
+
+# the counts one replay of a captured forward adds (the device counter adds itself)
+REPLAYED_COUNTS = ("calls", "experts", "bytes", "row_experts", "row_bytes")
 
 
 # What the running Module gives its kernels: where to count reads, and its expert caches. Per
@@ -209,6 +239,16 @@ def _record_pairs(block: str, ids: torch.Tensor, unit_bytes: int, live: torch.Te
         reads[block].row_bytes += per_row * unit_bytes
 
 
+def _record_union(block: str, ids: torch.Tensor, num_experts: int, unit_bytes: int) -> None:
+    """Count a union call's reads (each expert a pick names, once) on the device: no host sync."""
+    recorder = getattr(_context, "recorder", None)
+    if recorder is not None:
+        _record(block, 0, unit_bytes)
+        named = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device)
+        named.index_fill_(0, torch.where(ids < 0, num_experts, ids).reshape(-1), True)  # -1 (no pick) names the spare last
+        recorder[block].counter(ids.device, unit_bytes).add_(named[:num_experts].sum())
+
+
 def unit_bytes(*tables: torch.Tensor | None) -> int:
     """Bytes of one expert: one row of each table."""
     return sum(t[0].numel() * t.element_size() for t in tables if t is not None)
@@ -243,34 +283,30 @@ def _reads_in_place(hidden, gate_up, down) -> bool:
     return routed_gemv_supports(hidden, gate_up) and routed_gemv_supports(hidden, down)
 
 
-def reads_pairs_when_captured(tokens: int, top_k: int, num_experts: int, in_place: bool) -> bool:
-    """Whether a captured call of several tokens (a batched decode step) reads its (token,
-    expert) pairs in place rather than every expert: where its pairs are fewer than the
-    experts. Each pair reads its expert's rows, so two tokens that pick one expert read it
-    twice; below that count the pairs still read fewer bytes than every expert once."""
-    return in_place and tokens * top_k < num_experts
-
-
-def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, fill=None):
+def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, fill=None, union=False):
     """Each (token, expert) pair through its expert's rows: transformers'
     ``batched_mm_experts_forward`` arithmetic (its gathered batched matmul, or on CUDA the same
     products read in place). A pick of -1 is none (its weight is 0; read in place, none of its
     matrices' bytes are read). ``fill`` = ((gate_up source, down source), source rows, copy):
     ``gate_up`` and ``down`` are a cache's slots whose missed rows (``copy`` set) the products
-    read from the sources and fill as they go (products read in place only)."""
+    read from the sources and fill as they go (products read in place only). ``union``: the
+    pairs' products read each picked expert once, over the tokens that picked it
+    (kernels/routed_union.py; products read in place only)."""
     tokens, k = ids.shape
     flat = ids.reshape(-1)
     gemv = _reads_in_place(hidden, gate_up, down)
-    if fill is not None and not gemv:
-        raise AssertionError("only products read in place fill a cache's missed rows")
+    if (fill is not None or union) and not gemv:
+        raise AssertionError("only products read in place fill a cache's missed rows or read the union of the picks")
     # one token's vector is shared by its picks where the products are read in place
-    selected = hidden if gemv and tokens == 1 else hidden.repeat_interleave(k, dim=0)
+    selected = hidden if gemv and (tokens == 1 or union) else hidden.repeat_interleave(k, dim=0)
     gate_up_source, down_source = fill[0] if fill is not None else (None, None)
 
     at = flat.clamp(min=0)  # a row of -1 (no pick: weighted 0) gathers row 0 where the products do not skip it
 
     def linear(x, table, bias, source):
-        if gemv:
+        if union:  # the first product's vectors are the tokens', the second's the picks'
+            out = routed_union(x, table, ids, transposed, per_pick=x is not selected)
+        elif gemv:
             out = routed_gemv(x, table, flat, transposed, None if source is None else (source, fill[1], fill[2]))
         else:
             w = table[at]
@@ -463,9 +499,10 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
             _record_pairs(block, top_k_index, unit_bytes(*tables), live)
             out = _cached_pairs(hidden, *_without_dead_rows(top_k_index, top_k_weights, live), tables, cache, gate_of, transposed, live)
             return _zero_dead_rows(out, live)
-        if reads_pairs_when_captured(*top_k_index.shape, num_experts, _reads_in_place(hidden, gate_up, down)):
-            _record_pairs(block, top_k_index, unit_bytes(*tables), live)
-            return _zero_dead_rows(_pairs(hidden, *_without_dead_rows(top_k_index, top_k_weights, live), *tables, gate_of, transposed), live)
+        if _reads_in_place(hidden, gate_up, down):  # each expert a live row picked, once
+            ids, weights = _without_dead_rows(top_k_index, top_k_weights, live)
+            _record_union(block, ids, num_experts, unit_bytes(*tables))
+            return _zero_dead_rows(_pairs(hidden, ids, weights, *tables, gate_of, transposed, union=True), live)
         _record(block, num_experts, unit_bytes(*tables))  # every expert, once, whatever the rows
         return _zero_dead_rows(_dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed), live)
     live_rows = _live_indices(live)

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from hostswap.kernels.routed_experts import ExpertReads, reading_rows, recording_reads, using_caches, using_host_experts, warming_a_graph
+from hostswap.kernels.routed_experts import REPLAYED_COUNTS, ExpertReads, reading_rows, recording_reads, using_caches, using_host_experts, warming_a_graph
 from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, expert_scratch_on, free_memory, total_memory
 from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
@@ -552,8 +552,7 @@ class Module:
             after, self.pool.stats = self.pool.stats, before
             method.replay_counts = {f: getattr(after, f) - getattr(before, f) for f in _REPLAY_COUNTED}
             # likewise the experts each replay reads (a captured call takes the path without host syncs, whose reads its shapes fix)
-            method.replay_expert_reads = {b: ExpertReads(**{f.name: getattr(r, f.name) - getattr(experts_before.get(b, ExpertReads()), f.name)
-                                                            for f in dataclasses.fields(ExpertReads)})
+            method.replay_expert_reads = {b: ExpertReads(**{f: getattr(r, f) - getattr(experts_before.get(b, ExpertReads()), f) for f in REPLAYED_COUNTS})
                                           for b, r in self.expert_reads.items()}
             self.expert_reads = experts_before
             method.replayed = torch.cuda.Event()
@@ -610,7 +609,7 @@ class Module:
         # per MoE block: experts read from the device (resident tables, cache hits) are hits, over the bus misses
         blocks = {b.block: b for b in self.schedule.expert_blocks}
         s["expert_reads"] = {block: expert_read_stats(blocks[block], r, block in self.resident_experts, self.expert_caches.get(block))
-                             for block, r in self.expert_reads.items() if block in blocks}
+                             for block, r in self._settled_expert_reads().items() if block in blocks}
         s["expert_bytes_read"] = sum(r["bytes"] for r in s["expert_reads"].values())  # as expert_bytes_read, from the counts just read
         s["expert_scratch_bytes"] = self.expert_scratch_bytes
         # experts read from the disk: each block's host cache, and the bytes read from the file
@@ -633,7 +632,13 @@ class Module:
         expert's rows, resident blocks and cache hits aside)."""
         blocks = {b.block: b for b in self.schedule.expert_blocks}  # a block streamed whole reads its copy
         return sum(expert_read_stats(blocks[block], r, block in self.resident_experts, self.expert_caches.get(block))["bytes"]
-                   for block, r in self.expert_reads.items() if block in blocks)
+                   for block, r in self._settled_expert_reads().items() if block in blocks)
+
+    def _settled_expert_reads(self) -> dict[str, ExpertReads]:
+        """The experts each block has read, what replayed graphs counted on the device included."""
+        for reads in self.expert_reads.values():
+            reads.settle()
+        return self.expert_reads
 
     def _expert_table_bytes(self) -> int:
         return sum(b.table_bytes for b in self.schedule.expert_blocks)

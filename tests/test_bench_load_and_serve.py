@@ -121,15 +121,23 @@ def test_moe_batch_bench_measures_each_budget_with_its_caches_and_with_them_with
     with moe_batch.every_row_read():
         assert runtime_module.reading_rows is not reading
     assert runtime_module.reading_rows is reading
+    from hostswap.kernels import routed_experts
+
+    pairs, record = routed_experts._pairs, routed_experts._record_union
+    with moe_batch.per_pick_products():
+        assert routed_experts._pairs is not pairs and routed_experts._record_union is not record
+    assert (routed_experts._pairs, routed_experts._record_union) == (pairs, record)
     assert moe_batch.main(["--shape", "tiny", "--layers", "2", "--batches", "2", "--live", "all,1", "--budgets", "75%", "--new-tokens", "3",
                            "--prompt", "5", "--device", "cpu", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "moebatch_cpu.json").read_text())["rows"]
     assert [(r["live"], r["budget"], r["mode"], r["rows_read"]) for r in rows] == [
         (2, "all", "all resident", "live rows"), (2, "75%", "cache", "live rows"), (2, "75%", "in place", "live rows"),
-        (1, "75%", "cache", "live rows"), (1, "75%", "cache", "every row"), (1, "75%", "in place", "live rows"), (1, "75%", "in place", "every row")]
+        (2, "75%", "in place, per pick", "live rows"), (1, "75%", "cache", "live rows"), (1, "75%", "cache", "every row"),
+        (1, "75%", "in place", "live rows"), (1, "75%", "in place", "every row"), (1, "75%", "in place, per pick", "live rows")]
     assert all(r["ms_per_step"] > 0 and len(r["tokens"]) == r["live"] and r["same_tokens"] for r in rows[1:])
     # one sequence in two slots: its empty row's experts are read only when every row is
-    assert rows[5]["expert_bytes_per_step"] < rows[6]["expert_bytes_per_step"] and rows[5]["speedup_over_every_row"] > 0
+    assert rows[6]["expert_bytes_per_step"] < rows[7]["expert_bytes_per_step"] and rows[6]["speedup_over_every_row"] > 0
+    assert rows[2]["speedup_over_per_pick"] > 0 and "speedup_over_per_pick" not in rows[7]
     rows = rows[:3]
     assert rows[1]["same_tokens"] and rows[2]["same_tokens"] and rows[1]["speedup_over_in_place"] > 0
     # the budget gives each block a cache of 2 of its 4 experts; withheld, none
