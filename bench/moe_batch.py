@@ -77,17 +77,17 @@ def per_pick_products():
     """Modules run in the body read a captured step's experts once per (row, pick), as one
     token's decode step does (``routed_gemv``), rather than each picked expert once: the
     reference the union's reads are measured against."""
-    pairs, record = routed_experts._pairs, routed_experts._record_union
+    pairs, counter = routed_experts._pairs, routed_experts._union_counter
 
-    def record_pairs(block, ids, num_experts, unit_bytes):
+    def record_pairs(block, ids, unit_bytes):
         routed_experts._record_pairs(block, ids, unit_bytes, routed_experts._live_rows(block, ids.shape[0]))
 
-    routed_experts._pairs = lambda *args, union=False, **kwargs: pairs(*args, **kwargs)
-    routed_experts._record_union = record_pairs
+    routed_experts._pairs = lambda *args, union=False, count_into=None, **kwargs: pairs(*args, **kwargs)
+    routed_experts._union_counter = record_pairs
     try:
         yield
     finally:
-        routed_experts._pairs, routed_experts._record_union = pairs, record
+        routed_experts._pairs, routed_experts._union_counter = pairs, counter
 
 
 def measure(pte: str, ptd: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int, device: torch.device, temperature: float) -> dict:

@@ -7,7 +7,7 @@ else, so the weight pass treats the tables as row gathers (``graph_facts``): the
 copied to the device whole, and a kernel on the GPU reads the picked rows from the tables'
 mapped host pages.
 
-Three ways through, chosen by the call's tokens (and whether a CUDA graph is being captured):
+Four ways through, chosen by the call's tokens (and whether a CUDA graph is being captured):
 
 - **pairs** (one token: a decode step): each of its top-k experts' products, read where the
   rows lie (kernels/routed_gemv.py, on CUDA) or gathered by index and multiplied batched
@@ -82,8 +82,9 @@ class ExpertIndexError(IndexError):
 
 @dataclasses.dataclass
 class ExpertReads:
-    """Experts one block read, counted by the kernel as it runs (eager calls only: a replayed
-    CUDA graph runs no Python; the runtime adds what its capture read per replay)."""
+    """Experts one block read, counted by the kernel as it runs: by eager calls on the host; a
+    replayed CUDA graph runs no Python, so the runtime adds what its capture counted per
+    replay, and the union kernel counts on the device (``on_device``)."""
 
     calls: int = 0
     experts: int = 0  # rows read, summed over calls (a pair path reads one per pair)
@@ -97,6 +98,7 @@ class ExpertReads:
     # device learns the union, so a replayed graph adds it to this device counter itself, and
     # ``settle`` moves it into ``experts``/``bytes`` when the host asks.
     on_device: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    on_device_seen: int = 0  # of the counter, what ``settle`` has moved in
     unit_bytes: int = 0
 
     def fold(self, live_rows: int) -> None:
@@ -122,12 +124,14 @@ class ExpertReads:
         return self.on_device
 
     def settle(self) -> None:
-        """Move what the device counted into ``experts`` and ``bytes``: a host sync, for stats."""
+        """Add what the device counted since the last settle into ``experts`` and ``bytes``: a
+        host sync, for stats. The host never writes the counter, so a replay that adds to it
+        while it is read is counted at the next settle."""
         if self.on_device is not None:
-            read = int(self.on_device.item())
-            self.on_device.sub_(read)  # in stream order: replays queued after the read still count
-            self.experts += read
-            self.bytes += read * self.unit_bytes
+            now = int(self.on_device.item())
+            self.experts += now - self.on_device_seen
+            self.bytes += (now - self.on_device_seen) * self.unit_bytes
+            self.on_device_seen = now
 
 
 # the counts one replay of a captured forward adds (the device counter adds itself)
@@ -239,14 +243,14 @@ def _record_pairs(block: str, ids: torch.Tensor, unit_bytes: int, live: torch.Te
         reads[block].row_bytes += per_row * unit_bytes
 
 
-def _record_union(block: str, ids: torch.Tensor, num_experts: int, unit_bytes: int) -> None:
-    """Count a union call's reads (each expert a pick names, once) on the device: no host sync."""
+def _union_counter(block: str, ids: torch.Tensor, unit_bytes: int) -> torch.Tensor | None:
+    """Count a union call, and return the device counter its kernel adds the experts it reads
+    to (no host sync), or None where nothing records reads."""
     recorder = getattr(_context, "recorder", None)
-    if recorder is not None:
-        _record(block, 0, unit_bytes)
-        named = torch.zeros(num_experts + 1, dtype=torch.bool, device=ids.device)
-        named.index_fill_(0, torch.where(ids < 0, num_experts, ids).reshape(-1), True)  # -1 (no pick) names the spare last
-        recorder[block].counter(ids.device, unit_bytes).add_(named[:num_experts].sum())
+    if recorder is None:
+        return None
+    _record(block, 0, unit_bytes)
+    return recorder[block].counter(ids.device, unit_bytes)
 
 
 def unit_bytes(*tables: torch.Tensor | None) -> int:
@@ -283,7 +287,7 @@ def _reads_in_place(hidden, gate_up, down) -> bool:
     return routed_gemv_supports(hidden, gate_up) and routed_gemv_supports(hidden, down)
 
 
-def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, fill=None, union=False):
+def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, fill=None, union=False, count_into=None):
     """Each (token, expert) pair through its expert's rows: transformers'
     ``batched_mm_experts_forward`` arithmetic (its gathered batched matmul, or on CUDA the same
     products read in place). A pick of -1 is none (its weight is 0; read in place, none of its
@@ -291,7 +295,8 @@ def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activat
     ``gate_up`` and ``down`` are a cache's slots whose missed rows (``copy`` set) the products
     read from the sources and fill as they go (products read in place only). ``union``: the
     pairs' products read each picked expert once, over the tokens that picked it
-    (kernels/routed_union.py; products read in place only)."""
+    (kernels/routed_union.py; products read in place only), adding the experts read to the
+    device counter ``count_into`` where one is given."""
     tokens, k = ids.shape
     flat = ids.reshape(-1)
     gemv = _reads_in_place(hidden, gate_up, down)
@@ -304,8 +309,9 @@ def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activat
     at = flat.clamp(min=0)  # a row of -1 (no pick: weighted 0) gathers row 0 where the products do not skip it
 
     def linear(x, table, bias, source):
-        if union:  # the first product's vectors are the tokens', the second's the picks'
-            out = routed_union(x, table, ids, transposed, per_pick=x is not selected)
+        if union:  # the first product's vectors are the tokens' (and it counts the experts read), the second's the picks'
+            first = x is selected
+            out = routed_union(x, table, ids, transposed, per_pick=not first, count_into=count_into if first else None)
         elif gemv:
             out = routed_gemv(x, table, flat, transposed, None if source is None else (source, fill[1], fill[2]))
         else:
@@ -371,7 +377,8 @@ def _grouped(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activ
 def _dense(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed):
     """Every expert over every token, each token's output weighted by its routing weight (zero
     where the expert is not among its picks): each expert's rows read once, no host sync and
-    no gathered copies. For a captured call of several tokens (a batched decode step)."""
+    no gathered copies. For a captured call of several tokens (a batched decode step) where
+    products are not read in place (off CUDA, without Triton)."""
     num_experts = gate_up.shape[0]
     # [tokens, experts]: a token's weight for each expert, summed over its picks
     routing = torch.zeros(ids.shape[0], num_experts, dtype=weights.dtype, device=weights.device).scatter_add_(1, ids, weights)
@@ -501,8 +508,8 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
             return _zero_dead_rows(out, live)
         if _reads_in_place(hidden, gate_up, down):  # each expert a live row picked, once
             ids, weights = _without_dead_rows(top_k_index, top_k_weights, live)
-            _record_union(block, ids, num_experts, unit_bytes(*tables))
-            return _zero_dead_rows(_pairs(hidden, ids, weights, *tables, gate_of, transposed, union=True), live)
+            counter = _union_counter(block, ids, unit_bytes(*tables))
+            return _zero_dead_rows(_pairs(hidden, ids, weights, *tables, gate_of, transposed, union=True, count_into=counter), live)
         _record(block, num_experts, unit_bytes(*tables))  # every expert, once, whatever the rows
         return _zero_dead_rows(_dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed), live)
     live_rows = _live_indices(live)

@@ -8,13 +8,16 @@ read an expert once for each token that picked it; a pass over every expert read
 token picked. Here every expert has its programs, and each first reads the step's picks: where
 no token picked its expert it returns having read no byte of the table, and otherwise it reads
 its block of the expert's matrix once and multiplies it by the vectors of the tokens that
-picked it. The step reads the union of its picks, each expert once, with no host sync. Picks
-of -1 (rows of a batch nobody reads) pick nothing.
+picked it. The step reads the union of its picks, each expert once (once per ``MAX_ROWS``
+tokens: a program multiplies that many at most), with no host sync, and counts the experts
+it read on the device. Picks of -1 (rows of a batch nobody reads) pick nothing; a token that
+picks an expert twice gets its product at both picks, as per-pick products give it.
 
 Each program's products are one matrix multiply of the picking tokens' vectors (padded to 16
-rows, the least a tensor-core product takes) by the block, accumulated in float32 and rounded
-once to the table's dtype, as the per-pick products are; the sums run in another order, so
-the two agree within rounding, not bit for bit.
+rows, the least a tensor-core product of 16-bit floats takes; float32 tables multiply in
+float32, not TF32) by the block, accumulated in float32 and rounded once to the table's
+dtype, as the per-pick products are. The sums run in another order, so the two agree within
+rounding, not bit for bit; a token's sums do not depend on the other tokens.
 """
 
 from __future__ import annotations
@@ -50,18 +53,24 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def routed_union(x_ptr, w_ptr, ids_ptr, out_ptr, tokens, top_k, n_out, stride_xt, stride_xj, stride_we, stride_wn, stride_wk,
+    def routed_union(x_ptr, w_ptr, ids_ptr, out_ptr, count_ptr, tokens, top_k, n_out, stride_xt, stride_xj, stride_we, stride_wn, stride_wk,
                      K_IN: tl.constexpr, ROWS: tl.constexpr, PICKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, COUNT: tl.constexpr):
         expert = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         t = tl.arange(0, ROWS)
         j = tl.arange(0, PICKS)
         ids = tl.load(ids_ptr + t[:, None] * top_k + j[None, :], mask=(t[:, None] < tokens) & (j[None, :] < top_k), other=-1)
-        picked = ids == expert  # a token picks an expert once at most: its top-k are distinct
+        picked = ids == expert  # [ROWS, PICKS]
         chose = tl.max(picked.to(tl.int32), axis=1) > 0  # [ROWS]: the tokens that picked this expert
         if tl.max(chose.to(tl.int32), axis=0) > 0:  # no token picked it: nothing is read
-            slot = tl.sum(tl.where(picked, j[None, :], 0), axis=1)  # which of its picks it is
+            if COUNT:
+                if tl.program_id(1) == 0:  # one program of each expert read counts it
+                    tl.atomic_add(count_ptr, 1)
+            # a token's vector is that of its first pick of the expert: a token that picks it
+            # twice has the same vector for both (the same expert of the same token's vector)
+            slot = tl.min(tl.where(picked, j[None, :], PICKS), axis=1)
+            slot = tl.where(chose, slot, 0)
             x_rows = x_ptr + t.to(tl.int64) * stride_xt + slot.to(tl.int64) * stride_xj
             w_block = w_ptr + expert.to(tl.int64) * stride_we + n[None, :].to(tl.int64) * stride_wn
             acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
@@ -70,8 +79,10 @@ def _kernel():
                 x = tl.load(x_rows[:, None] + k[None, :], mask=chose[:, None] & (k[None, :] < K_IN), other=0.0)
                 w = tl.load(w_block + k[:, None].to(tl.int64) * stride_wk, mask=(k[:, None] < K_IN) & (n[None, :] < n_out), other=0.0)
                 acc = tl.dot(x, w, acc, input_precision=PRECISION)
-            pair = t.to(tl.int64) * top_k + slot
-            tl.store(out_ptr + pair[:, None] * n_out + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=chose[:, None] & (n[None, :] < n_out))
+            # the product goes to each of the token's picks of the expert
+            pair = t[:, None].to(tl.int64) * top_k + j[None, :]  # [ROWS, PICKS]
+            at = out_ptr + pair[:, :, None] * n_out + n[None, None, :]
+            tl.store(at, acc.to(out_ptr.dtype.element_ty)[:, None, :], mask=picked[:, :, None] & (n[None, None, :] < n_out))
 
     return routed_union
 
@@ -86,12 +97,15 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def routed_union(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transposed: bool, per_pick: bool) -> torch.Tensor:
+def routed_union(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transposed: bool, per_pick: bool,
+                 count_into: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t * k + j] = table[ids[t, j]] @ x[t]`` ([experts, N, K] table), or
     ``x[t] @ table[ids[t, j]]`` where ``transposed`` ([experts, K, N]); with ``per_pick``, the
     vector of pick (t, j) is ``x[t * k + j]``. ``ids`` is [tokens, k] on the device, -1 for no
-    pick (its output row is 0). Each expert any pick names is read once; the others are not
-    read. Returns [tokens * k, N] in the table's dtype. No host sync, no copy of the table."""
+    pick (its output row is 0). Each expert any pick names is read once for each ``MAX_ROWS``
+    tokens; the others are not read. ``count_into`` (a 0-d int64 device tensor) has the experts
+    read added to it. Returns [tokens * k, N] in the table's dtype. No host sync, no copy of the
+    table."""
     if ids.dim() != 2:
         raise ValueError(f"routed_union: ids {tuple(ids.shape)} are not [tokens, k]")
     tokens, top_k = ids.shape
@@ -114,9 +128,10 @@ def routed_union(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transp
             block_k, stages = _tiles(rows, table.element_size(), x.device)
             # a group's vectors and outputs start at its first token's
             first = start * (top_k if per_pick else 1)
-            _kernel()[grid](x[first:], table, ids[start:], out[start * top_k :], group, top_k, n_out, stride_xt, stride_xj, table.stride(0),
+            _kernel()[grid](x[first:], table, ids[start:], out[start * top_k :], out if count_into is None else count_into, group, top_k, n_out, stride_xt, stride_xj, table.stride(0),
                             stride_wn, stride_wk, K_IN=k_in, ROWS=rows, PICKS=max(2, _next_power_of_two(top_k)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-                            PRECISION="ieee" if table.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=stages)
+                            PRECISION="ieee" if table.dtype == torch.float32 else "tf32", COUNT=count_into is not None, num_warps=NUM_WARPS,
+                            num_stages=stages)
     return out
 
 

@@ -636,6 +636,9 @@ class Module:
 
     def _settled_expert_reads(self) -> dict[str, ExpertReads]:
         """The experts each block has read, what replayed graphs counted on the device included."""
+        for method in self._probed.values():  # a replay launched from another stream is read once it ends
+            if method.replayed is not None:
+                torch.cuda.current_stream(self.device).wait_event(method.replayed)
         for reads in self.expert_reads.values():
             reads.settle()
         return self.expert_reads

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from hostswap.kernels import routed_experts
 from hostswap.kernels.routed_experts import ExpertReads, recording_reads
-from hostswap.kernels.routed_union import routed_union
+from hostswap.kernels.routed_union import MAX_ROWS, routed_union
 
 
 def _gathered(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transposed: bool, per_pick: bool) -> torch.Tensor:
@@ -47,7 +47,11 @@ def test_each_pick_gets_its_product_and_unpicked_experts_are_not_read(dtype, tra
         table, device_ids = table.cuda(), ids.cuda()
         for per_pick in (False, True):
             x = torch.randn(tokens * k if per_pick else tokens, k_in, generator=gen).to(dtype).cuda()
-            got = routed_union(x, table, device_ids, transposed, per_pick)
+            count = torch.zeros((), dtype=torch.int64, device="cuda")
+            got = routed_union(x, table, device_ids, transposed, per_pick, count_into=count)
+            # each group of MAX_ROWS tokens reads the experts its picks name
+            named = sum(len(set(ids[start : start + MAX_ROWS].reshape(-1).tolist()) - {-1}) for start in range(0, tokens, MAX_ROWS))
+            assert int(count) == named
             want = _gathered(x, table, device_ids, transposed, per_pick)
             assert got.dtype == dtype and got.shape == want.shape
             assert not got.isnan().any(), (tokens, per_pick, unpicked)
@@ -74,6 +78,23 @@ def test_a_token_product_does_not_depend_on_its_companions():
     assert torch.equal(routed_union(x, table, others, False, False)[:k], first[:k])
 
 
+@pytest.mark.gpu
+def test_a_token_that_picks_an_expert_twice_gets_it_at_both_picks():
+    """A router that names one expert twice for a token (top-k never does; a custom router
+    may): the product is at both picks, as per-pick products give it, and the expert is read once."""
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(4, 48, 64, generator=gen).cuda()
+    ids = torch.tensor([[2, 2, 0], [1, 3, 3]]).cuda()
+    for per_pick in (False, True):
+        x = torch.randn(6 if per_pick else 2, 64, generator=gen).cuda()
+        if per_pick:  # a twice-picked expert's vectors are the same (its first product's)
+            x[1], x[5] = x[0], x[4]
+        count = torch.zeros((), dtype=torch.int64, device="cuda")
+        got = routed_union(x, table, ids, False, per_pick, count_into=count)
+        torch.testing.assert_close(got, _gathered(x, table, ids, False, per_pick), rtol=1e-5, atol=1e-4)
+        assert int(count) == 4
+
+
 def test_vectors_that_do_not_fit_are_refused_by_shape():
     table, ids = torch.zeros(4, 8, 16), torch.tensor([[0, 1], [2, 3]])
     with pytest.raises(ValueError, match=r"x \(3, 16\) does not fit 2 tokens of 2 picks of a \(4, 8, 16\) table \(one vector a token\)"):
@@ -84,20 +105,24 @@ def test_vectors_that_do_not_fit_are_refused_by_shape():
         routed_union(torch.zeros(4, 16), table, ids.reshape(-1), False, per_pick=False)
 
 
-def test_a_union_call_counts_each_named_expert_once_on_the_device():
-    """The union's reads are counted by device ops (no host sync): each expert a pick names,
-    once, picks of -1 none; ``settle`` moves the count into ``experts`` and ``bytes``, and a
-    count made before a settle is not counted twice."""
+def test_reads_counted_on_the_device_are_settled_once_each():
+    """A union call counts its call on the host and hands its kernel the block's device counter
+    (made once); ``settle`` adds what the counter gained since the last settle, never writing it."""
     reads: dict[str, ExpertReads] = {}
     with recording_reads(reads):
-        routed_experts._record_union("block", torch.tensor([[3, 1], [1, 5], [-1, -1]]), 8, unit_bytes=10)
-        routed_experts._record_union("block", torch.tensor([[7, 0], [-1, -1], [-1, -1]]), 8, unit_bytes=10)
+        counter = routed_experts._union_counter("block", torch.tensor([[3, 1]]), unit_bytes=10)
+        assert routed_experts._union_counter("block", torch.tensor([[3, 1]]), unit_bytes=10) is counter
+    assert routed_experts._union_counter("block", torch.tensor([[3, 1]]), unit_bytes=10) is None  # nothing records
     r = reads["block"]
-    assert (r.calls, r.experts, r.bytes) == (2, 0, 0) and int(r.on_device) == 5
+    assert (r.calls, r.experts, r.bytes, int(counter)) == (2, 0, 0, 0)
+    counter.add_(5)  # as the kernels would
     r.settle()
-    assert (r.experts, r.bytes, int(r.on_device)) == (5, 50, 0)
+    assert (r.experts, r.bytes, int(counter)) == (5, 50, 5)
     r.settle()
     assert (r.experts, r.bytes) == (5, 50)
+    counter.add_(2)
+    r.settle()
+    assert (r.experts, r.bytes) == (7, 70)
 
 
 @pytest.mark.gpu
