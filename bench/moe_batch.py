@@ -1,5 +1,5 @@
 """Batched MoE decode through the expert caches: a step's (token, expert) pairs from the caches'
-slots against the same pairs read in place from the tables, at the same budget.
+slots against its picked experts read in place from the tables, at the same budget.
 
     python bench/moe_batch.py [--shape many] [--layers 4] [--batches 4,8] [--live all,2] [--budgets 25%,50%]
 

@@ -1118,7 +1118,7 @@ def batch_headline(paths: list[str]) -> str:
 
 def moe_batch_section(paths: list[str], plot_path: str | None) -> str:
     """A row per (sequences, budget, mode): a batched MoE step through the expert caches against
-    the same pairs read in place, each against its bound."""
+    its picked experts read in place (each once, and per pick), each against its bound."""
     r = json.load(open(paths[0]))
     bandwidth = r.get("pinned_h2d_bytes_per_s")
     head = (f"{r['shape']} shape, {r['layers']} layers, {r['experts']} experts, top-{r['top_k']}, {r['checkpoint']['bytes'] / 2**30:.2f} GiB bf16 checkpoint; "
