@@ -27,8 +27,6 @@ import functools
 
 import torch
 
-from hostswap.kernels.routed_gemv import supports as routed_gemv_supports
-
 # outputs per program, the stretch of the reduction it loads at a time, and its loads in
 # flight: the fastest of a sweep on an H200 (tables on the device, 2 to 16 tokens of top-8 of
 # 128 and of top-2 of 8), where this kernel then reads faster than per-pick products
@@ -87,16 +85,6 @@ def _kernel():
     return routed_union
 
 
-def supports(x: torch.Tensor, table: torch.Tensor) -> bool:
-    """Whether ``routed_union`` runs this product: where ``routed_gemv`` runs it (CUDA with
-    Triton, one floating dtype)."""
-    return routed_gemv_supports(x, table)
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def routed_union(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transposed: bool, per_pick: bool,
                  count_into: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t * k + j] = table[ids[t, j]] @ x[t]`` ([experts, N, K] table), or
@@ -105,7 +93,7 @@ def routed_union(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transp
     pick (its output row is 0). Each expert any pick names is read once for each ``MAX_ROWS``
     tokens; the others are not read. ``count_into`` (a 0-d int64 device tensor) has the experts
     read added to it. Returns [tokens * k, N] in the table's dtype. No host sync, no copy of the
-    table."""
+    table. Runs where ``routed_gemv`` does (``routed_gemv.supports``)."""
     if ids.dim() != 2:
         raise ValueError(f"routed_union: ids {tuple(ids.shape)} are not [tokens, k]")
     tokens, top_k = ids.shape
@@ -119,17 +107,19 @@ def routed_union(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transp
         x = x.contiguous()
     ids = ids.contiguous()
     stride_xt, stride_xj = (top_k * x.stride(0), x.stride(0)) if per_pick else (x.stride(0), 0)
+    import triton
+
     out = torch.zeros(tokens * top_k, n_out, dtype=table.dtype, device=x.device)
     grid = (table.shape[0], -(-n_out // BLOCK_N))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         for start in range(0, tokens, MAX_ROWS):
             group = min(MAX_ROWS, tokens - start)
-            rows = max(MIN_ROWS, _next_power_of_two(group))
+            rows = max(MIN_ROWS, triton.next_power_of_2(group))
             block_k, stages = _tiles(rows, table.element_size(), x.device)
             # a group's vectors and outputs start at its first token's
             first = start * (top_k if per_pick else 1)
             _kernel()[grid](x[first:], table, ids[start:], out[start * top_k :], out if count_into is None else count_into, group, top_k, n_out, stride_xt, stride_xj, table.stride(0),
-                            stride_wn, stride_wk, K_IN=k_in, ROWS=rows, PICKS=max(2, _next_power_of_two(top_k)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+                            stride_wn, stride_wk, K_IN=k_in, ROWS=rows, PICKS=max(2, triton.next_power_of_2(top_k)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
                             PRECISION="ieee" if table.dtype == torch.float32 else "tf32", COUNT=count_into is not None, num_warps=NUM_WARPS,
                             num_stages=stages)
     return out
