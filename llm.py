@@ -397,6 +397,7 @@ class GenerationStats:
     bytes_streamed_decode: int = 0
     bytes_from_disk_decode: int = 0  # of those, read from the .ptd (the disk tier)
     expert_bytes_decode: int = 0  # routed experts' rows the MoE kernels read in place (besides the streamed bytes)
+    expert_bytes_prefill: int = 0  # the same, while the prompt was prefilled
 
     @property
     def ms_per_token(self) -> float | None:
@@ -603,6 +604,7 @@ class Generator:
         ids = ids.to(torch.long).cpu()
         stats = GenerationStats(prompt_tokens=prompt)
         self._sync()
+        experts0 = self.module.expert_bytes_read
         t0, bytes0 = time.perf_counter(), self.module.pool.stats.bytes_h2d
         last = prefill(self._step, ids, self.prefill_chunk, self.max_seq_len)
         if self.draft is not None:  # the draft reads the prompt too: a cost per prompt, counted with the target's prefill
@@ -610,7 +612,7 @@ class Generator:
             prefill(self.draft._step, ids, self.draft.prefill_chunk, self.draft.max_seq_len)
         self._sync()
         t1, bytes1, disk1, experts1 = time.perf_counter(), self.module.pool.stats.bytes_h2d, self.module.disk_bytes_read, self.module.expert_bytes_read
-        stats.prefill_seconds, stats.bytes_streamed_prefill = t1 - t0, bytes1 - bytes0
+        stats.prefill_seconds, stats.bytes_streamed_prefill, stats.expert_bytes_prefill = t1 - t0, bytes1 - bytes0, experts1 - experts0
         chosen: list = []
         sampling = sampling or SamplingParams()
         if self.draft is not None:
@@ -643,6 +645,7 @@ class Generator:
         return {
             "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
             "prefill_ms": s.prefill_seconds * 1e3, "ms_per_token": s.ms_per_token, "tokens_per_s": s.tokens_per_second,
+            "bytes_streamed_prefill": s.bytes_streamed_prefill, "expert_bytes_prefill": s.expert_bytes_prefill,
             "bytes_streamed_per_token": s.bytes_streamed_per_token, "bytes_from_disk_per_token": s.bytes_from_disk_per_token,
             "expert_bytes_per_token": s.expert_bytes_per_token, "expert_reads": module["expert_reads"],
             "expert_host_cache": module["expert_host_cache"], "expert_disk_bytes_read": module["expert_disk_bytes_read"],

@@ -77,17 +77,25 @@ def per_pick_products():
     """Modules run in the body read a captured step's experts once per (row, pick), as one
     token's decode step does (``routed_gemv``), rather than each picked expert once: the
     reference the union's reads are measured against."""
-    pairs, counter = routed_experts._pairs, routed_experts._union_counter
+    pairs, counter = routed_experts._pairs, routed_experts._device_counter
+
+    def captured(ids):
+        return getattr(routed_experts._context, "warming", False) or (ids.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def record_pairs(block, ids, unit_bytes):
+        if not captured(ids):  # an eager call (a prefill chunk) reads its experts as it does outside the bench
+            return counter(block, ids, unit_bytes)
         routed_experts._record_pairs(block, ids, unit_bytes, routed_experts._live_rows(block, ids.shape[0]))
 
-    routed_experts._pairs = lambda *args, union=False, count_into=None, **kwargs: pairs(*args, **kwargs)
-    routed_experts._union_counter = record_pairs
+    def per_pick(*args, union=False, count_into=None, **kwargs):
+        return pairs(*args, count_into=count_into, **kwargs) if kwargs.get("grouped") is not None else pairs(*args, **kwargs)
+
+    routed_experts._pairs = per_pick
+    routed_experts._device_counter = record_pairs
     try:
         yield
     finally:
-        routed_experts._pairs, routed_experts._union_counter = pairs, counter
+        routed_experts._pairs, routed_experts._device_counter = pairs, counter
 
 
 def measure(pte: str, ptd: str, budget_bytes: int, prompts: list[list[int]], new_tokens: int, device: torch.device, temperature: float) -> dict:

@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from hostswap.kernels.routed_gemv import routed_gemv, supports as routed_gemv_supports
+from hostswap.kernels.routed_grouped import routed_grouped, segments
 from hostswap.kernels.routed_union import routed_union
 
 # activation name -> function (the gate of a gated expert, or the whole activation of a plain one)
@@ -243,9 +244,10 @@ def _record_pairs(block: str, ids: torch.Tensor, unit_bytes: int, live: torch.Te
         reads[block].row_bytes += per_row * unit_bytes
 
 
-def _union_counter(block: str, ids: torch.Tensor, unit_bytes: int) -> torch.Tensor | None:
-    """Count a union call, and return the device counter its kernel adds the experts it reads
-    to (no host sync), or None where nothing records reads."""
+def _device_counter(block: str, ids: torch.Tensor, unit_bytes: int) -> torch.Tensor | None:
+    """Count a call whose kernel counts the experts it reads on the device (a union or grouped
+    call), and return the device counter it adds them to (no host sync), or None where nothing
+    records reads."""
     recorder = getattr(_context, "recorder", None)
     if recorder is None:
         return None
@@ -287,7 +289,8 @@ def _reads_in_place(hidden, gate_up, down) -> bool:
     return routed_gemv_supports(hidden, gate_up) and routed_gemv_supports(hidden, down)
 
 
-def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, fill=None, union=False, count_into=None):
+def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activate, transposed, fill=None, union=False, count_into=None,
+           grouped=None, cached=None):
     """Each (token, expert) pair through its expert's rows: transformers'
     ``batched_mm_experts_forward`` arithmetic (its gathered batched matmul, or on CUDA the same
     products read in place). A pick of -1 is none (its weight is 0; read in place, none of its
@@ -296,21 +299,27 @@ def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activat
     read from the sources and fill as they go (products read in place only). ``union``: the
     pairs' products read each picked expert once, over the tokens that picked it
     (kernels/routed_union.py; products read in place only), adding the experts read to the
-    device counter ``count_into`` where one is given."""
+    device counter ``count_into`` where one is given. ``grouped`` (the picks' ``segments``): the
+    same, for an eager call of any number of tokens (kernels/routed_grouped.py), the experts an
+    expert cache holds read from its slots (``cached`` = (slot_of, (gate_up slots, down slots),
+    hits counter)) where given."""
     tokens, k = ids.shape
     flat = ids.reshape(-1)
     gemv = _reads_in_place(hidden, gate_up, down)
-    if (fill is not None or union) and not gemv:
+    if (fill is not None or union or grouped is not None) and not gemv:
         raise AssertionError("only products read in place fill a cache's missed rows or read the union of the picks")
     # one token's vector is shared by its picks where the products are read in place
-    selected = hidden if gemv and (tokens == 1 or union) else hidden.repeat_interleave(k, dim=0)
+    selected = hidden if gemv and (tokens == 1 or union or grouped is not None) else hidden.repeat_interleave(k, dim=0)
     gate_up_source, down_source = fill[0] if fill is not None else (None, None)
 
     at = flat.clamp(min=0)  # a row of -1 (no pick: weighted 0) gathers row 0 where the products do not skip it
 
     def linear(x, table, bias, source):
-        if union:  # the first product's vectors are the tokens' (and it counts the experts read), the second's the picks'
-            first = x is selected
+        first = x is selected  # (union, grouped) the first product's vectors are the tokens' (and it counts the experts read), the second's the picks'
+        if grouped is not None:
+            slots = None if cached is None else (cached[0], cached[1][0 if first else 1], cached[2])
+            out = routed_grouped(x, table, ids, grouped, transposed, per_pick=not first, count_into=count_into if first else None, cached=slots)
+        elif union:
             out = routed_union(x, table, ids, transposed, per_pick=not first, count_into=count_into if first else None)
         elif gemv:
             out = routed_gemv(x, table, flat, transposed, None if source is None else (source, fill[1], fill[2]))
@@ -508,13 +517,21 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
             return _zero_dead_rows(out, live)
         if _reads_in_place(hidden, gate_up, down):  # each expert a live row picked, once
             ids, weights = _without_dead_rows(top_k_index, top_k_weights, live)
-            counter = _union_counter(block, ids, unit_bytes(*tables))
+            counter = _device_counter(block, ids, unit_bytes(*tables))
             return _zero_dead_rows(_pairs(hidden, ids, weights, *tables, gate_of, transposed, union=True, count_into=counter), live)
         _record(block, num_experts, unit_bytes(*tables))  # every expert, once, whatever the rows
         return _zero_dead_rows(_dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed), live)
-    live_rows = _live_indices(live)
-    out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed, num_experts, rows=live_rows)
-    _record(block, read, unit_bytes(*tables))
+    if _reads_in_place(hidden, gate_up, down):  # each expert the live rows picked, once, all in one launch: no host sync
+        ids, weights = _without_dead_rows(top_k_index, top_k_weights, live)
+        counter = _device_counter(block, ids, unit_bytes(*tables))
+        held = cache.held_like(gate_up, down) if cache is not None else None  # what the cache holds is read from its slots
+        out = _zero_dead_rows(_pairs(hidden, ids, weights, *tables, gate_of, transposed, count_into=counter, grouped=segments(ids, num_experts),
+                                     cached=held), live)
+        live_rows = _live_indices(live) if cache is not None and live is not None else None
+    else:
+        live_rows = _live_indices(live)
+        out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed, num_experts, rows=live_rows)
+        _record(block, read, unit_bytes(*tables))
     last = _last_row(top_k_index, live_rows) if cache is not None else None
     if last is not None:  # the decode after a prefill chunk starts with its last row's experts cached
         # (a padded last chunk's padding repeats the prompt's last token: a near guess of its experts)

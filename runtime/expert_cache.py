@@ -40,8 +40,9 @@ up one after another, misses copied in by the lookup, and reads every pair from 
 row no sequence holds looks nothing up: its lookup's ``live`` flag, read on the device, turns
 the call into one that changes and counts nothing.
 
-A prefill chunk reads its union in place, not through the cache; it then ``fill``s the cache
-with its last row's experts, stamped as a lookup would stamp them, so the first decode step
+A prefill chunk reads its union, each expert once (kernels/routed_grouped.py): those the
+cache holds from their slots (``held_like``; counted in ``chunk_hits``), the others in place
+over the bus, which it does not copy into slots; it then ``fill``s the cache with its last row's experts, stamped as a lookup would stamp them, so the first decode step
 finds the experts the latest token used, as every later step does (``filled`` counts them).
 A padded last chunk's last row is padding, which repeats the prompt's last token at a later
 position: its experts are a close guess at that token's, not always the same.
@@ -89,6 +90,8 @@ class ExpertCache:
         # hits, misses, prefetched, prefetch hits, filled: one tensor, so one kernel adds to it
         self._counters = torch.zeros(5, dtype=torch.int64, device=device)
         self.hits, self.misses, self.prefetched, self.prefetch_hits, self.filled = self._counters.unbind()
+        # experts calls of several tokens (prefill chunks) read from the slots: the grouped kernel adds to it
+        self.chunk_hits = torch.zeros((), dtype=torch.int64, device=device)
         self._never = torch.iinfo(torch.int64).max
 
     def lookup(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], left: tuple[int, ...] = (),
@@ -123,6 +126,17 @@ class ExpertCache:
         if sum(t.numel() * t.element_size() for t in self.tables if t is not None) != self.nbytes:
             raise ValueError(f"the expert cache of {self.block} was sized for {self.nbytes} bytes; its tables' rows take another size")
         self.sources = tuple(sources)
+
+    def held_like(self, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """(slot_of, (gate_up slots, down slots), chunk_hits) for a call of several tokens to
+        read the experts the cache holds from their slots, where the slots are made and laid
+        out as the tables' rows (else None: every expert is read from the tables)."""
+        if self.tables is None:
+            return None
+        for table, slots in zip((gate_up, down), self.tables):
+            if slots is None or slots.dtype != table.dtype or slots.shape[1:] != table.shape[1:] or slots.stride()[1:] != table.stride()[1:]:
+                return None
+        return self.slot_of, (self.tables[0], self.tables[1]), self.chunk_hits
 
     def guess(self, scores: torch.Tensor) -> torch.Tensor:
         """The next lookup's predicted picks, best first, from ``scores`` (one token's router
@@ -254,15 +268,18 @@ def expert_read_stats(block, reads, resident: bool, cache: ExpertCache | None) -
     """One block's reads for ``stats``: experts read from the device (resident tables, cache
     hits) and over the bus (misses), and the cache behind them."""
     cache_hits, cache_misses, prefetched, prefetch_hits, filled = cache.counts() if cache is not None else (0, 0, 0, 0, 0)
-    hits = reads.experts if resident else cache_hits
+    chunk_hits = int(cache.chunk_hits) if cache is not None else 0
+    hits = reads.experts if resident else cache_hits + chunk_hits
     return {"calls": reads.calls, "experts": reads.experts, "hits": hits, "misses": reads.experts - hits,
             # over the bus: every miss, and every expert a prefetch or a prefill's fill brought in
             "bytes": (reads.experts - hits + prefetched + filled) * block.unit_bytes, "resident": resident,
             "cache_slots": block.num_experts if resident else cache.slots if cache is not None else 0,
             "cache_policy": POLICY if cache is not None else None,
             "prefetch": f"{PREFETCH}, {cache.prefetching} per step" if cache is not None and cache.prefetching else None,
-            # the decode steps' lookups alone (a prefill chunk reads its union in place)
+            # the decode steps' lookups alone
             "cache_hits": cache_hits, "cache_misses": cache_misses,
+            # experts calls of several tokens (prefill chunks) read from the slots, not over the bus
+            "chunk_hits": chunk_hits,
             # experts a guess brought in, and those of them a lookup then read (counted among cache_hits)
             "prefetched": prefetched, "prefetch_hits": prefetch_hits,
             # experts a call of several tokens (a prefill chunk) brought in after reading its union

@@ -123,10 +123,10 @@ def test_moe_batch_bench_measures_each_budget_with_its_caches_and_with_them_with
     assert runtime_module.reading_rows is reading
     from hostswap.kernels import routed_experts
 
-    pairs, counter = routed_experts._pairs, routed_experts._union_counter
+    pairs, counter = routed_experts._pairs, routed_experts._device_counter
     with moe_batch.per_pick_products():
-        assert routed_experts._pairs is not pairs and routed_experts._union_counter is not counter
-    assert (routed_experts._pairs, routed_experts._union_counter) == (pairs, counter)
+        assert routed_experts._pairs is not pairs and routed_experts._device_counter is not counter
+    assert (routed_experts._pairs, routed_experts._device_counter) == (pairs, counter)
     assert moe_batch.main(["--shape", "tiny", "--layers", "2", "--batches", "2", "--live", "all,1", "--budgets", "75%", "--new-tokens", "3",
                            "--prompt", "5", "--device", "cpu", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "moebatch_cpu.json").read_text())["rows"]

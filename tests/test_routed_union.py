@@ -110,9 +110,9 @@ def test_reads_counted_on_the_device_are_settled_once_each():
     (made once); ``settle`` adds what the counter gained since the last settle, never writing it."""
     reads: dict[str, ExpertReads] = {}
     with recording_reads(reads):
-        counter = routed_experts._union_counter("block", torch.tensor([[3, 1]]), unit_bytes=10)
-        assert routed_experts._union_counter("block", torch.tensor([[3, 1]]), unit_bytes=10) is counter
-    assert routed_experts._union_counter("block", torch.tensor([[3, 1]]), unit_bytes=10) is None  # nothing records
+        counter = routed_experts._device_counter("block", torch.tensor([[3, 1]]), unit_bytes=10)
+        assert routed_experts._device_counter("block", torch.tensor([[3, 1]]), unit_bytes=10) is counter
+    assert routed_experts._device_counter("block", torch.tensor([[3, 1]]), unit_bytes=10) is None  # nothing records
     r = reads["block"]
     assert (r.calls, r.experts, r.bytes, int(counter)) == (2, 0, 0, 0)
     counter.add_(5)  # as the kernels would
