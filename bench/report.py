@@ -1165,6 +1165,32 @@ def moe_disk_section(paths: list[str], plot_path: str | None) -> str:
     return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
+def moe_prefill_section(paths: list[str], plot_path: str | None) -> str:
+    """Per shape, a row per budget: a prompt's prefill with each chunk's experts read by the
+    grouped kernel, against its bytes bound and the per-expert loop."""
+    parts = []
+    for path in paths:
+        r = json.load(open(path))
+        c, bandwidth = r["config"], r.get("pinned_h2d_bytes_per_s")
+        experts = c.get("num_local_experts") or c.get("num_experts")
+        head = (f"**{r['shape']}**: {c['model_type']} shape, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {experts} experts, "
+                f"top-{c['num_experts_per_tok']}, {r['checkpoint']['bytes'] / 2**30:.2f} GiB bf16 checkpoint; a prompt of {r['prompt_tokens']} tokens "
+                f"in chunks of {r['prefill_chunk']}, median of {r['repeats']}; {_machine(r['environment'])}"
+                + (f"; pinned H2D {bandwidth / 1e9:.1f} GB/s" if bandwidth else ""))
+        rows = []
+        for row in r["rows"]:
+            g, loop = row["grouped"], row["expert loop"]
+            held = "all" if g["resident_blocks"] else f"{g['cache_slots']} of {experts}" if g["cache_slots"] else "none"
+            rows.append([row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", held, f"{(g['bytes_streamed_prefill'] + g['expert_bytes_prefill']) / 2**30:.2f}",
+                         f"{g['prefill_ms']:.1f}", f"{g['tokens_per_s']:.0f}", f"{row['bound_ms']:.1f}" if "bound_ms" in row else "",
+                         f"{row['ratio_to_bound']:.2f}" if "ratio_to_bound" in row else "", f"{loop['prefill_ms']:.1f}",
+                         f"{row['speedup_over_expert_loop']:.2f}", "yes" if row["same_first_token"] else "no"])
+        headers = ["budget", "GiB", "experts on the device (per block)", "over the bus GiB/prompt", "prefill ms", "tokens/s", "bound ms", "ratio",
+                   "expert loop ms", "x expert loop", "same first token"]
+        parts.append(head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+    return "\n\n".join(parts)
+
+
 def serve_section(paths: list[str], plot_path: str | None) -> str:
     r = json.load(open(paths[0]))
     head = (f"Llama {r['layers']} layers (bf16, random weights, no end-of-sequence token), budget {r['budget']} ({r['budget_bytes'] / 2**20:.0f} MiB), "
@@ -1215,14 +1241,15 @@ def fsdp_section(paths: list[str], plot_path: str | None) -> str:
 SECTIONS = {"generate": generation_section, "weights": weights_section, "activations": activations_section, "train": train_section, "verify": verify_section,
             "export": export_section, "tiers": disk_tier_section, "load": load_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
             "speculative": speculative_section, "drafts": draft_cost_section, "tp": tensor_parallel_section,
-            "fsdp": fsdp_section, "guess": guess_section, "moebatch": moe_batch_section, "moedisk": moe_disk_section}
+            "fsdp": fsdp_section, "guess": guess_section, "moebatch": moe_batch_section, "moedisk": moe_disk_section,
+            "moeprefill": moe_prefill_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
           "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "load": "Load time against depth", "moe": "Mixture of experts: only the routed experts",
           "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding",
           "drafts": "What a resident draft's decode step costs",
           "tp": "Tensor-parallel streaming over several GPUs", "fsdp": "Sharded training (FSDP2) with host offloads",
           "guess": "MoE: the next-layer guess and the expert cache, traced", "moebatch": "MoE: batched decode through the expert caches",
-          "moedisk": "MoE: expert tables on disk behind a host cache"}
+          "moedisk": "MoE: expert tables on disk behind a host cache", "moeprefill": "MoE: prefill reads each chunk's experts once"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "guess": "`bench/expert_guess.py`: transformers' own forward of the MoE bench's shape (made to fit a CPU) with bench/moe.py's random "
@@ -1292,6 +1319,14 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
                "max(pinned eager ms/token, bytes read from disk per token / the `.ptd`'s O_DIRECT read speed in the same run). A block's picks "
                "are known only once its router has run, and the host reads them before its products, so reads and compute run in series: "
                "\"ratio to series\" sets each row against pinned eager + disk bytes / disk speed.",
+    "moeprefill": "`hostswap.llm.Generator` on a random MoE checkpoint exported once, its experts read in place (`bench/moe_prefill.py`). "
+                  "A prefill chunk reads the union of its tokens' experts, each once: one launch per projection (`kernels/routed_grouped.py`) "
+                  "sorts the chunk's picks by expert on the device and reads every picked expert where it lies, from a cache's slot where "
+                  "the block's expert cache holds it, else over the bus from mapped host memory. \"Expert loop\" is the same program and "
+                  "budget with each chunk's experts run one after another (the host learns each expert's tokens, then its products read its "
+                  "rows in place), as prefill on CUDA ran before. Over the bus: the streamed weights and the experts read over the bus in the "
+                  "prompt's prefill, the cache's fills after each chunk included. Bound: max(the all-resident prefill, those bytes / pinned "
+                  "H2D of the same run).",
     "serve": "`hostswap serve` in a subprocess with concurrent streaming `/v1/completions` requests through the `openai` client, against "
              "`BatchGenerator.generate` on the same program and budget (`bench/serve.py`); both timed from the first request to the last "
              "token, prefill included.",

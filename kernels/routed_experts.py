@@ -15,10 +15,13 @@ Four ways through, chosen by the call's tokens (and whether a CUDA graph is bein
   cache's device slots where the runtime gives the block one (``using_caches``), its misses
   filled by the products that read them. The expert ids stay on the device: no host sync, so a
   graphed decode step can hold it.
-- **grouped** (prefill chunks, batched decode steps run eagerly): the host learns the union
-  of the call's experts once, and each expert of it is read once and applied to its tokens,
-  as transformers' eager experts loop does; a block with a cache then gets the last row's
-  experts into it (``fill``), for the decode step that follows;
+- **grouped** (prefill chunks, batched decode steps run eagerly): each expert of the call's
+  union is read once and applied to all its tokens. On CUDA one launch per projection does it
+  (kernels/routed_grouped.py): the picks sorted by expert on the device, no host sync, the
+  experts a block's cache holds read from its slots, the reads counted on the device. Elsewhere
+  the host learns the union (one sync) and applies each expert in turn, as transformers' eager
+  experts loop does. A block with a cache then gets the last row's experts into it (``fill``),
+  for the decode step that follows;
 - **union** (several tokens while a CUDA graph is captured: a batched decode step, a verify
   pass of speculative decoding; on CUDA): each expert any token picked, read once where its
   rows lie and multiplied by the vectors of the tokens that picked it, the others not read
@@ -85,7 +88,7 @@ class ExpertIndexError(IndexError):
 class ExpertReads:
     """Experts one block read, counted by the kernel as it runs: by eager calls on the host; a
     replayed CUDA graph runs no Python, so the runtime adds what its capture counted per
-    replay, and the union kernel counts on the device (``on_device``)."""
+    replay, and the union and grouped kernels count on the device (``on_device``)."""
 
     calls: int = 0
     experts: int = 0  # rows read, summed over calls (a pair path reads one per pair)
@@ -95,9 +98,10 @@ class ExpertReads:
     # runtime knows; it adds them in with ``fold``.
     row_experts: int = 0
     row_bytes: int = 0
-    # What captured calls that read the union of their picks (``routed_union``) read: only the
-    # device learns the union, so a replayed graph adds it to this device counter itself, and
-    # ``settle`` moves it into ``experts``/``bytes`` when the host asks.
+    # What calls that read the union of their picks on the device (``routed_union``,
+    # ``routed_grouped``) read: only the device learns the union, so their kernels (a replayed
+    # graph's too) add it to this device counter, and ``settle`` moves it into
+    # ``experts``/``bytes`` when the host asks.
     on_device: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     on_device_seen: int = 0  # of the counter, what ``settle`` has moved in
     unit_bytes: int = 0
@@ -115,8 +119,8 @@ class ExpertReads:
         self.bytes += other.bytes + other.row_bytes * live_rows
 
     def counter(self, device: torch.device, unit_bytes: int) -> torch.Tensor:
-        """The device counter a captured union call adds its experts to, made outside a capture
-        (a tensor made inside one would be a graph's, reset at each replay)."""
+        """The device counter a union or grouped call adds its experts to, made outside a
+        capture (a tensor made inside one would be a graph's, reset at each replay)."""
         if self.on_device is None:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise AssertionError("a block's union read counter is made by a forward before the capture (the warm-up's)")

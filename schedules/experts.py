@@ -10,9 +10,11 @@ gathers), so what a call reads is a count of units, not a list of weights:
   they are gathered into device scratch first, which the floor counts (``scratch_bytes``)
   for a device that gathers;
 - a larger call (a prefill chunk, a batched decode step) reads each expert of the union once,
-  in place: at most ``num_experts`` units, no scratch. A CUDA graph cannot learn the union:
-  a captured batched step reads its (token, expert) pairs in place, through the block's
-  cache where it has one, or every expert once.
+  in place or from a device cache's slots: at most ``num_experts`` units, no scratch. (On
+  CUDA a kernel multiplies an expert by at most 256 of a chunk's tokens, 64 of a captured
+  step's, at once: past that many tokens a much-picked expert is read again.) A captured
+  batched step learns its union on the device, or runs its (token, expert) pairs through the
+  block's cache where it has one.
 
 With budget to spare once every streamed weight is resident, experts are kept on the device
 (``plan_expert_cache``): each block gets slots for as many experts as fit, its whole tables

@@ -148,6 +148,42 @@ def test_moe_batch_bench_measures_each_budget_with_its_caches_and_with_them_with
     assert "tiny shape, 2 layers, 4 experts, top-2" in section and "| in place " in section
 
 
+def test_moe_prefill_bench_measures_each_budget_grouped_and_expert_by_expert(tmp_path):
+    """bench/moe_prefill.py on the tiny shape on the CPU: the all-resident row and the floor's,
+    each run as it runs and with its eager calls of several tokens sent down the per-expert
+    loop (the context leaves one-token and captured calls alone, and restores the choice
+    after); both give the same first token, and the result file renders."""
+    from hostswap.kernels import routed_experts
+
+    moe_prefill = bench_scripts.load("moe_prefill")
+    real = routed_experts._reads_in_place
+    routed_experts._reads_in_place = lambda hidden, gate_up, down: True
+    try:
+        with moe_prefill.expert_loop():
+            table = torch.zeros(2, 4, 4)
+            assert routed_experts._reads_in_place(torch.zeros(1, 4), table, table)
+            assert not routed_experts._reads_in_place(torch.zeros(3, 4), table, table)
+            with routed_experts.warming_a_graph():
+                assert routed_experts._reads_in_place(torch.zeros(3, 4), table, table)
+        assert routed_experts._reads_in_place(torch.zeros(3, 4), table, table)
+    finally:
+        routed_experts._reads_in_place = real
+    assert moe_prefill.main(["--shape", "tiny", "--layers", "2", "--budgets", "floor", "--prompt", "12", "--chunk", "4", "--repeats", "1",
+                             "--device", "cpu", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "moeprefill_cpu_tiny.json").read_text())
+    rows = result["rows"]
+    assert [r["budget"] for r in rows] == ["all resident", "floor"] and result["prefill_chunk"] == 4
+    for r in rows:
+        assert r["same_first_token"] and r["grouped"]["prefill_ms"] > 0 and r["speedup_over_expert_loop"] > 0 and "bound_ms" not in r
+    assert rows[0]["grouped"]["resident_blocks"] == 2 and rows[0]["grouped"]["expert_bytes_prefill"] == 0
+    # at the floor each of the 3 chunks reads its union of each of the 2 blocks' experts over the bus: at least top-2, at most all 4
+    unit = result["config"]["hidden_size"] * result["config"]["intermediate_size"] * 3 * 2
+    floor = rows[1]
+    assert 3 * 2 * 2 * unit <= floor["grouped"]["expert_bytes_prefill"] == floor["expert loop"]["expert_bytes_prefill"] <= 3 * 2 * 4 * unit
+    section = bench_scripts.load("report").moe_prefill_section([str(tmp_path / "moeprefill_cpu_tiny.json")], None)
+    assert "**tiny**: mixtral shape, 2 layers, hidden 64, 4 experts, top-2" in section and "a prompt of 12 tokens in chunks of 4" in section
+
+
 def test_moe_disk_bench_measures_pinned_and_disk_rows_against_the_disk(tmp_path):
     """bench/moe_disk.py on the tiny shape on the CPU: the pinned row, then a host cache of one
     call's picks per block with the tables on disk, its tokens the pinned row's; the result

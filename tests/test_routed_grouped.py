@@ -196,3 +196,25 @@ def test_a_prefill_chunk_reads_its_union_in_one_launch_without_a_host_sync(monke
             assert torch.equal(out[~live], torch.zeros_like(out[~live]))
         reads["block"].settle()
         assert reads["block"].experts == read == len(set(ids[rows].reshape(-1).tolist()))
+
+
+def test_experts_a_chunk_reads_from_the_slots_are_hits_not_bytes_over_the_bus():
+    """``held_like`` gives a chunk the cache's slot map, slots and hit counter once the slots are
+    made and laid out as the tables' rows (else None: every expert from the tables); what the
+    kernel adds to ``chunk_hits`` counts among the block's hits, not its bytes over the bus."""
+    from hostswap.runtime.expert_cache import ExpertCache, expert_read_stats
+    from hostswap.schedules.experts import ExpertBlock
+
+    gate_up, down = torch.zeros(8, 4, 2), torch.zeros(8, 2, 2)
+    unit = 4 * 2 * 4 + 2 * 2 * 4
+    cache = ExpertCache("b", num_experts=8, unit_bytes=unit, slots=4, top_k=2, device=torch.device("cpu"))
+    assert cache.held_like(gate_up, down) is None  # no slots before the first lookup or fill
+    cache.fill(torch.tensor([3, 5]), (gate_up, down, None, None))
+    slot_of, (gate_up_slots, down_slots), hits = cache.held_like(gate_up, down)
+    assert slot_of is cache.slot_of and gate_up_slots is cache.tables[0] and down_slots is cache.tables[1] and hits is cache.chunk_hits
+    assert cache.held_like(gate_up.double(), down) is None and cache.held_like(torch.zeros(8, 2, 4), down) is None
+    cache.chunk_hits += 2
+    block = ExpertBlock("b", ("gate_up", "down"), 2, 4, 8, unit)
+    stats = expert_read_stats(block, ExpertReads(calls=1, experts=6, bytes=6 * unit), False, cache)
+    assert (stats["chunk_hits"], stats["hits"], stats["misses"]) == (2, 2, 4)
+    assert stats["bytes"] == (4 + 2) * unit  # the 4 read over the bus and the 2 the fill brought in
