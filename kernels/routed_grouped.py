@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from hostswap.kernels.routed_union import BLOCK_N, MIN_ROWS, NUM_WARPS, _tiles
+from hostswap.kernels.routed_union import BLOCK_N, MIN_ROWS, NUM_WARPS, _tiles, operand_layout
 
 # the most picks of one expert a program multiplies at once: a chunk of this many tokens or
 # fewer reads each expert it picks once, whatever its routing (its float32 sums, this many by
@@ -130,21 +130,13 @@ def routed_grouped(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, segs
     read from its slot, and its reads are added to ``hits`` as well (where ``count_into`` is given). Returns [tokens * k, N]
     in the table's dtype. No host sync, no copy of the table."""
     tokens, top_k = ids.shape
-    n_out, k_in = (table.shape[2], table.shape[1]) if transposed else (table.shape[1], table.shape[2])
-    stride_wn, stride_wk = (table.stride(2), table.stride(1)) if transposed else (table.stride(1), table.stride(2))
-    vectors = tokens * top_k if per_pick else tokens
-    if x.dim() != 2 or x.shape != (vectors, k_in):
-        raise ValueError(f"routed_grouped: x {tuple(x.shape)} does not fit {tokens} tokens of {top_k} picks of a {tuple(table.shape)} table "
-                         f"({'one vector a pick' if per_pick else 'one vector a token'})")
+    x, n_out, k_in, (stride_wn, stride_wk), (stride_xt, stride_xj) = operand_layout("routed_grouped", x, table, ids, transposed, per_pick)
     if segs.top_k != top_k or segs.counts.numel() != table.shape[0]:
         raise ValueError(f"routed_grouped: the segments are of {segs.counts.numel()} experts, top-{segs.top_k}; the call has a {tuple(table.shape)} table, top-{top_k}")
     if cached is not None:
         slot_of, slots, hits = cached
         if slots.shape[1:] != table.shape[1:] or slots.stride()[1:] != table.stride()[1:] or slots.dtype != table.dtype:
             raise ValueError(f"routed_grouped: the cache's slots {tuple(slots.shape)} ({slots.dtype}) are not laid out as the table's rows {tuple(table.shape)} ({table.dtype})")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    stride_xt, stride_xj = (top_k * x.stride(0), x.stride(0)) if per_pick else (x.stride(0), 0)
     rows = rows_for(tokens)
     block_k, stages = _tiles(rows, table.element_size(), x.device)
     out = torch.zeros(tokens * top_k, n_out, dtype=table.dtype, device=x.device)

@@ -97,16 +97,8 @@ def routed_union(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transp
     if ids.dim() != 2:
         raise ValueError(f"routed_union: ids {tuple(ids.shape)} are not [tokens, k]")
     tokens, top_k = ids.shape
-    n_out, k_in = (table.shape[2], table.shape[1]) if transposed else (table.shape[1], table.shape[2])
-    stride_wn, stride_wk = (table.stride(2), table.stride(1)) if transposed else (table.stride(1), table.stride(2))
-    vectors = tokens * top_k if per_pick else tokens
-    if x.dim() != 2 or x.shape != (vectors, k_in):
-        raise ValueError(f"routed_union: x {tuple(x.shape)} does not fit {tokens} tokens of {top_k} picks of a {tuple(table.shape)} table "
-                         f"({'one vector a pick' if per_pick else 'one vector a token'})")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x, n_out, k_in, (stride_wn, stride_wk), (stride_xt, stride_xj) = operand_layout("routed_union", x, table, ids, transposed, per_pick)
     ids = ids.contiguous()
-    stride_xt, stride_xj = (top_k * x.stride(0), x.stride(0)) if per_pick else (x.stride(0), 0)
     import triton
 
     out = torch.zeros(tokens * top_k, n_out, dtype=table.dtype, device=x.device)
@@ -123,6 +115,23 @@ def routed_union(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transp
                             PRECISION="ieee" if table.dtype == torch.float32 else "tf32", COUNT=count_into is not None, num_warps=NUM_WARPS,
                             num_stages=stages)
     return out
+
+
+def operand_layout(kernel: str, x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transposed: bool, per_pick: bool):
+    """What a kernel multiplying picks' vectors by their experts' rows reads: (``x``, unit
+    stride along a vector; the table's outputs N and reduction K; its strides along them; the
+    strides of the vector of pick (t, j) along t and j: one vector a token, or a pick where
+    ``per_pick``). A ValueError naming ``kernel`` where ``x`` does not fit ``ids`` and ``table``."""
+    tokens, top_k = ids.shape
+    n_out, k_in = (table.shape[2], table.shape[1]) if transposed else (table.shape[1], table.shape[2])
+    table_strides = (table.stride(2), table.stride(1)) if transposed else (table.stride(1), table.stride(2))
+    vectors = tokens * top_k if per_pick else tokens
+    if x.dim() != 2 or x.shape != (vectors, k_in):
+        raise ValueError(f"{kernel}: x {tuple(x.shape)} does not fit {tokens} tokens of {top_k} picks of a {tuple(table.shape)} table "
+                         f"({'one vector a pick' if per_pick else 'one vector a token'})")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x, n_out, k_in, table_strides, ((top_k * x.stride(0), x.stride(0)) if per_pick else (x.stride(0), 0))
 
 
 def _tiles(rows: int, element_size: int, device: torch.device) -> tuple[int, int]:

@@ -16,17 +16,9 @@ from hostswap.kernels import routed_experts
 from hostswap.kernels.routed_experts import ExpertReads, recording_reads
 from hostswap.kernels.routed_grouped import routed_grouped, rows_for, segments
 from hostswap.kernels.row_copy import triton_available
+from test_routed_union import _gathered
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="needs Triton (its interpreter runs the kernel on the CPU)")
-
-
-def _gathered(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, transposed: bool, per_pick: bool) -> torch.Tensor:
-    """Each pick's product in float32 from the gathered rows; a pick of -1 gives 0."""
-    flat = ids.reshape(-1)
-    w = table[flat.clamp(min=0)].float()
-    x = x.float() if per_pick else x.float().repeat_interleave(ids.shape[1], dim=0)
-    out = torch.bmm(x.unsqueeze(1), w).squeeze(1) if transposed else torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
-    return out.masked_fill((flat < 0)[:, None], 0)
 
 
 def _ids(tokens: int, k: int, experts: int, gen: torch.Generator, none: tuple[int, ...] = (), skew: bool = False) -> torch.Tensor:
