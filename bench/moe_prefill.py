@@ -5,8 +5,8 @@
 A random bf16 checkpoint of bench/moe.py's shape (``--layers`` of them) is exported with its
 experts read in place and ``--chunk`` tokens per prefill call. For the all-resident budget and
 each budget asked, a ``Generator`` prefills a ``--prompt``-token prompt (and decodes one token)
-``--repeats`` times; a row records the median prefill's ms, the weight bytes it streamed and the
-expert bytes it read over the bus (each chunk reads the union of its tokens' experts once, those
+``--repeats`` times; a row records the median prefill's ms, and the weight bytes that run
+streamed and the expert bytes it read over the bus (each chunk reads the union of its tokens' experts once, those
 an expert cache holds from their slots), and its bound: max(the all-resident prefill, those
 bytes / pinned H2D bandwidth measured in this run). Each budget is measured twice: as it runs
 ("grouped": one launch per projection reads every picked expert, kernels/routed_grouped.py)
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -74,9 +73,10 @@ def measure(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, device:
             s = g.stats
             runs.append((s["prefill_ms"], s["bytes_streamed_prefill"], s["expert_bytes_prefill"]))
         reads = g.stats["expert_reads"].values()
-        ms = statistics.median(r[0] for r in runs)
-        return {"prefill_ms": ms, "prefill_runs_ms": [r[0] for r in runs], "bytes_streamed_prefill": runs[-1][1], "expert_bytes_prefill": runs[-1][2],
-                "tokens_per_s": prompt.shape[1] / ms * 1e3, "resident_blocks": sum(r["resident"] for r in reads),
+        median = sorted(runs)[(len(runs) - 1) // 2]  # the median run (the lower middle of an even count)
+        ms = median[0]
+        return {"prefill_ms": ms, "prefill_runs_ms": [r[0] for r in runs], "bytes_streamed_prefill": median[1], "expert_bytes_prefill": median[2],
+                "tokens_per_s": prompt.shape[1] / ms * 1e3, "blocks": len(reads), "resident_blocks": sum(r["resident"] for r in reads),
                 "cache_slots": max((r["cache_slots"] for r in reads if not r["resident"]), default=0),
                 "first_token": int(out[0, prompt.shape[1]])}
 

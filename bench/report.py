@@ -1180,7 +1180,9 @@ def moe_prefill_section(paths: list[str], plot_path: str | None) -> str:
         rows = []
         for row in r["rows"]:
             g, loop = row["grouped"], row["expert loop"]
-            held = "all" if g["resident_blocks"] else f"{g['cache_slots']} of {experts}" if g["cache_slots"] else "none"
+            whole = g["resident_blocks"] == g.get("blocks", c["num_hidden_layers"])
+            held = ("all" if whole else f"all in {g['resident_blocks']} blocks" if g["resident_blocks"] else
+                    f"{g['cache_slots']} of {experts}" if g["cache_slots"] else "none")
             rows.append([row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", held, f"{(g['bytes_streamed_prefill'] + g['expert_bytes_prefill']) / 2**30:.2f}",
                          f"{g['prefill_ms']:.1f}", f"{g['tokens_per_s']:.0f}", f"{row['bound_ms']:.1f}" if "bound_ms" in row else "",
                          f"{row['ratio_to_bound']:.2f}" if "ratio_to_bound" in row else "", f"{loop['prefill_ms']:.1f}",

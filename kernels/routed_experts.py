@@ -17,8 +17,9 @@ Four ways through, chosen by the call's tokens (and whether a CUDA graph is bein
   graphed decode step can hold it.
 - **grouped** (prefill chunks, batched decode steps run eagerly): each expert of the call's
   union is read once and applied to all its tokens. On CUDA one launch per projection does it
-  (kernels/routed_grouped.py): the picks sorted by expert on the device, no host sync, the
-  experts a block's cache holds read from its slots, the reads counted on the device. Elsewhere
+  (kernels/routed_grouped.py): the picks sorted by expert on the device, the experts a
+  block's cache holds read from its slots, the reads counted on the device; no host sync but,
+  for a block with a cache, one to learn the last row's distinct experts for its fill. Elsewhere
   the host learns the union (one sync) and applies each expert in turn, as transformers' eager
   experts loop does. A block with a cache then gets the last row's experts into it (``fill``),
   for the decode step that follows;
@@ -440,7 +441,8 @@ def _through_device_cache(cache, experts: list[int], host, device) -> tuple[list
 
 
 def _live_indices(live: torch.Tensor | None) -> torch.Tensor | None:
-    """The live rows of an eager call, learnt on the host once (it learns the union anyway), or None for all."""
+    """The live rows of an eager call, learnt on the host once (a host sync: for the eager loop,
+    which learns the union there anyway, or a cache's fill of the last live row), or None for all."""
     return None if live is None else live.cpu().nonzero().squeeze(1)
 
 
@@ -513,7 +515,7 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
         return out
     if cache is not None:
         cache.settle()  # no prefetch is left unjoined (a CUDA graph's capture must end on one stream)
-    if _graph_paths(hidden):  # a graph cannot learn the union
+    if _graph_paths(hidden):  # a graph cannot learn the union on the host
         if cache is not None and (_reads_in_place(hidden, gate_up, down) or not hidden.is_cuda):
             # (a gathered copy of a group's picks on CUDA would be memory the floor does not hold)
             _record_pairs(block, top_k_index, unit_bytes(*tables), live)
@@ -525,10 +527,10 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
             return _zero_dead_rows(_pairs(hidden, ids, weights, *tables, gate_of, transposed, union=True, count_into=counter), live)
         _record(block, num_experts, unit_bytes(*tables))  # every expert, once, whatever the rows
         return _zero_dead_rows(_dense(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed), live)
-    if _reads_in_place(hidden, gate_up, down):  # each expert the live rows picked, once, all in one launch: no host sync
+    if _reads_in_place(hidden, gate_up, down):  # each expert the live rows picked, once, in one launch per projection, learnt on the device
         ids, weights = _without_dead_rows(top_k_index, top_k_weights, live)
         counter = _device_counter(block, ids, unit_bytes(*tables))
-        held = cache.held_like(gate_up, down) if cache is not None else None  # what the cache holds is read from its slots
+        held = cache.held_like(tables) if cache is not None else None  # what the cache holds is read from its slots
         out = _zero_dead_rows(_pairs(hidden, ids, weights, *tables, gate_of, transposed, count_into=counter, grouped=segments(ids, num_experts),
                                      cached=held), live)
         live_rows = _live_indices(live) if cache is not None and live is not None else None

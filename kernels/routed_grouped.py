@@ -85,7 +85,7 @@ def _kernel():
                 slot = tl.load(slot_ptr + expert)
                 held = slot >= 0
                 if held:  # held by the block's cache: read from its slot, on the device
-                    w_block = cached_ptr + slot * stride_ce
+                    w_block = cached_ptr + slot.to(tl.int64) * stride_ce
             if COUNT:
                 if tl.program_id(1) == 0:  # one program of each expert counts its reads: one per ROWS picks
                     reads = (picks + ROWS - 1) // ROWS
@@ -123,16 +123,18 @@ def routed_grouped(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, segs
     """``out[t * k + j] = table[ids[t, j]] @ x[t]`` ([experts, N, K] table), or
     ``x[t] @ table[ids[t, j]]`` where ``transposed`` ([experts, K, N]); with ``per_pick``, the
     vector of pick (t, j) is ``x[t * k + j]``. ``segs`` is ``segments(ids, experts)``; a pick of
-    -1 gives 0. Each expert any pick names is read once per ``rows_for(tokens)`` of its picks;
-    the others are not read. ``count_into`` (a 0-d int64 device tensor) has those reads added
+    -1 gives 0. Each expert any pick names is read once per ``rows_for(tokens)`` of its picks
+    (a token that names an expert twice is two of its picks, each given the product); the
+    others are not read. ``count_into`` (a 0-d int64 device tensor) has those reads added
     to it. ``cached`` = (slot_of, slots, hits): an expert cache's slot per expert (-1: not
     held), its slots' table (laid out as ``table``'s rows) and a 0-d counter; a held expert is
     read from its slot, and its reads are added to ``hits`` as well (where ``count_into`` is given). Returns [tokens * k, N]
     in the table's dtype. No host sync, no copy of the table."""
     tokens, top_k = ids.shape
     x, n_out, k_in, (stride_wn, stride_wk), (stride_xt, stride_xj) = operand_layout("routed_grouped", x, table, ids, transposed, per_pick)
-    if segs.top_k != top_k or segs.counts.numel() != table.shape[0]:
-        raise ValueError(f"routed_grouped: the segments are of {segs.counts.numel()} experts, top-{segs.top_k}; the call has a {tuple(table.shape)} table, top-{top_k}")
+    if segs.top_k != top_k or segs.counts.numel() != table.shape[0] or segs.order.numel() != ids.numel():
+        raise ValueError(f"routed_grouped: the segments are of {segs.order.numel()} picks of {segs.counts.numel()} experts, top-{segs.top_k}; "
+                         f"the call has {ids.numel()} picks of a {tuple(table.shape)} table, top-{top_k}")
     if cached is not None:
         slot_of, slots, hits = cached
         if slots.shape[1:] != table.shape[1:] or slots.stride()[1:] != table.stride()[1:] or slots.dtype != table.dtype:

@@ -127,12 +127,14 @@ class ExpertCache:
             raise ValueError(f"the expert cache of {self.block} was sized for {self.nbytes} bytes; its tables' rows take another size")
         self.sources = tuple(sources)
 
-    def held_like(self, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    def held_like(self, sources: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """(slot_of, (gate_up slots, down slots), chunk_hits) for a call of several tokens to
-        read the experts the cache holds from their slots, where the slots are made and laid
-        out as the tables' rows (else None: every expert is read from the tables)."""
-        if self.tables is None:
-            return None
+        read the experts the cache holds from their slots, where the slots are laid out as the
+        rows of ``sources`` (the block's tables; else None: every expert is read from the
+        tables). The slots are made here if no lookup or fill has made them yet: the warm-up's
+        prefill chunk, which comes first, then runs the kernel every later chunk runs."""
+        self._make_tables(sources, sources[0].device)
+        gate_up, down = sources[0], sources[1]
         for table, slots in zip((gate_up, down), self.tables):
             if slots is None or slots.dtype != table.dtype or slots.shape[1:] != table.shape[1:] or slots.stride()[1:] != table.stride()[1:]:
                 return None

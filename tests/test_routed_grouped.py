@@ -48,7 +48,7 @@ def _products_match(device: torch.device, dtypes=(torch.float32, torch.bfloat16)
     experts, k, n_out, k_in = 12, 3, 40, 300
     for dtype in dtypes:
         for transposed in (False, True):
-            for tokens, none, skew in ((1, (), False), (5, (1, 3), False), (70, (0, 69), False), (150, (2,), True)):
+            for tokens, none, skew in ((1, (), False), (5, (1, 3), False), (70, (0, 69), False), (150, (2,), True), (300, (2,), True)):
                 ids = _ids(tokens, k, experts, gen, none, skew)
                 shape = (experts, k_in, n_out) if transposed else (experts, n_out, k_in)
                 table = torch.randn(shape, generator=gen).to(dtype)
@@ -97,6 +97,39 @@ def _cache_slots_are_read(device: torch.device) -> None:
     assert int(count) == len(set(ids.reshape(-1).tolist())) and int(hits) == len(held)
 
 
+def _a_chunk_reads_what_the_cache_holds_from_its_slots(device: torch.device) -> None:
+    """``routed_experts`` on a chunk whose block has an expert cache holding 3 of its picked
+    experts: the output is the eager loop's on clean tables, though the held experts' rows in the
+    tables it is given are NaN (both projections read them from the slots); the stats count the
+    3 as hits, the rest of the union as read over the bus."""
+    from hostswap.runtime.expert_cache import ExpertCache, expert_read_stats
+    from hostswap.schedules.experts import ExpertBlock
+
+    gen = torch.Generator().manual_seed(5)
+    experts, k, tokens, hidden_size, inner = 8, 2, 12, 64, 32
+    hidden = torch.randn(tokens, hidden_size, generator=gen)
+    ids = _ids(tokens, k, experts, gen)
+    weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
+    gate_up, down = torch.randn(experts, 2 * inner, hidden_size, generator=gen) * 0.1, torch.randn(experts, hidden_size, inner, generator=gen) * 0.1
+    activate = lambda x: F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1]  # noqa: E731
+    want, union = routed_experts._grouped(hidden, ids, weights, gate_up, down, None, None, activate, False, experts)
+    unit = routed_experts.unit_bytes(gate_up, down)
+    cache = ExpertCache("block", experts, unit, slots=4, top_k=k, device=device)
+    held = sorted(set(ids.reshape(-1).tolist()))[:3]
+    cache.fill(torch.tensor(held, device=device), (gate_up.to(device), down.to(device), None, None))
+    poisoned = [t.clone() for t in (gate_up, down)]
+    for t in poisoned:
+        t[held] = float("nan")
+    reads: dict[str, ExpertReads] = {}
+    with routed_experts.using_caches({"block": cache}), recording_reads(reads):
+        out = routed_experts.routed_experts(hidden.to(device), ids.to(device), weights.to(device), *(t.to(device) for t in poisoned), None, None,
+                                            "silu", True, False, False, 0.0, 0.0, "block")
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+    reads["block"].settle()
+    stats = expert_read_stats(ExpertBlock("block", ("gate_up", "down"), k, tokens, experts, unit), reads["block"], False, cache)
+    assert (stats["experts"], stats["chunk_hits"], stats["hits"], stats["misses"]) == (union, 3, 3, union - 3)
+
+
 @pytest.mark.gpu
 def test_each_pick_gets_its_product_and_unpicked_experts_are_not_read():
     _products_match(torch.device("cuda"))
@@ -107,14 +140,23 @@ def test_the_experts_a_cache_holds_are_read_from_its_slots():
     _cache_slots_are_read(torch.device("cuda"))
 
 
+@pytest.mark.gpu
+def test_a_chunk_reads_what_its_blocks_cache_holds_from_the_slots():
+    _a_chunk_reads_what_the_cache_holds_from_its_slots(torch.device("cuda"))
+
+
 @needs_triton
 def test_products_and_cache_reads_interpreted():
     """On the CPU through Triton's interpreter, in a process of its own (the interpreter is
     chosen when Triton is imported); float32 only: the interpreter's matrix product does not
     take bfloat16."""
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import torch; "
-            "from test_routed_grouped import _products_match, _cache_slots_are_read; "
-            "_products_match(torch.device('cpu'), (torch.float32,)); _cache_slots_are_read(torch.device('cpu'))")
+            "from test_routed_grouped import _products_match, _cache_slots_are_read, _a_chunk_reads_what_the_cache_holds_from_its_slots; "
+            "from hostswap.kernels import routed_experts; "
+            "_products_match(torch.device('cpu'), (torch.float32,)); _cache_slots_are_read(torch.device('cpu')); "
+            # on the CPU the products read in place only through the interpreter
+            "routed_experts._reads_in_place = lambda *tables: True; "
+            "_a_chunk_reads_what_the_cache_holds_from_its_slots(torch.device('cpu'))")
     run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
 
@@ -138,8 +180,10 @@ def test_vectors_segments_and_slots_that_do_not_fit_are_refused():
         routed_grouped(torch.zeros(3, 16), table, ids, segs, False, per_pick=False)
     with pytest.raises(ValueError, match=r"x \(2, 16\) does not fit 2 tokens of 2 picks .* \(one vector a pick\)"):
         routed_grouped(torch.zeros(2, 16), table, ids, segs, False, per_pick=True)
-    with pytest.raises(ValueError, match=r"the segments are of 5 experts, top-2; the call has a \(4, 8, 16\) table, top-2"):
+    with pytest.raises(ValueError, match=r"the segments are of 4 picks of 5 experts, top-2; the call has 4 picks of a \(4, 8, 16\) table, top-2"):
         routed_grouped(torch.zeros(2, 16), table, ids, segments(ids, 5), False, per_pick=False)
+    with pytest.raises(ValueError, match=r"the segments are of 6 picks of 4 experts, top-2; the call has 4 picks"):
+        routed_grouped(torch.zeros(2, 16), table, ids, segments(torch.tensor([[0, 1], [2, 3], [1, 2]]), 4), False, per_pick=False)
     slot_of, hits = torch.full((5,), -1), torch.zeros((), dtype=torch.int64)
     with pytest.raises(ValueError, match=r"the cache's slots \(2, 16, 8\) \(torch.float32\) are not laid out as the table's rows \(4, 8, 16\)"):
         routed_grouped(torch.zeros(2, 16), table, ids, segs, False, per_pick=False, cached=(slot_of, torch.zeros(2, 16, 8), hits))
@@ -149,8 +193,9 @@ def test_vectors_segments_and_slots_that_do_not_fit_are_refused():
 
 @pytest.mark.gpu
 def test_a_prefill_chunk_reads_its_union_in_one_launch_without_a_host_sync(monkeypatch):
-    """An eager call of several tokens on CUDA (a prefill chunk, tables in mapped host memory):
-    the grouped kernel runs (twice: gate/up and down), with no host sync; the output is that of
+    """An eager call of several tokens on CUDA (a prefill chunk, tables in mapped host memory,
+    no expert cache: a cache's fill of the chunk's last row learns its distinct experts on the
+    host): the grouped kernel runs (twice: gate/up and down), with no host sync; the output is that of
     transformers' eager loop (``_grouped``) within rounding, rows not live give 0, and the reads
     counted on the device are the live rows' union."""
     from hostswap.runtime.ptd import device_view_of
@@ -191,20 +236,24 @@ def test_a_prefill_chunk_reads_its_union_in_one_launch_without_a_host_sync(monke
 
 
 def test_experts_a_chunk_reads_from_the_slots_are_hits_not_bytes_over_the_bus():
-    """``held_like`` gives a chunk the cache's slot map, slots and hit counter once the slots are
-    made and laid out as the tables' rows (else None: every expert from the tables); what the
-    kernel adds to ``chunk_hits`` counts among the block's hits, not its bytes over the bus."""
+    """``held_like`` gives a chunk the cache's slot map, slots and hit counter, making the slots
+    where no lookup or fill has yet (a prefill chunk comes first), where they are laid out as the
+    tables' rows (else None: every expert from the tables); what the kernel adds to
+    ``chunk_hits`` counts among the block's hits, not its bytes over the bus."""
     from hostswap.runtime.expert_cache import ExpertCache, expert_read_stats
     from hostswap.schedules.experts import ExpertBlock
 
     gate_up, down = torch.zeros(8, 4, 2), torch.zeros(8, 2, 2)
     unit = 4 * 2 * 4 + 2 * 2 * 4
     cache = ExpertCache("b", num_experts=8, unit_bytes=unit, slots=4, top_k=2, device=torch.device("cpu"))
-    assert cache.held_like(gate_up, down) is None  # no slots before the first lookup or fill
-    cache.fill(torch.tensor([3, 5]), (gate_up, down, None, None))
-    slot_of, (gate_up_slots, down_slots), hits = cache.held_like(gate_up, down)
+    sources = (gate_up, down, None, None)
+    assert cache.tables is None
+    slot_of, (gate_up_slots, down_slots), hits = cache.held_like(sources)  # makes the slots, empty
     assert slot_of is cache.slot_of and gate_up_slots is cache.tables[0] and down_slots is cache.tables[1] and hits is cache.chunk_hits
-    assert cache.held_like(gate_up.double(), down) is None and cache.held_like(torch.zeros(8, 2, 4), down) is None
+    assert (slot_of == -1).all() and cache.sources == sources
+    cache.fill(torch.tensor([3, 5]), sources)
+    assert cache.held_like(sources)[1][0] is gate_up_slots and sorted(torch.nonzero(slot_of >= 0).squeeze(1).tolist()) == [3, 5]
+    assert cache.held_like((gate_up.double(), down, None, None)) is None and cache.held_like((torch.zeros(8, 2, 4), down, None, None)) is None
     cache.chunk_hits += 2
     block = ExpertBlock("b", ("gate_up", "down"), 2, 4, 8, unit)
     stats = expert_read_stats(block, ExpertReads(calls=1, experts=6, bytes=6 * unit), False, cache)
