@@ -146,6 +146,11 @@ def test_greedy_tokens_equal_transformers(moe, budget):
         s = g.stats
         blocks = moe.schedules["decode"].expert_blocks
         per_token = sum(b.top_k * b.unit_bytes for b in blocks)  # each token's top-k, in every layer
+        # each of the prompt's chunks reads, of each block, the union of its tokens' picks: top-k to all of them (none where
+        # resident), and a cache's fill brings the chunk's last row's experts in
+        chunks = -(-prompt.shape[1] // CHUNK)
+        least, most = (sum(b.top_k * b.unit_bytes for b in blocks), sum(b.table_bytes for b in blocks)) if budget != "everything" else (0, 0)
+        assert chunks * least <= s["expert_bytes_prefill"] <= chunks * (most + per_token)
         if budget == "floor":
             assert g.module.resident_experts == frozenset()
             assert s["expert_bytes_per_token"] == per_token
