@@ -79,11 +79,8 @@ def per_pick_products():
     reference the union's reads are measured against."""
     pairs, counter = routed_experts._pairs, routed_experts._device_counter
 
-    def captured(ids):
-        return getattr(routed_experts._context, "warming", False) or (ids.is_cuda and torch.cuda.is_current_stream_capturing())
-
     def record_pairs(block, ids, unit_bytes):
-        if not captured(ids):  # an eager call (a prefill chunk) reads its experts as it does outside the bench
+        if not routed_experts._graph_paths(ids):  # an eager call (a prefill chunk) reads its experts as it does outside the bench
             return counter(block, ids, unit_bytes)
         routed_experts._record_pairs(block, ids, unit_bytes, routed_experts._live_rows(block, ids.shape[0]))
 

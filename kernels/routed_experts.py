@@ -533,7 +533,7 @@ def routed_experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bi
         held = cache.held_like(tables) if cache is not None else None  # what the cache holds is read from its slots
         out = _zero_dead_rows(_pairs(hidden, ids, weights, *tables, gate_of, transposed, count_into=counter, grouped=segments(ids, num_experts),
                                      cached=held), live)
-        live_rows = _live_indices(live) if cache is not None and live is not None else None
+        live_rows = _live_indices(live) if cache is not None else None
     else:
         live_rows = _live_indices(live)
         out, read = _grouped(hidden, top_k_index, top_k_weights, *tables, gate_of, transposed, num_experts, rows=live_rows)

@@ -135,18 +135,16 @@ def routed_grouped(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, segs
     if segs.top_k != top_k or segs.counts.numel() != table.shape[0] or segs.order.numel() != ids.numel():
         raise ValueError(f"routed_grouped: the segments are of {segs.order.numel()} picks of {segs.counts.numel()} experts, top-{segs.top_k}; "
                          f"the call has {ids.numel()} picks of a {tuple(table.shape)} table, top-{top_k}")
-    if cached is not None:
-        slot_of, slots, hits = cached
-        if slots.shape[1:] != table.shape[1:] or slots.stride()[1:] != table.stride()[1:] or slots.dtype != table.dtype:
-            raise ValueError(f"routed_grouped: the cache's slots {tuple(slots.shape)} ({slots.dtype}) are not laid out as the table's rows {tuple(table.shape)} ({table.dtype})")
+    slot_of, slots, hits = cached if cached is not None else (segs.counts, table, None)  # (not read without a cache)
+    if slots.shape[1:] != table.shape[1:] or slots.stride()[1:] != table.stride()[1:] or slots.dtype != table.dtype:
+        raise ValueError(f"routed_grouped: the cache's slots {tuple(slots.shape)} ({slots.dtype}) are not laid out as the table's rows {tuple(table.shape)} ({table.dtype})")
     rows = rows_for(tokens)
     block_k, stages = _tiles(rows, table.element_size(), x.device)
     out = torch.zeros(tokens * top_k, n_out, dtype=table.dtype, device=x.device)
     grid = (table.shape[0], -(-n_out // BLOCK_N))
     count = out if count_into is None else count_into
-    slot_of, slots, hits = cached if cached is not None else (segs.counts, table, count)
-    if count_into is None:
-        hits = count  # nothing is counted: the two counters only need one type
+    if count_into is None or hits is None:
+        hits = count  # nothing is counted there: the two counters only need one type
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _kernel()[grid](x, table, slots, slot_of, segs.order, segs.starts, segs.counts, out, count, hits, top_k, n_out, stride_xt, stride_xj,
                         table.stride(0), slots.stride(0), stride_wn, stride_wk, K_IN=k_in, ROWS=rows, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
