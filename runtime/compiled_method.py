@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
+from hostswap.kernels.rms_norm import rms_norm_reference
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.instructions import FunctionalAsOut, ListRef, ProgramError, copy_into
 from hostswap.runtime.method_loader import LoadedMethod
@@ -119,8 +120,8 @@ def attention_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     return out.reshape(b, heads, s, value.shape[-1]).to(query.dtype)
 
 
-# ops a compiled graph runs as plain tensor ops instead of their opaque kernel
-_COMPILED_FORMS = {"hostswap::sdpa": attention_math}
+# ops a compiled graph runs as plain tensor ops instead of their opaque kernel (inductor fuses them)
+_COMPILED_FORMS = {"hostswap::sdpa": attention_math, "hostswap::rms_norm": rms_norm_reference}
 
 
 def view_copy_form(functional: torch._ops.OpOverload):
@@ -310,14 +311,14 @@ def _kernel(graph: torch.fx.Graph, ins, values, read, write) -> None:
     for name, vid in zip(positional_names, positional):
         if name in outs:  # in place: self is read, then written
             in_place_targets.append(vid)
-        args.append(_enum_argument(str(by_name[name].type), read(vid)))
+        args.append(_enum_argument(str(by_name[name].real_type), read(vid)))
     kwargs = {}
     out_ids = []  # (value id, whether it is a zero-element scratch the program does not read)
     for name, vid in keyword.items():
         if name in outs or name in scratch:
             out_ids.append((vid, name in scratch))
             continue
-        kwargs[name] = _enum_argument(str(by_name[name].type), read(vid))
+        kwargs[name] = _enum_argument(str(by_name[name].real_type), read(vid))
     kwargs.update(constant_keyword)
     wanted = {a.name for a in functional._schema.arguments}
     if out_ids:
