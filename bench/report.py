@@ -1193,6 +1193,26 @@ def moe_prefill_section(paths: list[str], plot_path: str | None) -> str:
     return "\n\n".join(parts)
 
 
+def norms_section(paths: list[str], plot_path: str | None) -> str:
+    """A row per (model, budget): graphed decode with each RMSNorm one kernel against the same
+    checkpoint's program with its norms as ATen ops."""
+    r = json.load(open(paths[0]))
+    rows = []
+    for row in r["rows"]:
+        m = r["models"][row["model"]]
+        c = m["config"]
+        experts = c.get("num_experts")
+        shape = (f"{c['model_type']}, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}" + (f", {experts} experts, top-{c['num_experts_per_tok']}" if experts else "")
+                 + f", {m['checkpoint_bytes'] / 2**30:.2f} GiB")
+        fused, aten = row["one kernel"], row["ATen ops"]
+        first = row["first_difference"]
+        rows.append([shape, row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", str(m["norm_kernels"]["one kernel"]), f"{fused['ms_per_token']:.2f}",
+                     f"{aten['ms_per_token']:.2f}", f"{row['speedup']:.2f}", "yes" if first is None else f"from token {first}"])
+    headers = ["model", "budget", "GiB", "norms per decode step", "one kernel: ms/token", "ATen ops: ms/token", "speed-up", "same tokens"]
+    head = f"{r['new_tokens']} greedy tokens after a {r['prompt_tokens']}-token prompt, median of {r['repeats']}; {_machine(r['environment'])}"
+    return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
 def serve_section(paths: list[str], plot_path: str | None) -> str:
     r = json.load(open(paths[0]))
     head = (f"Llama {r['layers']} layers (bf16, random weights, no end-of-sequence token), budget {r['budget']} ({r['budget_bytes'] / 2**20:.0f} MiB), "
@@ -1244,14 +1264,15 @@ SECTIONS = {"generate": generation_section, "weights": weights_section, "activat
             "export": export_section, "tiers": disk_tier_section, "load": load_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
             "speculative": speculative_section, "drafts": draft_cost_section, "tp": tensor_parallel_section,
             "fsdp": fsdp_section, "guess": guess_section, "moebatch": moe_batch_section, "moedisk": moe_disk_section,
-            "moeprefill": moe_prefill_section}
+            "moeprefill": moe_prefill_section, "norms": norms_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
           "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "load": "Load time against depth", "moe": "Mixture of experts: only the routed experts",
           "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding",
           "drafts": "What a resident draft's decode step costs",
           "tp": "Tensor-parallel streaming over several GPUs", "fsdp": "Sharded training (FSDP2) with host offloads",
           "guess": "MoE: the next-layer guess and the expert cache, traced", "moebatch": "MoE: batched decode through the expert caches",
-          "moedisk": "MoE: expert tables on disk behind a host cache", "moeprefill": "MoE: prefill reads each chunk's experts once"}
+          "moedisk": "MoE: expert tables on disk behind a host cache", "moeprefill": "MoE: prefill reads each chunk's experts once",
+          "norms": "RMSNorm as one kernel"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "guess": "`bench/expert_guess.py`: transformers' own forward of the MoE bench's shape (made to fit a CPU) with bench/moe.py's random "
@@ -1321,6 +1342,12 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
                "max(pinned eager ms/token, bytes read from disk per token / the `.ptd`'s O_DIRECT read speed in the same run). A block's picks "
                "are known only once its router has run, and the host reads them before its products, so reads and compute run in series: "
                "\"ratio to series\" sets each row against pinned eager + disk bytes / disk speed.",
+    "norms": "`bench/norms.py`: a random bf16 checkpoint exported twice from its shards, as `hostswap.llm.export_checkpoint` writes it (each "
+             "RMSNorm, its weight's product included, one `hostswap::rms_norm`: a Triton kernel on CUDA) and with that pass off (the norm as "
+             "transformers writes it: casts, pow, mean, add, rsqrt and two products, one launch each), decoded by `hostswap.llm.Generator` "
+             "with a CUDA graph. With every weight resident a decode step is mostly short launches, and the norms were about a third of them; at "
+             "the floor the step waits on the bus. \"Same tokens\": the greedy tokens of the two programs; the kernel's float32 sums run in "
+             "another order than ATen's mean, so a value can differ by a rounding.",
     "moeprefill": "`hostswap.llm.Generator` on a random MoE checkpoint exported once, its experts read in place (`bench/moe_prefill.py`). "
                   "A prefill chunk reads the union of its tokens' experts, each once: one launch per projection (`kernels/routed_grouped.py`) "
                   "sorts the chunk's picks by expert on the device and reads every picked expert where it lies, from a cache's slot where "
