@@ -85,7 +85,9 @@ def result_dtype(dtype: torch.dtype, weight: torch.Tensor | None) -> torch.dtype
 def uses_kernel(input: torch.Tensor, dtype: torch.dtype, weight: torch.Tensor | None, out: torch.Tensor) -> bool:
     """Whether ``rms_norm_into`` runs the Triton kernel for these tensors (else the ATen ops)."""
     return (input.is_cuda and triton_available() and input.dtype in DTYPES and dtype in DTYPES and out.dtype in DTYPES and out.is_contiguous()
-            and (weight is None or (weight.dtype in DTYPES and weight.dim() == 1 and weight.is_contiguous() and weight.device == input.device)))
+            and out.device == input.device and out.shape == input.shape
+            and (weight is None or (weight.dtype in DTYPES and tuple(weight.shape) == (input.shape[-1],) and weight.is_contiguous()
+                                    and weight.device == input.device)))
 
 
 def rms_norm_into(input: torch.Tensor, eps: float, dtype: torch.dtype, weight: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
@@ -108,9 +110,11 @@ def launch(input: torch.Tensor, eps: float, dtype: torch.dtype, weight: torch.Te
     if x.stride(-1) != 1:
         x = x.contiguous()
     block = min(triton.next_power_of_2(n), MAX_BLOCK)
+    inv_n = (torch.ones((), dtype=torch.float32) / n).item()  # 1/n in float32, as ATen's mean scales its sum
     kernel = _kernel()
     norm_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
     with torch.cuda.device(input.device) if input.is_cuda else contextlib.nullcontext():
-        kernel[(rows,)](x, x if weight is None else weight, out, x.stride(0), n, 1.0 / n, float(eps), BLOCK=block, ONE_BLOCK=block >= n,
-                        NORM_DTYPE=norm_dtype, WEIGHTED=weight is not None, num_warps=4 if block <= 2048 else 8)
+        # no fused multiply-add: ATen rounds the mean and the sum with eps apart
+        kernel[(rows,)](x, x if weight is None else weight, out, x.stride(0), n, inv_n, float(eps), BLOCK=block, ONE_BLOCK=block >= n,
+                        NORM_DTYPE=norm_dtype, WEIGHTED=weight is not None, num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
     return out

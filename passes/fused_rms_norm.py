@@ -32,7 +32,13 @@ _lib.define(RMS_NORM_SCHEMA)
 _lib.define(RMS_NORM_OUT_SCHEMA)
 
 
+def _check_weight(input, weight) -> None:
+    if weight is not None and tuple(weight.shape) != (input.shape[-1],):
+        raise ValueError(f"hostswap::rms_norm: weight of shape {tuple(weight.shape)} for rows of {input.shape[-1]}; it takes one value per column")
+
+
 def _rms_norm(input, eps, dtype, weight=None):
+    _check_weight(input, weight)
     return rms_norm_into(input, eps, dtype, weight, torch.empty(input.shape, dtype=result_dtype(dtype, weight), device=input.device))
 
 
@@ -40,8 +46,7 @@ def _rms_norm_out(input, eps, dtype, weight=None, *, out):
     want = result_dtype(dtype, weight)
     if out.dtype != want or out.shape != input.shape:
         raise ValueError(f"hostswap::rms_norm.out: out is {tuple(out.shape)} {out.dtype}, the result is {tuple(input.shape)} {want}")
-    if weight is not None and tuple(weight.shape) != (input.shape[-1],):
-        raise ValueError(f"hostswap::rms_norm: weight of shape {tuple(weight.shape)} for rows of {input.shape[-1]}; it takes one value per column")
+    _check_weight(input, weight)
     return rms_norm_into(input, eps, dtype, weight, out)
 
 
@@ -107,11 +112,11 @@ def _last_dim(dims, ndim: int) -> bool:
 def match(rsqrt: torch.fx.Node) -> dict | None:
     """The RMSNorm around an ``aten.rsqrt`` node, as plain data, or None where it is not one:
     ``input`` (the value normalized), ``eps``, ``dtype`` (of the normalized value), ``weight``
-    (the vector it is then multiplied by, or None), ``last`` (the node the op replaces) and
-    ``dead`` (the nodes it makes unused, users first)."""
+    (the vector it is then multiplied by, or None), ``last`` (the node that becomes the op's call)
+    and ``dead`` (the other nodes it makes unused, users first)."""
     add = rsqrt.args[0]
-    if not (_is(add, aten.add.Tensor) or _is(add, aten.add.Scalar)) or _only_user(add) is not rsqrt or add.kwargs.get("alpha", 1) != 1:
-        return None
+    if not (_is(add, aten.add.Tensor) or _is(add, aten.add.Scalar)) or _only_user(add) is not rsqrt or len(add.args) != 2 or add.kwargs:
+        return None  # an alpha, given by name or position, scales eps
     mean, eps = add.args[0], add.args[1]
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not _is(mean, aten.mean.dim) or _only_user(mean) is not add:
         return None
@@ -148,9 +153,30 @@ def match(rsqrt: torch.fx.Node) -> dict | None:
                 and result.dtype == torch.promote_types(vector.dtype, dtype)):
             weight, last = other, scaled
             dead.insert(0, scaled)
+    if _written_between(dead, last):
+        return None
     # a metadata check of a value that goes away goes with it
-    checks = [user for node in dead for user in node.users if user.op == "call_function" and user.target in METADATA_CHECKS]
-    return {"input": input, "eps": float(eps), "dtype": dtype, "weight": weight, "last": last, "dead": checks + dead}
+    gone = [node for node in dead if node is not last]
+    checks = [user for node in gone for user in node.users if user.op == "call_function" and user.target in METADATA_CHECKS]
+    return {"input": input, "eps": float(eps), "dtype": dtype, "weight": weight, "last": last, "dead": checks + gone}
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+
+
+def _written_between(matched: list[torch.fx.Node], last: torch.fx.Node) -> bool:
+    """Whether an op that writes a tensor in place runs among the matched nodes, before ``last``:
+    the op reads its inputs once, at ``last``, where the ATen ops read them along the way."""
+    pending, node = set(matched) - {last}, last.prev
+    while pending and node.op != "root":
+        if node in pending:
+            pending.discard(node)
+        elif _mutates(node):
+            return True
+        node = node.prev
+    return False
 
 
 class FuseRmsNormPass:
@@ -158,16 +184,17 @@ class FuseRmsNormPass:
 
     def call(self, graph_module: torch.fx.GraphModule) -> int:
         """Rewrites the graph in place; returns the number of norms replaced."""
-        graph = graph_module.graph
-        found = [m for node in list(graph.nodes) if _is(node, aten.rsqrt.default) and (m := match(node)) is not None]
-        for m in found:
+        graph, replaced = graph_module.graph, 0
+        # each match sees the rewrites before it: a norm of a norm reads the first one's call
+        for node in [n for n in graph.nodes if _is(n, aten.rsqrt.default)]:
+            if node._erased or (m := match(node)) is None:
+                continue
+            # the last node becomes the call, keeping its name (which the program's outputs may use) and value
             last = m["last"]
-            with graph.inserting_before(last):
-                fused = graph.call_function(rms_norm, (m["input"], m["eps"], m["dtype"], m["weight"]))
-            fused.meta = dict(last.meta)
-            last.replace_all_uses_with(fused)
-            for node in m["dead"]:
-                graph.erase_node(node)
-        if found:
+            last.target, last.args, last.kwargs = rms_norm, (m["input"], m["eps"], m["dtype"], m["weight"]), {}
+            for dead in m["dead"]:
+                graph.erase_node(dead)
+            replaced += 1
+        if replaced:
             graph_module.recompile()
-        return len(found)
+        return replaced

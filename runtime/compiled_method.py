@@ -76,17 +76,18 @@ def functional_overload(schema: torch.FunctionSchema) -> torch._ops.OpOverload:
     raise ProgramError(f"{schema.name}.{schema.overload_name} has no functional overload to compile it as")
 
 
-def _enum_argument(argument_type: str, value):
-    """An ExecuTorch integer given for a ScalarType / MemoryFormat / Layout argument, as the enum."""
+def _enum_argument(argument: torch.Argument, value):
+    """An ExecuTorch integer given for a ScalarType / MemoryFormat / Layout argument (optional or
+    not), as the enum; a code with no enum here stays the integer, as ATen takes it."""
     if not isinstance(value, int) or isinstance(value, bool):
         return value
-    if argument_type.startswith("ScalarType"):
-        if value not in _SCALAR_TYPES:
-            raise ProgramError(f"scalar type {value} has no dtype a compiled method maps it to")
-        return _SCALAR_TYPES[value]
-    if argument_type.startswith("MemoryFormat"):
-        return _MEMORY_FORMATS[value]
-    if argument_type.startswith("Layout"):
+    kind = argument.real_type
+    kind = str(kind.getElementType() if isinstance(kind, torch.OptionalType) else kind)
+    if kind == "ScalarType":
+        return _SCALAR_TYPES.get(value, value)
+    if kind == "MemoryFormat":
+        return _MEMORY_FORMATS[value] if 0 <= value < len(_MEMORY_FORMATS) else value
+    if kind == "Layout":
         return torch.strided if value == 0 else value
     return value
 
@@ -311,14 +312,14 @@ def _kernel(graph: torch.fx.Graph, ins, values, read, write) -> None:
     for name, vid in zip(positional_names, positional):
         if name in outs:  # in place: self is read, then written
             in_place_targets.append(vid)
-        args.append(_enum_argument(str(by_name[name].real_type), read(vid)))
+        args.append(_enum_argument(by_name[name], read(vid)))
     kwargs = {}
     out_ids = []  # (value id, whether it is a zero-element scratch the program does not read)
     for name, vid in keyword.items():
         if name in outs or name in scratch:
             out_ids.append((vid, name in scratch))
             continue
-        kwargs[name] = _enum_argument(str(by_name[name].real_type), read(vid))
+        kwargs[name] = _enum_argument(by_name[name], read(vid))
     kwargs.update(constant_keyword)
     wanted = {a.name for a in functional._schema.arguments}
     if out_ids:

@@ -102,6 +102,67 @@ def test_a_cast_read_elsewhere_stays_and_the_op_reads_it():
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_a_norm_of_a_norm_reads_the_first_ones_call(dtype, weighted):
+    """Each match sees the rewrites before it: the second norm's input is the first one's call."""
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = _norms("llama", 16).to(dtype), _norms("llama", 16).to(dtype)
+            with torch.no_grad():
+                self.first.weight.normal_()
+                self.second.weight.normal_()
+
+        def forward(self, x):
+            if weighted:
+                return self.second(self.first(x))
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    x = torch.randn(3, 16).to(dtype)
+    replaced, targets, before, after = _fused(Twice(), x)
+    assert replaced == 2 and targets.count(rms_norm) == 2 and torch.equal(after, before)
+
+
+def test_a_norm_whose_input_is_written_in_place_before_its_end_is_left_alone():
+    """The op reads its input once, where the norm ends; the ATen ops read it along the way."""
+    class Written(torch.nn.Module):
+        def forward(self, x):
+            h = x.to(torch.float32)
+            variance = h.pow(2).mean(-1, keepdim=True)
+            x.add_(1)
+            return (h * torch.rsqrt(variance + 1e-6)).to(x.dtype)
+
+    ep = torch.export.export(Written(), (torch.randn(2, 8, dtype=torch.bfloat16),))
+    assert FuseRmsNormPass().call(ep.graph_module) == 0
+
+
+def test_an_alpha_on_the_eps_sum_is_left_alone():
+    """``add.Scalar(mean, eps, alpha)`` adds alpha * eps: not the op's arithmetic."""
+    graph = torch.fx.Graph()
+    h = graph.placeholder("h")
+    h.meta["val"] = torch.empty(2, 8)
+    aten = torch.ops.aten
+    power = graph.call_function(aten.pow.Tensor_Scalar, (h, 2))
+    mean = graph.call_function(aten.mean.dim, (power, [-1], True))
+    add = graph.call_function(aten.add.Scalar, (mean, 1e-6, 1e6))
+    rsqrt = graph.call_function(aten.rsqrt.default, (add,))
+    graph.output(graph.call_function(aten.mul.Tensor, (h, rsqrt)))
+    assert FuseRmsNormPass().call(torch.fx.GraphModule(torch.nn.Module(), graph)) == 0
+
+
+def test_a_norm_that_is_the_programs_output_keeps_its_name():
+    """The last matched node becomes the call: the program's output names stay valid."""
+    norm = _norms("llama", 16)
+    x = torch.randn(2, 16)
+    ep = torch.export.export(norm, (x,))
+    assert FuseRmsNormPass().call(ep.graph_module) == 1
+    ep.validate()
+    assert torch.equal(ep.module()(x), norm(x))
+
+
 def test_exported_decoders_run_their_norms_as_the_op(tmp_path):
     """A tiny Llama's program: every norm is the op (two a layer and the final one), no rsqrt."""
     import hostswap.llm as llm
@@ -126,6 +187,8 @@ def test_an_out_or_weight_that_does_not_fit_is_refused_by_name():
         torch.ops.hostswap.rms_norm.out(x, 1e-6, torch.bfloat16, torch.ones(8), out=torch.empty(2, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"weight of shape \(4,\) for rows of 8; it takes one value per column"):
         torch.ops.hostswap.rms_norm.out(x, 1e-6, torch.float32, torch.ones(4), out=torch.empty(2, 8))
+    with pytest.raises(ValueError, match=r"weight of shape \(1,\) for rows of 8"):  # ATen would broadcast it; the kernel would read past it
+        torch.ops.hostswap.rms_norm(x, 1e-6, torch.float32, torch.ones(1))
 
 
 def _kernel_matches_reference(device: torch.device, dtypes) -> None:
