@@ -145,7 +145,8 @@ def test_the_cache_changes_nothing_for_a_row_nobody_reads():
     target, copy = cache.lookup(torch.tensor([5, 6]), (*tables, None, None), live=torch.tensor(False))
     assert target.tolist() == [-1, -1] and copy.tolist() == [0, 0]
     assert all(torch.equal(getattr(cache, name), before[name]) for name in STATE)
-    assert all(torch.equal(a, b) for a, b in zip((t for t in cache.tables if t is not None), slots_before))
+    # byte for byte: a slot never filled holds whatever its memory held, NaN patterns included
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip((t for t in cache.tables if t is not None), slots_before))
     target, copy = cache.lookup(torch.tensor([5, 0]), (*tables, None, None), live=torch.tensor(True))
     assert copy.tolist() == [1, 0] and cache.counts()[:2] == (1, 3)
 
