@@ -97,6 +97,12 @@ def rms_norm_into(input: torch.Tensor, eps: float, dtype: torch.dtype, weight: t
     return launch(input, eps, dtype, weight, out)
 
 
+@functools.lru_cache(maxsize=None)
+def _inverse(n: int) -> float:
+    """1/n in float32, as ATen's mean scales its sum (computed once per row length)."""
+    return (torch.ones((), dtype=torch.float32) / n).item()
+
+
 def launch(input: torch.Tensor, eps: float, dtype: torch.dtype, weight: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """The kernel over ``input``'s rows into contiguous ``out`` (any device Triton runs on:
     the GPU, or the CPU through its interpreter)."""
@@ -110,11 +116,10 @@ def launch(input: torch.Tensor, eps: float, dtype: torch.dtype, weight: torch.Te
     if x.stride(-1) != 1:
         x = x.contiguous()
     block = min(triton.next_power_of_2(n), MAX_BLOCK)
-    inv_n = (torch.ones((), dtype=torch.float32) / n).item()  # 1/n in float32, as ATen's mean scales its sum
     kernel = _kernel()
     norm_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
     with torch.cuda.device(input.device) if input.is_cuda else contextlib.nullcontext():
         # no fused multiply-add: ATen rounds the mean and the sum with eps apart
-        kernel[(rows,)](x, x if weight is None else weight, out, x.stride(0), n, inv_n, float(eps), BLOCK=block, ONE_BLOCK=block >= n,
+        kernel[(rows,)](x, x if weight is None else weight, out, x.stride(0), n, _inverse(n), float(eps), BLOCK=block, ONE_BLOCK=block >= n,
                         NORM_DTYPE=norm_dtype, WEIGHTED=weight is not None, num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
     return out

@@ -21,6 +21,7 @@ import torch
 from torch.library import Library
 
 from hostswap.kernels.rms_norm import result_dtype, rms_norm_into
+from hostswap.passes.graph_facts import written_between
 from hostswap.passes.probe_op import NAMESPACE
 
 _ARGS = "Tensor input, float eps, ScalarType dtype, Tensor? weight=None"
@@ -153,30 +154,12 @@ def match(rsqrt: torch.fx.Node) -> dict | None:
                 and result.dtype == torch.promote_types(vector.dtype, dtype)):
             weight, last = other, scaled
             dead.insert(0, scaled)
-    if _written_between(dead, last):
+    if written_between(dead, last):
         return None
     # a metadata check of a value that goes away goes with it
     gone = [node for node in dead if node is not last]
     checks = [user for node in gone for user in node.users if user.op == "call_function" and user.target in METADATA_CHECKS]
     return {"input": input, "eps": float(eps), "dtype": dtype, "weight": weight, "last": last, "dead": checks + gone}
-
-
-def _mutates(node: torch.fx.Node) -> bool:
-    target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
-
-
-def _written_between(matched: list[torch.fx.Node], last: torch.fx.Node) -> bool:
-    """Whether an op that writes a tensor in place runs among the matched nodes, before ``last``:
-    the op reads its inputs once, at ``last``, where the ATen ops read them along the way."""
-    pending, node = set(matched) - {last}, last.prev
-    while pending and node.op != "root":
-        if node in pending:
-            pending.discard(node)
-        elif _mutates(node):
-            return True
-        node = node.prev
-    return False
 
 
 class FuseRmsNormPass:

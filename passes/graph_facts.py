@@ -126,3 +126,22 @@ def gathered_only(placeholder: torch.fx.Node) -> bool:
     """``placeholder`` has readers, and each gathers rows of it."""
     users = list(placeholder.users)
     return bool(users) and all(reads_rows_of(u, placeholder) for u in users)
+
+
+def writes_in_place(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls an op that writes a tensor argument in place."""
+    op = underlying_op(node.target) if node.op == "call_function" else None
+    return op is not None and op._schema.is_mutable
+
+
+def written_between(matched: list[torch.fx.Node], last: torch.fx.Node) -> bool:
+    """Whether an in-place write runs among the ``matched`` nodes before ``last``: a fused op
+    that replaces them reads its inputs once, at ``last``, where they read them along the way."""
+    pending, node = set(matched) - {last}, last.prev
+    while pending and node.op != "root":
+        if node in pending:
+            pending.discard(node)
+        elif writes_in_place(node):
+            return True
+        node = node.prev
+    return False

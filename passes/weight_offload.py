@@ -311,7 +311,7 @@ def apply_weight_offload(ep: ExportedProgram, *, prefetch_depth: int = 1, pin: S
     WeightOffloadPass({name: fqn for name, fqn in by_placeholder.items() if fqn not in host_read}).call(ep.graph_module)
     # lowering would otherwise decompose attention into the math reference (see fused_attention.py)
     KeepFusedAttentionPass().call(ep.graph_module)
-    # and run an RMSNorm's normalization as six to eight launches (see fused_rms_norm.py)
+    # and run each RMSNorm as one op, not a launch per ATen op (see fused_rms_norm.py)
     FuseRmsNormPass().call(ep.graph_module)
     options = WeightOffloadOptions(prefetch_depth=prefetch_depth, pin=pin, host_read=host_read)
     ep.graph_module.meta[OPTIONS_META_KEY] = options
