@@ -1,15 +1,18 @@
-"""RMSNorm as one kernel: decode with ``hostswap::rms_norm`` against the same program's norms as ATen ops.
+"""Norms and rotary as one kernel: decode with ``hostswap::rms_norm`` and ``hostswap::rotary`` against the same program's ATen ops.
 
     python bench/norms.py [--models llama,qwen3-moe] [--budgets all,floor] [--new-tokens 64] [--repeats 3]
 
-Each model is a random bf16 checkpoint (``bench/checkpoints.py``) exported twice from its shards:
-as ``hostswap.llm.export_checkpoint`` writes it (each RMSNorm, weight included, one
-``hostswap::rms_norm``: passes/fused_rms_norm.py) and with that pass switched off (the norms
-as transformers writes them: casts, pow, mean, add, rsqrt and two products, one launch each).
-For every budget asked (``all``: every weight resident; ``floor``), a ``Generator`` of each
-program decodes ``--new-tokens`` greedy tokens after a 32-token prompt ``--repeats`` times
-(graphed decode); a row records each program's median ms/token, the speed-up, and whether
-the tokens are the same, with the first position where they part. The models: ``llama``
+Each model is a random bf16 checkpoint (``bench/checkpoints.py``) exported three times from its
+shards: with both passes switched off ("ATen ops": each RMSNorm as transformers writes it,
+casts, pow, mean, add, rsqrt and two products, and each rotary embedding as two products, a
+negation, a concatenation and a sum, one launch each), with the norms only ("norms": each
+RMSNorm, weight included, one ``hostswap::rms_norm``, passes/fused_rms_norm.py), and as
+``hostswap.llm.export_checkpoint`` writes it ("norms and rotary": also each rotated query and
+key one ``hostswap::rotary``, passes/fused_rotary.py). For every budget asked (``all``: every
+weight resident; ``floor``), a ``Generator`` of each program decodes ``--new-tokens`` greedy
+tokens after a 32-token prompt ``--repeats`` times (graphed decode); a row records each
+program's median ms/token, the fused programs' speed-ups over the ATen ops, and whether their
+tokens are the ATen ops', with the first position where they part. The models: ``llama``
 (bench/generate.py's layer, hidden 2048, 12 layers) and ``qwen3-moe`` (bench/moe.py's
 Qwen3-MoE layer, which also normalizes each head's queries and keys, 8 layers, with
 ``--experts`` experts: decode reads 8 of them a token at any count, so fewer make a smaller
@@ -38,22 +41,28 @@ from weights import add_row, environment, result_path  # noqa: E402
 from hostswap import llm  # noqa: E402
 from hostswap.checkpoint import export_checkpoint  # noqa: E402
 from hostswap.passes.fused_rms_norm import FuseRmsNormPass  # noqa: E402
+from hostswap.passes.fused_rotary import FuseRotaryPass  # noqa: E402
 from hostswap.runtime.budget import load_floor_on  # noqa: E402
 from hostswap.schedules.pte_program import read_program  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
 
-MODES = ("one kernel", "ATen ops")
+# each program, and the passes switched off to export it
+MODES = {"ATen ops": (FuseRmsNormPass, FuseRotaryPass), "norms": (FuseRotaryPass,), "norms and rotary": ()}
+FUSED = ("norms", "norms and rotary")
 
 
 @contextlib.contextmanager
-def norms_as_aten_ops():
-    """Exports in the body keep each RMSNorm as the ATen ops transformers writes."""
-    call = FuseRmsNormPass.call
-    FuseRmsNormPass.call = lambda self, graph_module: 0
+def passes_off(*passes):
+    """Exports in the body leave what ``passes`` (fusion pass classes) would fuse as the ATen ops
+    transformers writes."""
+    calls = {p: p.call for p in passes}
+    for p in passes:
+        p.call = lambda self, graph_module: 0
     try:
         yield
     finally:
-        FuseRmsNormPass.call = call
+        for p, call in calls.items():
+            p.call = call
 
 
 def model_config(name: str, layers: int | None, experts: int):
@@ -72,10 +81,11 @@ def model_config(name: str, layers: int | None, experts: int):
     raise SystemExit(f"--models takes llama, qwen3-moe and tiny, got {name!r}")
 
 
-def norm_kernels(pte: str) -> int:
+def op_calls(pte: str, op: str) -> int:
+    """Calls of operator ``op`` in the decode method of program ``pte``."""
     plan = next(p for p in read_program(pte).execution_plan if p.name == llm.DECODE)
     return sum(1 for chain in plan.chains for ins in chain.instructions
-               if type(ins.instr_args).__name__ == "KernelCall" and plan.operators[ins.instr_args.op_index].name == "hostswap::rms_norm")
+               if type(ins.instr_args).__name__ == "KernelCall" and plan.operators[ins.instr_args.op_index].name == op)
 
 
 def decode(pte: str, ptd: str, budget: int, prompt: torch.Tensor, new_tokens: int, repeats: int, device: torch.device) -> dict:
@@ -109,13 +119,14 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             checkpoint = write_checkpoint(os.path.join(work, "ckpt"), config)
             programs = {}
-            for mode in MODES:
-                with norms_as_aten_ops() if mode == "ATen ops" else contextlib.nullcontext():
+            for mode, off in MODES.items():
+                with passes_off(*off):
                     programs[mode] = export_checkpoint(os.path.join(work, "ckpt"), os.path.join(work, mode.replace(" ", "_")), max_seq_len=32 + args.new_tokens,
                                                        prefill_chunk=32)
             result["models"][name] = {"config": config.to_dict(), "checkpoint_bytes": checkpoint["bytes"], "setup_s": time.perf_counter() - start,
-                                      "norm_kernels": {mode: norm_kernels(pte) for mode, (pte, _) in programs.items()}}
-            schedules = load_weight_schedules(programs["one kernel"][0])
+                                      "calls": {mode: {op: op_calls(pte, op) for op in ("hostswap::rms_norm", "hostswap::rotary")}
+                                                for mode, (pte, _) in programs.items()}}
+            schedules = load_weight_schedules(programs["norms and rotary"][0])
             floor = load_floor_on(schedules, device)
             everything = max(max(s.all_resident_budget_bytes for s in schedules.values()), floor)
             budgets = {"all": ("all resident", everything), "floor": ("floor", floor)}
@@ -125,9 +136,10 @@ def main(argv=None) -> int:
                 row = {"model": name, "budget": label, "budget_bytes": budget}
                 for mode, (pte, ptd) in programs.items():
                     row[mode] = decode(pte, ptd, budget, prompt, args.new_tokens, args.repeats, device)
-                fused, aten = row["one kernel"], row["ATen ops"]
-                row["speedup"] = aten["ms_per_token"] / fused["ms_per_token"]
-                row["first_difference"] = next((i for i, (a, b) in enumerate(zip(fused["tokens"], aten["tokens"])) if a != b), None)
+                aten = row["ATen ops"]
+                for mode in FUSED:
+                    row[mode]["speedup"] = aten["ms_per_token"] / row[mode]["ms_per_token"]
+                    row[mode]["first_difference"] = next((i for i, (a, b) in enumerate(zip(row[mode]["tokens"], aten["tokens"])) if a != b), None)
                 add_row(result, row, path, shown={k: v for k, v in row.items() if k not in MODES} | {m: row[m]["ms_per_token"] for m in MODES})
     print(f"wrote {path}")
     return 0

@@ -1194,8 +1194,8 @@ def moe_prefill_section(paths: list[str], plot_path: str | None) -> str:
 
 
 def norms_section(paths: list[str], plot_path: str | None) -> str:
-    """A row per (model, budget): graphed decode with each RMSNorm one kernel against the same
-    checkpoint's program with its norms as ATen ops."""
+    """A row per (model, budget): graphed decode with the norms, then also the rotary embeddings,
+    one kernel each, against the same checkpoint's program of ATen ops."""
     r = json.load(open(paths[0]))
     rows = []
     for row in r["rows"]:
@@ -1204,11 +1204,15 @@ def norms_section(paths: list[str], plot_path: str | None) -> str:
         experts = c.get("num_experts")
         shape = (f"{c['model_type']}, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}" + (f", {experts} experts, top-{c['num_experts_per_tok']}" if experts else "")
                  + f", {m['checkpoint_bytes'] / 2**30:.2f} GiB")
-        fused, aten = row["one kernel"], row["ATen ops"]
-        first = row["first_difference"]
-        rows.append([shape, row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", str(m["norm_kernels"]["one kernel"]), f"{fused['ms_per_token']:.2f}",
-                     f"{aten['ms_per_token']:.2f}", f"{row['speedup']:.2f}", "yes" if first is None else f"from token {first}"])
-    headers = ["model", "budget", "GiB", "norms per decode step", "one kernel: ms/token", "ATen ops: ms/token", "speed-up", "same tokens"]
+        calls = m["calls"]["norms and rotary"]
+        cells = [shape, row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", f"{calls['hostswap::rms_norm']} + {calls['hostswap::rotary']}",
+                 f"{row['ATen ops']['ms_per_token']:.2f}"]
+        for mode in ("norms", "norms and rotary"):
+            first = row[mode]["first_difference"]
+            cells += [f"{row[mode]['ms_per_token']:.2f} ({row[mode]['speedup']:.2f} x)", "yes" if first is None else f"from token {first}"]
+        rows.append(cells)
+    headers = ["model", "budget", "GiB", "norms + rotary per decode step", "ATen ops: ms/token", "norms one kernel: ms/token (speed-up)", "same tokens",
+               "norms and rotary one kernel: ms/token (speed-up)", "same tokens"]
     head = f"{r['new_tokens']} greedy tokens after a {r['prompt_tokens']}-token prompt, median of {r['repeats']}; {_machine(r['environment'])}"
     return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
@@ -1272,7 +1276,7 @@ TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "act
           "tp": "Tensor-parallel streaming over several GPUs", "fsdp": "Sharded training (FSDP2) with host offloads",
           "guess": "MoE: the next-layer guess and the expert cache, traced", "moebatch": "MoE: batched decode through the expert caches",
           "moedisk": "MoE: expert tables on disk behind a host cache", "moeprefill": "MoE: prefill reads each chunk's experts once",
-          "norms": "RMSNorm as one kernel"}
+          "norms": "Norms and rotary as one kernel each"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "guess": "`bench/expert_guess.py`: transformers' own forward of the MoE bench's shape (made to fit a CPU) with bench/moe.py's random "
@@ -1342,12 +1346,14 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
                "max(pinned eager ms/token, bytes read from disk per token / the `.ptd`'s O_DIRECT read speed in the same run). A block's picks "
                "are known only once its router has run, and the host reads them before its products, so reads and compute run in series: "
                "\"ratio to series\" sets each row against pinned eager + disk bytes / disk speed.",
-    "norms": "`bench/norms.py`: a random bf16 checkpoint exported twice from its shards, as `hostswap.llm.export_checkpoint` writes it (each "
-             "RMSNorm, its weight's product included, one `hostswap::rms_norm`: a Triton kernel on CUDA) and with that pass off (the norm as "
-             "transformers writes it: casts, pow, mean, add, rsqrt and two products, one launch each), decoded by `hostswap.llm.Generator` "
-             "with a CUDA graph. With every weight resident a decode step is mostly short launches, and the norms were about a third of them; at "
-             "the floor the step waits on the bus. \"Same tokens\": the greedy tokens of the two programs; the kernel's float32 sums run in "
-             "another order than ATen's mean, so a value can differ by a rounding.",
+    "norms": "`bench/norms.py`: a random bf16 checkpoint exported three times from its shards: with each RMSNorm and rotary embedding as "
+             "transformers writes them (\"ATen ops\": casts, pow, mean, add, rsqrt and two products a norm; two products, a negation, a "
+             "concatenation and a sum a rotated tensor; one launch each), with each norm, its weight's product included, one "
+             "`hostswap::rms_norm`, and as `hostswap.llm.export_checkpoint` writes it, each rotated query and key also one `hostswap::rotary` "
+             "(Triton kernels on CUDA). Decoded by `hostswap.llm.Generator` with a CUDA graph; with every weight resident a decode step is "
+             "mostly short launches, at the floor it waits on the bus. \"Same tokens\": against the ATen ops' greedy tokens. The rotary "
+             "kernel rounds where the ATen ops do (bitwise); the norm kernel's float32 sums run in another order than ATen's mean, so a "
+             "value can differ by a rounding.",
     "moeprefill": "`hostswap.llm.Generator` on a random MoE checkpoint exported once, its experts read in place (`bench/moe_prefill.py`). "
                   "A prefill chunk reads the union of its tokens' experts, each once: one launch per projection (`kernels/routed_grouped.py`) "
                   "sorts the chunk's picks by expert on the device and reads every picked expert where it lies, from a cache's slot where "

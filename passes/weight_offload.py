@@ -13,6 +13,7 @@ from torch.export.graph_signature import InputKind
 from hostswap.passes import probe_op
 from hostswap.passes.fused_attention import KeepFusedAttentionPass
 from hostswap.passes.fused_rms_norm import FuseRmsNormPass
+from hostswap.passes.fused_rotary import FuseRotaryPass
 from hostswap.passes.quantized_linear import is_torchao_tensor
 from hostswap.passes.graph_facts import first_tensor_input, gathered_only, is_probe, is_view_like, reads_no_data, underlying_op, view_chain_root, views_and_readers
 from hostswap.passes.schedule_builder import schedule_from_graph
@@ -311,8 +312,9 @@ def apply_weight_offload(ep: ExportedProgram, *, prefetch_depth: int = 1, pin: S
     WeightOffloadPass({name: fqn for name, fqn in by_placeholder.items() if fqn not in host_read}).call(ep.graph_module)
     # lowering would otherwise decompose attention into the math reference (see fused_attention.py)
     KeepFusedAttentionPass().call(ep.graph_module)
-    # and run each RMSNorm as one op, not a launch per ATen op (see fused_rms_norm.py)
+    # and run each RMSNorm and rotary embedding as one op, not a launch per ATen op (fused_rms_norm.py, fused_rotary.py)
     FuseRmsNormPass().call(ep.graph_module)
+    FuseRotaryPass().call(ep.graph_module)
     options = WeightOffloadOptions(prefetch_depth=prefetch_depth, pin=pin, host_read=host_read)
     ep.graph_module.meta[OPTIONS_META_KEY] = options
     schedule = schedule_from_exported_program(ep)

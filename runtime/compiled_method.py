@@ -31,6 +31,7 @@ import torch
 import torch.fx
 
 from hostswap.kernels.rms_norm import rms_norm_reference
+from hostswap.kernels.rotary import rotary_reference
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.instructions import FunctionalAsOut, ListRef, ProgramError, copy_into
 from hostswap.runtime.method_loader import LoadedMethod
@@ -122,7 +123,7 @@ def attention_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 
 
 # ops a compiled graph runs as plain tensor ops instead of their opaque kernel (inductor fuses them)
-_COMPILED_FORMS = {"hostswap::sdpa": attention_math, "hostswap::rms_norm": rms_norm_reference}
+_COMPILED_FORMS = {"hostswap::sdpa": attention_math, "hostswap::rms_norm": rms_norm_reference, "hostswap::rotary": rotary_reference}
 
 
 def view_copy_form(functional: torch._ops.OpOverload):

@@ -185,25 +185,30 @@ def test_moe_prefill_bench_measures_each_budget_grouped_and_expert_by_expert(tmp
 
 
 def test_norms_bench_decodes_each_program_at_each_budget(tmp_path):
-    """bench/norms.py on a tiny Llama on the CPU: the program with each norm one op (two a layer
-    and the final one) and the one the context exports with none, at both budgets; on the CPU
-    the op runs the same ATen ops, so the tokens are the same; the result file renders."""
+    """bench/norms.py on a tiny Llama on the CPU: the program of ATen ops, the one with each norm
+    one op (two a layer and the final one) and the one with each rotated query and key one op
+    too, at both budgets; on the CPU the ops run the same ATen ops, so the tokens are the same;
+    the result file renders."""
     from hostswap.passes.fused_rms_norm import FuseRmsNormPass
+    from hostswap.passes.fused_rotary import FuseRotaryPass
 
     norms = bench_scripts.load("norms")
-    call = FuseRmsNormPass.call
-    with norms.norms_as_aten_ops():
-        assert FuseRmsNormPass().call(None) == 0
-    assert FuseRmsNormPass.call is call
+    calls = FuseRmsNormPass.call, FuseRotaryPass.call
+    with norms.passes_off(FuseRmsNormPass, FuseRotaryPass):
+        assert FuseRmsNormPass().call(None) == 0 and FuseRotaryPass().call(None) == 0
+    assert (FuseRmsNormPass.call, FuseRotaryPass.call) == calls
     assert norms.main(["--models", "tiny", "--budgets", "all,floor", "--new-tokens", "3", "--repeats", "1", "--device", "cpu",
                        "--work", str(tmp_path), "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "norms_cpu.json").read_text())
-    assert result["models"]["tiny"]["norm_kernels"] == {"one kernel": 5, "ATen ops": 0}
+    assert result["models"]["tiny"]["calls"] == {"ATen ops": {"hostswap::rms_norm": 0, "hostswap::rotary": 0},
+                                                 "norms": {"hostswap::rms_norm": 5, "hostswap::rotary": 0},
+                                                 "norms and rotary": {"hostswap::rms_norm": 5, "hostswap::rotary": 4}}
     assert [r["budget"] for r in result["rows"]] == ["all resident", "floor"]
     for r in result["rows"]:
-        assert r["first_difference"] is None and r["one kernel"]["tokens"] == r["ATen ops"]["tokens"] and r["speedup"] > 0
+        for mode in ("norms", "norms and rotary"):
+            assert r[mode]["first_difference"] is None and r[mode]["tokens"] == r["ATen ops"]["tokens"] and r[mode]["speedup"] > 0
     section = bench_scripts.load("report").norms_section([str(tmp_path / "norms_cpu.json")], None)
-    assert "| llama, 2 layers, hidden 64" in section and "| yes " in section
+    assert "| llama, 2 layers, hidden 64" in section and "| 5 + 4 " in section and "| yes " in section
 
 
 def test_moe_disk_bench_measures_pinned_and_disk_rows_against_the_disk(tmp_path):
