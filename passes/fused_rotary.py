@@ -16,6 +16,7 @@ import torch
 from torch.library import Library
 
 from hostswap.kernels.rotary import DTYPES, rotary_into
+from hostswap.passes.graph_facts import written_between
 from hostswap.passes.probe_op import NAMESPACE
 
 ROTARY_SCHEMA = "rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor"
@@ -94,7 +95,8 @@ def _slice_of(node, x, dims: int):
 
 def match(add: torch.fx.Node) -> dict | None:
     """The rotary expression summed by an ``aten.add`` node, as plain data, or None where it is
-    not one: ``x``, ``cos``, ``sin`` and ``dead`` (the nodes the op makes unused, users first)."""
+    not one: ``x``, ``cos``, ``sin``, ``last`` (the sum, which becomes the op's call) and
+    ``dead`` (the other nodes it makes unused, users first)."""
     if not _is(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
         return None
     for straight, turned in (add.args, add.args[::-1]):
@@ -130,7 +132,10 @@ def match(add: torch.fx.Node) -> dict | None:
                     continue
             except RuntimeError:
                 continue
-            return {"x": x, "cos": cos, "sin": sin, "last": add, "dead": [add, straight, turned, cat, negated, first, second]}
+            dead = [straight, turned, cat, negated, first, second]
+            if written_between(dead + [add], add):
+                continue
+            return {"x": x, "cos": cos, "sin": sin, "last": add, "dead": dead}
     return None
 
 
@@ -139,16 +144,17 @@ class FuseRotaryPass:
 
     def call(self, graph_module: torch.fx.GraphModule) -> int:
         """Rewrites the graph in place; returns the number of tensors rotated by the op."""
-        graph = graph_module.graph
-        found = [m for node in list(graph.nodes) if (m := match(node)) is not None]
-        for m in found:
+        graph, replaced = graph_module.graph, 0
+        # each match sees the rewrites before it
+        for node in [n for n in graph.nodes if _is(n, aten.add.Tensor)]:
+            if node._erased or (m := match(node)) is None:
+                continue
+            # the sum becomes the call, keeping its name (which the program's outputs may use) and value
             last = m["last"]
-            with graph.inserting_before(last):
-                fused = graph.call_function(rotary, (m["x"], m["cos"], m["sin"]))
-            fused.meta = dict(last.meta)
-            last.replace_all_uses_with(fused)
-            for node in m["dead"]:
-                graph.erase_node(node)
-        if found:
+            last.target, last.args, last.kwargs = rotary, (m["x"], m["cos"], m["sin"]), {}
+            for dead in m["dead"]:
+                graph.erase_node(dead)
+            replaced += 1
+        if replaced:
             graph_module.recompile()
-        return len(found)
+        return replaced

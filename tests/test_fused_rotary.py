@@ -85,6 +85,37 @@ def test_what_is_not_rotary_is_left_alone(kind):
     assert all(torch.equal(a, b) for a, b in zip(leaves(before), leaves(after)))
 
 
+def test_rotary_of_rotary_and_as_the_programs_output():
+    """Each match sees the rewrites before it (the second rotation reads the first one's call),
+    and the sum becomes the call, so the program's output names stay valid."""
+    class Twice(torch.nn.Module):
+        def forward(self, x, cos, sin):
+            from transformers.models.llama.modeling_llama import rotate_half
+
+            once = x * cos + rotate_half(x) * sin
+            return once * sin + rotate_half(once) * cos
+
+    x, _, cos, sin = _inputs(torch.bfloat16)
+    ep = torch.export.export(Twice(), (x, cos[:, :, None], sin[:, :, None]))
+    before = ep.module()(x, cos[:, :, None], sin[:, :, None])
+    assert FuseRotaryPass().call(ep.graph_module) == 2
+    ep.validate()
+    assert torch.equal(ep.module()(x, cos[:, :, None], sin[:, :, None]), before)
+
+
+def test_a_rotation_whose_input_is_written_in_place_before_its_sum_is_left_alone():
+    class Written(torch.nn.Module):
+        def forward(self, x, cos, sin):
+            h = x.shape[-1] // 2
+            straight = x * cos
+            x.add_(1)
+            return straight + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+    x, _, cos, sin = _inputs(torch.float32)
+    ep = torch.export.export(Written(), (x, cos[:, :, None], sin[:, :, None]))
+    assert FuseRotaryPass().call(ep.graph_module) == 0
+
+
 def test_cos_of_another_dtype_is_left_alone():
     """bfloat16 queries times float32 cos promote to float32: not the op's arithmetic."""
     replaced, targets, _, _ = _fused(_Attention(), *_inputs(torch.bfloat16, torch.float32))
