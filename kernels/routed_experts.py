@@ -65,6 +65,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from hostswap.kernels.expert_ids import ids_in_range
 from hostswap.kernels.routed_gemv import routed_gemv, supports as routed_gemv_supports
 from hostswap.kernels.routed_grouped import routed_grouped, segments
 from hostswap.kernels.routed_union import routed_union
@@ -282,7 +283,7 @@ def _check_ids(ids: torch.Tensor, num_experts: int, block: str) -> None:
     message = f"the router of {block} picked an expert outside 0..{num_experts - 1}; refusing to read another expert's weights"
     if ids.device.type == "cuda":
         # no host sync: a device-side assertion stops the stream (and the process's CUDA context)
-        torch._assert_async(((ids >= 0) & (ids < num_experts)).all(), message)
+        torch._assert_async(ids_in_range(ids, num_experts), message)
     elif ids.numel() and not bool(((ids >= 0) & (ids < num_experts)).all()):
         bad = ids[(ids < 0) | (ids >= num_experts)][0].item()
         raise ExpertIndexError(f"{message} (expert {bad})")
@@ -317,7 +318,8 @@ def _pairs(hidden, ids, weights, gate_up, down, gate_up_bias, down_bias, activat
     selected = hidden if gemv and (tokens == 1 or union or grouped is not None) else hidden.repeat_interleave(k, dim=0)
     gate_up_source, down_source = fill[0] if fill is not None else (None, None)
 
-    at = flat.clamp(min=0)  # a row of -1 (no pick: weighted 0) gathers row 0 where the products do not skip it
+    # a row of -1 (no pick: weighted 0) gathers row 0 where the products do not skip it (none do on gathered rows)
+    at = flat.clamp(min=0) if not gemv or gate_up_bias is not None or down_bias is not None else None
 
     def linear(x, table, bias, source):
         first = x is selected  # (union, grouped) the first product's vectors are the tokens' (and it counts the experts read), the second's the picks'
