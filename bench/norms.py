@@ -94,7 +94,8 @@ def decode(pte: str, ptd: str, budget: int, prompt: torch.Tensor, new_tokens: in
         for _ in range(repeats):
             out = g.generate(prompt, new_tokens, eos_token_id=[])
             runs.append(g.stats["ms_per_token"])
-        return {"ms_per_token": sorted(runs)[(len(runs) - 1) // 2], "runs_ms": runs, "tokens": out[0, prompt.shape[1]:].tolist()}
+        return {"ms_per_token": sorted(runs)[(len(runs) - 1) // 2], "runs_ms": runs, "tokens": out[0, prompt.shape[1]:].tolist(),
+                "activation_arena_bytes": g.stats["activation_arena_bytes"]}
 
 
 def main(argv=None) -> int:

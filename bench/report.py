@@ -1217,6 +1217,25 @@ def norms_section(paths: list[str], plot_path: str | None) -> str:
     return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
+def gqa_section(paths: list[str], plot_path: str | None) -> str:
+    """A row per (model, cache length, budget): graphed decode with the grouped cache read in
+    place, against its heads repeated, and the activation arena each plans."""
+    r = json.load(open(paths[0]))
+    rows = []
+    for row in r["rows"]:
+        c = r["models"][row["model"]]["config"]
+        shape = f"{c['model_type']}, {c['num_hidden_layers']} layers, {c['num_attention_heads']} query / {c['num_key_value_heads']} KV heads"
+        repeated, grouped = row["heads repeated"], row["grouped in place"]
+        first = grouped["first_difference"]
+        rows.append([shape, row["max_seq_len"], row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", f"{repeated['ms_per_token']:.2f}",
+                     f"{grouped['ms_per_token']:.2f}", f"{grouped['speedup']:.2f}", f"{repeated['activation_arena_bytes'] / 2**20:.1f}",
+                     f"{grouped['activation_arena_bytes'] / 2**20:.1f}", "yes" if first is None else f"from token {first}"])
+    headers = ["model", "cache positions", "budget", "GiB", "heads repeated: ms/token", "grouped in place: ms/token", "speed-up",
+               "activation arena MiB, repeated", "grouped", "same tokens"]
+    head = f"{r['new_tokens']} greedy tokens after a {r['prompt_tokens']}-token prompt, median of {r['repeats']}; {_machine(r['environment'])}"
+    return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
 def serve_section(paths: list[str], plot_path: str | None) -> str:
     r = json.load(open(paths[0]))
     head = (f"Llama {r['layers']} layers (bf16, random weights, no end-of-sequence token), budget {r['budget']} ({r['budget_bytes'] / 2**20:.0f} MiB), "
@@ -1268,7 +1287,7 @@ SECTIONS = {"generate": generation_section, "weights": weights_section, "activat
             "export": export_section, "tiers": disk_tier_section, "load": load_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
             "speculative": speculative_section, "drafts": draft_cost_section, "tp": tensor_parallel_section,
             "fsdp": fsdp_section, "guess": guess_section, "moebatch": moe_batch_section, "moedisk": moe_disk_section,
-            "moeprefill": moe_prefill_section, "norms": norms_section}
+            "moeprefill": moe_prefill_section, "norms": norms_section, "gqa": gqa_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
           "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "load": "Load time against depth", "moe": "Mixture of experts: only the routed experts",
           "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding",
@@ -1276,7 +1295,7 @@ TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "act
           "tp": "Tensor-parallel streaming over several GPUs", "fsdp": "Sharded training (FSDP2) with host offloads",
           "guess": "MoE: the next-layer guess and the expert cache, traced", "moebatch": "MoE: batched decode through the expert caches",
           "moedisk": "MoE: expert tables on disk behind a host cache", "moeprefill": "MoE: prefill reads each chunk's experts once",
-          "norms": "Norms and rotary as one kernel each"}
+          "norms": "Norms and rotary as one kernel each", "gqa": "Grouped-query attention reads the cache in place"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "guess": "`bench/expert_guess.py`: transformers' own forward of the MoE bench's shape (made to fit a CPU) with bench/moe.py's random "
@@ -1354,6 +1373,11 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
              "mostly short launches, at the floor it waits on the bus. \"Same tokens\": against the ATen ops' greedy tokens. The rotary "
              "kernel rounds where the ATen ops do (bitwise); the norm kernel's float32 sums run in another order than ATen's mean, so a "
              "value can differ by a rounding.",
+    "gqa": "`bench/grouped_attention.py`: a random bf16 checkpoint exported twice per cache length: with each layer's key and value heads "
+           "repeated for its query heads as transformers' `repeat_kv` writes it (a copy of the whole static cache, every layer, every step) "
+           "and as `hostswap.llm.export_checkpoint` writes it, attention reading the grouped cache in place (SDPA's `enable_gqa`, "
+           "`passes/grouped_query_attention.py`). Decoded by `hostswap.llm.Generator` with a CUDA graph; attention reads every position of "
+           "the static cache, masked, so both grow with its length. The activation arena is where the repeated heads were planned.",
     "moeprefill": "`hostswap.llm.Generator` on a random MoE checkpoint exported once, its experts read in place (`bench/moe_prefill.py`). "
                   "A prefill chunk reads the union of its tokens' experts, each once: one launch per projection (`kernels/routed_grouped.py`) "
                   "sorts the chunk's picks by expert on the device and reads every picked expert where it lies, from a cache's slot where "

@@ -175,6 +175,8 @@ class FuseRmsNormPass:
             # the last node becomes the call, keeping its name (which the program's outputs may use) and value
             last = m["last"]
             last.target, last.args, last.kwargs = rms_norm, (m["input"], m["eps"], m["dtype"], m["weight"]), {}
+            # the op's result is contiguous, whatever layout the last product had
+            last.meta["val"] = last.meta["val"].new_empty(last.meta["val"].shape)
             for dead in m["dead"]:
                 graph.erase_node(dead)
             replaced += 1

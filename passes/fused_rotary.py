@@ -27,20 +27,27 @@ _lib.define(ROTARY_SCHEMA)
 _lib.define(ROTARY_OUT_SCHEMA)
 
 
-def _rotary(x, cos, sin):
-    return rotary_into(x, cos, sin, torch.empty(x.shape, dtype=x.dtype, device=x.device))
-
-
-def _rotary_out(x, cos, sin, *, out):
-    if out.dtype != x.dtype or out.shape != x.shape:
-        raise ValueError(f"hostswap::rotary.out: out is {tuple(out.shape)} {out.dtype}, the result is {tuple(x.shape)} {x.dtype}")
+def _check(x, cos, sin):
     try:
-        fits = torch.broadcast_shapes(x.shape, cos.shape, sin.shape) == x.shape and x.shape[-1] % 2 == 0
+        fits = x.dim() >= 1 and torch.broadcast_shapes(x.shape, cos.shape, sin.shape) == x.shape and x.shape[-1] % 2 == 0
     except RuntimeError:
         fits = False
     if not fits:
         raise ValueError(f"hostswap::rotary: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must broadcast to x {tuple(x.shape)}, "
                          "whose last dimension must be even")
+
+
+def _rotary(x, cos, sin):
+    _check(x, cos, sin)
+    return rotary_into(x, cos, sin, torch.empty(x.shape, dtype=x.dtype, device=x.device))
+
+
+def _rotary_out(x, cos, sin, *, out):
+    if out.dtype != x.dtype or out.shape != x.shape or out.device != x.device:
+        raise ValueError(f"hostswap::rotary.out: out is {tuple(out.shape)} {out.dtype} on {out.device}, "
+                         f"the result is {tuple(x.shape)} {x.dtype} on {x.device}")
+    _check(x, cos, sin)
+    # (out must not overlap x: a row's program reads each value's partner after others may have been stored)
     return rotary_into(x, cos, sin, out)
 
 
@@ -152,6 +159,8 @@ class FuseRotaryPass:
             # the sum becomes the call, keeping its name (which the program's outputs may use) and value
             last = m["last"]
             last.target, last.args, last.kwargs = rotary, (m["x"], m["cos"], m["sin"]), {}
+            # the op's result is contiguous, whatever layout the sum had (a transposed query's)
+            last.meta["val"] = last.meta["val"].new_empty(last.meta["val"].shape)
             for dead in m["dead"]:
                 graph.erase_node(dead)
             replaced += 1

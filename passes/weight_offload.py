@@ -14,6 +14,7 @@ from hostswap.passes import probe_op
 from hostswap.passes.fused_attention import KeepFusedAttentionPass
 from hostswap.passes.fused_rms_norm import FuseRmsNormPass
 from hostswap.passes.fused_rotary import FuseRotaryPass
+from hostswap.passes.grouped_query_attention import GroupedQueryAttentionPass
 from hostswap.passes.quantized_linear import is_torchao_tensor
 from hostswap.passes.graph_facts import first_tensor_input, gathered_only, is_probe, is_view_like, reads_no_data, underlying_op, view_chain_root, views_and_readers
 from hostswap.passes.schedule_builder import schedule_from_graph
@@ -312,6 +313,8 @@ def apply_weight_offload(ep: ExportedProgram, *, prefetch_depth: int = 1, pin: S
     WeightOffloadPass({name: fqn for name, fqn in by_placeholder.items() if fqn not in host_read}).call(ep.graph_module)
     # lowering would otherwise decompose attention into the math reference (see fused_attention.py)
     KeepFusedAttentionPass().call(ep.graph_module)
+    # which reads a grouped-query cache in place, not with its heads repeated (grouped_query_attention.py)
+    GroupedQueryAttentionPass().call(ep.graph_module)
     # and run each RMSNorm and rotary embedding as one op, not a launch per ATen op (fused_rms_norm.py, fused_rotary.py)
     FuseRmsNormPass().call(ep.graph_module)
     FuseRotaryPass().call(ep.graph_module)

@@ -211,6 +211,30 @@ def test_norms_bench_decodes_each_program_at_each_budget(tmp_path):
     assert "| llama, 2 layers, hidden 64" in section and "| 5 + 4 " in section and "| yes " in section
 
 
+def test_grouped_attention_bench_decodes_both_programs_at_each_cache_length(tmp_path):
+    """bench/grouped_attention.py on a tiny Llama (4 query heads, 2 KV heads) on the CPU: the
+    program whose graph repeats the heads and the one reading the grouped cache, at two cache
+    lengths; the same tokens (on the CPU the op repeats the heads itself), the repeated heads
+    gone from the activation arena, which grows with the cache only where they are planned;
+    the result file renders."""
+    gqa = bench_scripts.load("grouped_attention")
+    assert gqa.main(["--models", "tiny", "--layers", "2", "--max-seq-lens", "96,192", "--budgets", "all", "--new-tokens", "3", "--repeats", "1",
+                     "--device", "cpu", "--work", str(tmp_path), "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gqa_cpu.json").read_text())
+    rows = result["rows"]
+    assert [(r["max_seq_len"], r["budget"]) for r in rows] == [(96, "all resident"), (192, "all resident")]
+    for r in rows:
+        repeated, grouped = r["heads repeated"], r["grouped in place"]
+        assert grouped["tokens"] == repeated["tokens"] and grouped["first_difference"] is None and grouped["speedup"] > 0
+        assert grouped["activation_arena_bytes"] < repeated["activation_arena_bytes"]
+    (short_repeated, short_grouped), (long_repeated, long_grouped) = [
+        (r["heads repeated"]["activation_arena_bytes"], r["grouped in place"]["activation_arena_bytes"]) for r in rows]
+    # the repeated heads grow with the cache; what is left grows only by the mask's row
+    assert long_repeated - short_repeated > 8 * (long_grouped - short_grouped) > 0
+    section = bench_scripts.load("report").gqa_section([str(tmp_path / "gqa_cpu.json")], None)
+    assert "| llama, 2 layers, 4 query / 2 KV heads | 192 " in section and "| yes " in section
+
+
 def test_moe_disk_bench_measures_pinned_and_disk_rows_against_the_disk(tmp_path):
     """bench/moe_disk.py on the tiny shape on the CPU: the pinned row, then a host cache of one
     call's picks per block with the tables on disk, its tokens the pinned row's; the result

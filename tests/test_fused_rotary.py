@@ -47,8 +47,12 @@ def _fused(module, *args):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_transformers_rotary_becomes_one_op_per_tensor_with_bitwise_values(dtype):
     args = _inputs(dtype)
+    ep = torch.export.export(_Attention(), args)
     replaced, targets, before, after = _fused(_Attention(), *args)
     assert replaced == 2 and targets.count(rotary) == 2
+    # the calls' recorded values are laid out as the op returns them (the queries were transposed)
+    FuseRotaryPass().call(ep.graph_module)
+    assert all(n.meta["val"].is_contiguous() for n in ep.graph.nodes if n.op == "call_function" and n.target is rotary)
     assert aten.neg.default not in targets and aten.cat.default not in targets
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert all(torch.equal(a, b) for a, b in zip(after, _Attention()(*args)))
@@ -124,10 +128,18 @@ def test_cos_of_another_dtype_is_left_alone():
 
 def test_an_out_or_cos_that_does_not_fit_is_refused_by_name():
     x = torch.randn(2, 3, 8)
-    with pytest.raises(ValueError, match=r"hostswap::rotary.out: out is \(2, 3, 8\) torch.bfloat16, the result is \(2, 3, 8\) torch.float32"):
+    with pytest.raises(ValueError, match=r"hostswap::rotary.out: out is \(2, 3, 8\) torch.bfloat16 on cpu, the result is \(2, 3, 8\) torch.float32 on cpu"):
         torch.ops.hostswap.rotary.out(x, x, x, out=torch.empty(2, 3, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"cos \(2, 5, 8\) and sin \(2, 3, 8\) must broadcast to x \(2, 3, 8\)"):
         torch.ops.hostswap.rotary.out(x, torch.randn(2, 5, 8), x, out=torch.empty(2, 3, 8))
+    # the op without out checks the same, and an odd last dimension has no halves to swap
+    odd = torch.randn(2, 3, 7)
+    for call in (lambda: rotary(odd, odd, odd), lambda: torch.ops.hostswap.rotary.out(odd, odd, odd, out=torch.empty_like(odd)),
+                 lambda: rotary(torch.tensor(1.0), torch.tensor(1.0), torch.tensor(1.0))):
+        with pytest.raises(ValueError, match=r"must broadcast to x .*whose last dimension must be even"):
+            call()
+    with pytest.raises(ValueError, match=r"cos \(2, 5, 8\)"):
+        rotary(x, torch.randn(2, 5, 8), x)
 
 
 def _kernel_is_bitwise(device: torch.device, dtypes) -> None:

@@ -1,0 +1,137 @@
+"""Grouped-query attention reads its KV cache in place: the pass finds transformers'
+``repeat_kv`` in front of attention (and nothing else), the op repeats the heads itself off
+CUDA (bitwise what the graph computed before), and on CUDA reads them grouped (within a
+rounding of the repeated heads' result)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hostswap.passes.fused_attention import KeepFusedAttentionPass, sdpa
+from hostswap.passes.grouped_query_attention import GroupedQueryAttentionPass
+
+aten = torch.ops.aten
+
+
+def _repeat_kv(x, group):
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    return repeat_kv(x, group)
+
+
+class _Attention(torch.nn.Module):
+    """Attention over a grouped cache, its heads repeated by transformers' own ``repeat_kv``."""
+
+    def __init__(self, key_group=2, value_group=2, mask=True, read_repeat=False):
+        super().__init__()
+        self.key_group, self.value_group, self.mask, self.read_repeat = key_group, value_group, mask, read_repeat
+
+    def forward(self, q, k, v):
+        key, value = _repeat_kv(k, self.key_group), _repeat_kv(v, self.value_group)
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril(k.shape[-2] - q.shape[-2]) if self.mask else None
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=0.3)
+        return (out, key.sum()) if self.read_repeat else out
+
+
+def _inputs(dtype, heads=4, kv_heads=2, length=3, cache=7):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, length, 16, generator=g).to(dtype)
+    return q, torch.randn(2, kv_heads, cache, 16, generator=g).to(dtype), torch.randn(2, kv_heads, cache, 16, generator=g).to(dtype)
+
+
+def _rewritten(module, *args):
+    ep = torch.export.export(module, args)
+    before = ep.module()(*args)
+    KeepFusedAttentionPass().call(ep.graph_module)
+    changed = GroupedQueryAttentionPass().call(ep.graph_module)
+    calls = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is sdpa]
+    return changed, calls, ep, before, ep.module()(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask", [True, False])
+def test_repeated_heads_become_a_grouped_read_with_bitwise_values_off_cuda(dtype, mask):
+    changed, calls, ep, before, after = _rewritten(_Attention(mask=mask), *_inputs(dtype))
+    assert changed == 1 and len(calls) == 1
+    call = calls[0]
+    assert [a.target for a in call.args[1:3]] == ["k", "v"] or [a.op for a in call.args[1:3]] == ["placeholder", "placeholder"]
+    assert call.kwargs.get("enable_gqa") is True
+    targets = {n.target for n in ep.graph.nodes if n.op == "call_function"}
+    assert aten.expand.default not in targets  # the repeat is gone
+    ep.validate()
+    assert torch.equal(before, after)
+
+
+def test_a_tiny_llamas_decode_and_prefill_read_the_cache_in_place():
+    import transformers as T
+
+    from hostswap import llm
+
+    config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    programs, _ = llm.export_programs(T.LlamaForCausalLM(config).eval(), max_seq_len=16, prefill_chunk=4)
+    for name, ep in programs.items():
+        calls = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is sdpa]
+        assert len(calls) == 2, name
+        for call in calls:
+            assert call.kwargs.get("enable_gqa") is True, name
+            assert call.args[1].meta["val"].shape[1] == 2 and call.args[2].meta["val"].shape[1] == 2, name
+        assert not any(n.target is aten.expand.default and n.meta["val"].dim() == 5 for n in ep.graph.nodes if n.op == "call_function"), name
+
+
+@pytest.mark.parametrize("case", ["one head a group", "key and value grouped apart", "only the key repeated"])
+def test_what_is_not_a_grouped_cache_is_left_alone(case):
+    module, args = {
+        "one head a group": (_Attention(1, 1), _inputs(torch.float32, heads=4, kv_heads=4)),
+        "key and value grouped apart": (_GroupedApart(), _inputs(torch.float32, heads=4, kv_heads=2)),
+        "only the key repeated": (_KeyOnly(), _inputs(torch.float32, heads=4, kv_heads=2)),
+    }[case]
+    changed, calls, ep, before, after = _rewritten(module, *args)
+    assert changed == 0 and not calls[0].kwargs.get("enable_gqa", False)
+    assert torch.equal(before, after)
+
+
+class _GroupedApart(torch.nn.Module):
+    """Key heads repeated by transformers' grouping, value heads tiled (another order)."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), v.repeat(1, 2, 1, 1))
+
+
+class _KeyOnly(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), torch.cat([v, v], dim=1))
+
+
+def test_a_repeat_read_elsewhere_stays_for_that_reader():
+    changed, calls, ep, before, after = _rewritten(_Attention(read_repeat=True), *_inputs(torch.float32))
+    assert changed == 1 and calls[0].kwargs.get("enable_gqa") is True
+    assert sum(n.target is aten.expand.default for n in ep.graph.nodes) == 1  # the key's repeat, which the sum reads
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_op_repeats_the_heads_itself_off_cuda(dtype):
+    q, k, v = _inputs(dtype, heads=8, kv_heads=2, length=1, cache=9)
+    mask = torch.rand(1, 1, 1, 9, generator=torch.Generator().manual_seed(1)) > 0.3
+    grouped = sdpa(q, k, v, mask, enable_gqa=True)
+    assert torch.equal(grouped, F.scaled_dot_product_attention(q, _repeat_kv(k, 4), _repeat_kv(v, 4), attn_mask=mask))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_op_on_the_gpu(dtype):
+    """Read grouped in 16-bit (within a rounding of the repeated heads: the fused kernels split
+    a long cache by its own heads), repeated in float32 (bitwise)."""
+    for length, cache in ((1, 64), (1, 4096), (32, 512)):
+        q, k, v = (t.cuda() for t in _inputs(dtype, heads=32, kv_heads=4, length=length, cache=cache))
+        mask = (torch.arange(cache, device="cuda")[None, :] <= cache // 2 + torch.arange(length, device="cuda")[:, None])[None, None]
+        grouped = sdpa(q, k, v, mask, enable_gqa=True)
+        repeated = F.scaled_dot_product_attention(q, _repeat_kv(k, 8), _repeat_kv(v, 8), attn_mask=mask)
+        if dtype == torch.float32:
+            assert torch.equal(grouped, repeated)
+        else:
+            torch.testing.assert_close(grouped, repeated, atol=2e-3, rtol=2e-2)
