@@ -22,6 +22,7 @@ from torch.library import Library
 
 from hostswap.kernels.rms_norm import result_dtype, rms_norm_into
 from hostswap.passes.graph_facts import written_between
+from hostswap.passes.graph_rewrites import call_in_place_of
 from hostswap.passes.probe_op import NAMESPACE
 
 _ARGS = "Tensor input, float eps, ScalarType dtype, Tensor? weight=None"
@@ -172,13 +173,7 @@ class FuseRmsNormPass:
         for node in [n for n in graph.nodes if _is(n, aten.rsqrt.default)]:
             if node._erased or (m := match(node)) is None:
                 continue
-            # the last node becomes the call, keeping its name (which the program's outputs may use) and value
-            last = m["last"]
-            last.target, last.args, last.kwargs = rms_norm, (m["input"], m["eps"], m["dtype"], m["weight"]), {}
-            # the op's result is contiguous, whatever layout the last product had
-            last.meta["val"] = last.meta["val"].new_empty(last.meta["val"].shape)
-            for dead in m["dead"]:
-                graph.erase_node(dead)
+            call_in_place_of(m["last"], rms_norm, (m["input"], m["eps"], m["dtype"], m["weight"]), m["dead"])
             replaced += 1
         if replaced:
             graph_module.recompile()

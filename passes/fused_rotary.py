@@ -17,6 +17,7 @@ from torch.library import Library
 
 from hostswap.kernels.rotary import DTYPES, rotary_into
 from hostswap.passes.graph_facts import written_between
+from hostswap.passes.graph_rewrites import call_in_place_of
 from hostswap.passes.probe_op import NAMESPACE
 
 ROTARY_SCHEMA = "rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor"
@@ -156,13 +157,8 @@ class FuseRotaryPass:
         for node in [n for n in graph.nodes if _is(n, aten.add.Tensor)]:
             if node._erased or (m := match(node)) is None:
                 continue
-            # the sum becomes the call, keeping its name (which the program's outputs may use) and value
-            last = m["last"]
-            last.target, last.args, last.kwargs = rotary, (m["x"], m["cos"], m["sin"]), {}
-            # the op's result is contiguous, whatever layout the sum had (a transposed query's)
-            last.meta["val"] = last.meta["val"].new_empty(last.meta["val"].shape)
-            for dead in m["dead"]:
-                graph.erase_node(dead)
+            # the sum becomes the call (its layout a transposed query's before: now contiguous)
+            call_in_place_of(m["last"], rotary, (m["x"], m["cos"], m["sin"]), m["dead"])
             replaced += 1
         if replaced:
             graph_module.recompile()
