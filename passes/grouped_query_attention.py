@@ -10,10 +10,11 @@ head ``h`` reads KV head ``h // group``).
 
 The pass finds ``hostswap::sdpa`` calls (passes/fused_attention.py) whose key and value are
 both that expression, with the same grouping, and passes the cache itself with
-``enable_gqa=True``; the repeat's nodes go where nothing else reads them. The op decides
+``enable_gqa=True``; the repeat's nodes go where nothing else reads them. Nothing is
+rewritten across an in-place write (the repeat copied the cache before it). The op decides
 where the grouped read runs (``fused_attention.grouped_in_place``): in place on CUDA for 16-bit
-tensors, where the fused kernels take grouped heads; elsewhere it repeats the heads itself,
-as ``repeat_kv`` did, so those results are bitwise what they were.
+tensors where SDPA picks a fused kernel for grouped heads; elsewhere it repeats the heads
+itself, as ``repeat_kv`` did, so those results are bitwise what they were.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from hostswap.passes.fused_attention import sdpa
+from hostswap.passes.graph_facts import written_between
 
 aten = torch.ops.aten
 RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
@@ -77,7 +79,10 @@ def match(node: torch.fx.Node) -> dict | None:
     key_cache, value_cache = _val(key[0]), _val(value[0])
     if query.dim() != 4 or key_cache.shape[:2] != value_cache.shape[:2] or query.shape[1] != key_cache.shape[1] * key[1]:
         return None
-    return {"key": key[0], "value": value[0], "group": key[1], "chains": key[2] + value[2]}
+    chains = key[2] + value[2]
+    if written_between(chains + [node], node):
+        return None  # the repeat copied the cache before a write that attention would now see
+    return {"key": key[0], "value": value[0], "group": key[1], "chains": chains}
 
 
 class GroupedQueryAttentionPass:

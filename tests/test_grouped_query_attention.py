@@ -113,6 +113,45 @@ def test_a_repeat_read_elsewhere_stays_for_that_reader():
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+class _WrittenAfterTheRepeat(torch.nn.Module):
+    """The key cache written in place after its heads were repeated (copied) for attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.randn(2, 2, 7, 16, generator=torch.Generator().manual_seed(2)))
+
+    def forward(self, q, k, v):
+        key, value = _repeat_kv(self.cache, 2), _repeat_kv(v, 2)
+        self.cache.add_(1.0)
+        return F.scaled_dot_product_attention(q, key, value)
+
+
+def test_a_cache_written_between_its_repeat_and_attention_is_left_alone():
+    args = _inputs(torch.float32)
+    ep = torch.export.export(_WrittenAfterTheRepeat(), args)
+    assert any(n.target is aten.add_.Tensor for n in ep.graph.nodes)  # the write stays in place in the graph
+    KeepFusedAttentionPass().call(ep.graph_module)
+    assert GroupedQueryAttentionPass().call(ep.graph_module) == 0
+    module = _WrittenAfterTheRepeat()
+    expected = module(*args)
+    module.cache.sub_(1.0)
+    assert torch.equal(ep.module()(*args), expected)
+
+
+def test_grouped_heads_are_read_in_place_only_on_cuda_in_16_bits_by_a_fused_kernel():
+    from torch.nn.attention import SDPBackend
+
+    from hostswap.passes.fused_attention import grouped_in_place, reads_grouped
+
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        assert reads_grouped("cuda", torch.bfloat16, int(backend)) and reads_grouped("cuda", torch.float16, int(backend))
+        assert not reads_grouped("cuda", torch.float32, int(backend)) and not reads_grouped("cpu", torch.bfloat16, int(backend))
+    # where SDPA would run its math reference, the heads are repeated first
+    assert not reads_grouped("cuda", torch.bfloat16, int(SDPBackend.MATH))
+    assert not reads_grouped("cuda", torch.bfloat16, -1)
+    assert not grouped_in_place(*_inputs(torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_op_repeats_the_heads_itself_off_cuda(dtype):
     q, k, v = _inputs(dtype, heads=8, kv_heads=2, length=1, cache=9)
@@ -129,6 +168,10 @@ def test_the_op_on_the_gpu(dtype):
     for length, cache in ((1, 64), (1, 4096), (32, 512)):
         q, k, v = (t.cuda() for t in _inputs(dtype, heads=32, kv_heads=4, length=length, cache=cache))
         mask = (torch.arange(cache, device="cuda")[None, :] <= cache // 2 + torch.arange(length, device="cuda")[:, None])[None, None]
+        from hostswap.passes.fused_attention import grouped_in_place
+
+        # on the GPUs the suite runs on (H100, H200) cuDNN takes grouped heads with a mask
+        assert grouped_in_place(q, k, v, mask) == (dtype != torch.float32)
         grouped = sdpa(q, k, v, mask, enable_gqa=True)
         repeated = F.scaled_dot_product_attention(q, _repeat_kv(k, 8), _repeat_kv(v, 8), attn_mask=mask)
         if dtype == torch.float32:
