@@ -284,7 +284,7 @@ def _check_ids(ids: torch.Tensor, num_experts: int, block: str) -> None:
     if ids.device.type == "cuda":
         # no host sync: a device-side assertion stops the stream (and the process's CUDA context)
         torch._assert_async(ids_in_range(ids, num_experts), message)
-    elif ids.numel() and not bool(((ids >= 0) & (ids < num_experts)).all()):
+    elif not bool(ids_in_range(ids, num_experts)):
         bad = ids[(ids < 0) | (ids >= num_experts)][0].item()
         raise ExpertIndexError(f"{message} (expert {bad})")
 
