@@ -225,11 +225,16 @@ def test_carried_fills_stay_bitwise(lowered_by_name, monkeypatch, depth, forced)
         for i in range(6):
             y = m(*args)  # no synchronisation between forwards: carried copies race the last kernels
             assert torch.equal(y, expected), i
-        before = m.stats
+        # Unforced, the carry is decided anew from each forward's timing: the fills carried out
+        # of the window's last forward need not be those carried into its first.
+        def carried_bytes():
+            return sum(s.weight_bytes[s.probe_weight[q]] for q in m.pool._carried)
+
+        before, carried_in = m.stats, carried_bytes()
         for _ in range(3):
             m(*args)
-        after = m.stats
-        assert after["bytes_h2d"] - before["bytes_h2d"] == 3 * m.pool.layout.streamed_bytes
+        after, carried_out = m.stats, carried_bytes()
+        assert after["bytes_h2d"] - before["bytes_h2d"] == 3 * m.pool.layout.streamed_bytes + carried_out - carried_in
         if forced:
             assert after["fills_carried"] - before["fills_carried"] == 3 * len(m.pool._carry_order)
         print(f"depth {depth} forced={forced}: carried {after['fills_carried']} fills, {after['bytes_carried']} bytes")
