@@ -31,11 +31,17 @@ from collections.abc import Callable
 
 import torch
 
-from hostswap import llm
+from hostswap import kv_shapes, llm
 from hostswap.llm import DECODE, PREFILL, GenerationError
 from hostswap.sampling import SamplingParams, TokenChooser, check_drawn, warm_up_sampling
 
 MAX_BATCH_SIZE = llm.MAX_BATCH_SIZE
+
+
+def _by_position(states: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, tokens, width] as [batch * tokens, heads, width]: one row per position written."""
+    batch, heads, tokens, width = states.shape
+    return states.permute(0, 2, 1, 3).reshape(batch * tokens, heads, width)
 
 
 class SlotCache:
@@ -46,12 +52,12 @@ class SlotCache:
         self.keys, self.values, self.slots, self.positions, self.every_slot = keys, values, slots, positions, every_slot
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
-        batch, heads, tokens, dim = key_states.shape
+        batch, _, tokens, _ = key_states.shape
         rows = self.slots[:, None].expand(batch, tokens).reshape(-1)
         at = self.positions.reshape(-1)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[rows, :, at] = key_states.permute(0, 2, 1, 3).reshape(batch * tokens, heads, dim)
-        values[rows, :, at] = value_states.permute(0, 2, 1, 3).reshape(batch * tokens, heads, dim)
+        keys[rows, :, at] = _by_position(key_states)
+        values[rows, :, at] = _by_position(value_states)  # of its own heads and width (DeepSeek-V3's differ from the keys')
         if self.every_slot:  # decode: row i is slot i, the whole cache is the batch's
             return keys, values
         return keys.index_select(0, self.slots), values.index_select(0, self.slots)
@@ -93,19 +99,16 @@ class SlotDecoder(torch.nn.Module):
     """A transformers causal LM over a ``SlotCache`` of ``slots`` x ``max_len`` positions."""
 
     def __init__(self, model, slots: int, max_len: int):
-        from transformers.integrations.executorch import get_head_shapes
-
         super().__init__()
         self.model, self.slots, self.max_len = model, slots, max_len
-        heads, head_dim = get_head_shapes(model.config)
-        if isinstance(heads, list) or isinstance(head_dim, list):
-            raise GenerationError(f"{type(model).__name__} has layers of different head shapes; batched export takes one shape for every layer")
-        self.layers = model.config.num_hidden_layers
+        # each layer's heads and widths as its attention writes them (hostswap/kv_shapes.py)
+        shapes = kv_shapes.layer_shapes(llm.static_cache_wrapper(model, 1).model)
+        self.layers = len(shapes)
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
-        for i in range(self.layers):
-            self.register_buffer(f"key_cache_{i}", torch.zeros(slots, heads, max_len, head_dim, dtype=dtype, device=device), persistent=False)
-            self.register_buffer(f"value_cache_{i}", torch.zeros(slots, heads, max_len, head_dim, dtype=dtype, device=device), persistent=False)
+        for i, shape in enumerate(shapes):
+            self.register_buffer(f"key_cache_{i}", torch.zeros(slots, shape.key_heads, max_len, shape.key_dim, dtype=dtype, device=device), persistent=False)
+            self.register_buffer(f"value_cache_{i}", torch.zeros(slots, shape.value_heads, max_len, shape.value_dim, dtype=dtype, device=device), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         rows, tokens = input_ids.shape

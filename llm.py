@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from hostswap import kv_shapes
 from hostswap.sampling import SamplingParams, TokenChooser, check_drawn, warm_up_sampling
 
 PREFIX = "hostswap_llm_"
@@ -62,7 +63,7 @@ def prepare_for_export(model) -> None:
         model.set_attn_implementation("sdpa")
 
 
-def _static_cache_wrapper(model, max_seq_len: int):
+def static_cache_wrapper(model, max_seq_len: int):
     """transformers' exportable decoder with a static cache of ``max_seq_len`` positions."""
     from transformers import GenerationConfig
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
@@ -78,6 +79,7 @@ def _static_cache_wrapper(model, max_seq_len: int):
         wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_seq_len)
     except (ValueError, AssertionError, TypeError, AttributeError) as e:
         raise GenerationError(f"{type(model).__name__} has no static-cache export in transformers: {e}") from e
+    kv_shapes.fit(wrapper.model, next(model.parameters()).device)  # the config's head shapes are not every attention's
     return wrapper
 
 
@@ -263,7 +265,7 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
         if speculate_k + 1 > max_seq_len:
             raise GenerationError(f"speculate_k={speculate_k} needs {speculate_k + 1} positions; max_seq_len={max_seq_len}")
     say = progress or (lambda _msg: None)
-    wrapper = _static_cache_wrapper(model, max_seq_len)
+    wrapper = static_cache_wrapper(model, max_seq_len)
     programs = {}
     # verify: the last accepted token and k drafted ones, checked in one pass (hostswap/speculative.py)
     methods = ((PREFILL, prefill_chunk), (DECODE, 1)) + (((VERIFY, speculate_k + 1),) if speculate_k is not None else ())

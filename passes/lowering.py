@@ -61,6 +61,30 @@ def _set_view_spec_dynamism(spec, dynamism) -> None:
     spec.shape_dynamism = dynamism
 
 
+def _view_in_place_results_as_their_inputs(graph_module: torch.fx.GraphModule) -> None:
+    """Make each memory view of an in-place op's result a view of the tensor the op wrote.
+
+    ExecuTorch's planner gives an in-place op's result the spec of the input it writes
+    (``memory_planning._alias_inplace_result_specs``) only while planning, after
+    ``ReplaceViewCopyWithViewPass`` made the views of that result views of its own spec. Such a
+    view (DeepSeek-V3 reads its cached latent, the result of the cache's in-place write, through
+    a linear: a view of it) would be planned as storage of its own that nothing writes, and read
+    as whatever bytes the arena held there."""
+    from executorch.exir.memory_planning import _alias_inplace_result_specs, _is_inplace_node
+    from executorch.exir.tensor import TensorSpec
+
+    for node in graph_module.graph.nodes:
+        if _is_inplace_node(node) and node.meta.get("spec") is not None:
+            _alias_inplace_result_specs(node)
+    for node in graph_module.graph.nodes:
+        spec = node.meta.get("spec")
+        if _view_spec_base(spec) is None or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        written = node.args[0].meta.get("spec")
+        if _is_inplace_node(node.args[0]) and isinstance(written, TensorSpec) and written is not _view_spec_base(spec):
+            object.__setattr__(spec, "_base", written)
+
+
 def _make_memory_planning_pass(share_mutable_buffers: bool = False):
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.schema import TensorShapeDynamism
@@ -83,6 +107,7 @@ def _make_memory_planning_pass(share_mutable_buffers: bool = False):
                     if spec is not None:
                         spec.shape_dynamism = TensorShapeDynamism.DYNAMIC_UNBOUND
                         unplanned.add(id(spec))
+            _view_in_place_results_as_their_inputs(graph_module)
             # A view_copy that ExecuTorch already turned into a memory view shares its base's
             # storage spec; it must share the base's dynamism too (the emitter then emits it
             # as an et_view instruction, which the runtime runs as a view of the pool tensor).

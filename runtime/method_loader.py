@@ -237,8 +237,9 @@ class LoadedMethod:
             from executorch.exir.dim_order_utils import get_memory_format
 
             dim_order = value_of(self.values, keyword.pop("dim_order")) if "dim_order" in keyword else None
-            constant_keyword["memory_format"] = get_memory_format(list(dim_order) if dim_order is not None else None)
             op = DIM_ORDER_OUT_OPS[op_meta.name]
+            if op is not torch.ops.aten.empty.out:  # the planned out is the empty tensor, in its dim order; ATen refuses a format beside it
+                constant_keyword["memory_format"] = get_memory_format(list(dim_order) if dim_order is not None else None)
             accepted = op.accepted if op is copy_into else {a.name for a in op._schema.arguments}
             keyword = {name: value_id for name, value_id in keyword.items() if name in accepted}
         return Kernel("kernel", op, positional, keyword, ret_ids, view_op, index, scratch, constant_keyword)

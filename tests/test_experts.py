@@ -70,10 +70,21 @@ def _gpt_oss():
         layer_types=["sliding_attention", "full_attention"])))
 
 
+def _deepseek_v3():
+    import transformers as T
+
+    # latent attention (its cache holds the compressed latent and the rotary key, of their own
+    # widths), grouped routing with a score correction, a shared expert and a dense first layer
+    config = _decoder_common(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+                             topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                             qk_rope_head_dim=8, v_head_dim=16)
+    return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(**config | {"num_hidden_layers": 3}))  # two routed blocks: one guesses the other
+
+
 # Lowering rounds an op of gpt-oss' decode step differently from the traced program (by about
 # 6e-8, outside the experts: the routed and all-experts programs agree bitwise there too).
 LOWERED_DIFFERENTLY = {"gpt-oss"}
-MOE = {"Mixtral": _mixtral, "Qwen2-MoE": _qwen2_moe, "Qwen3-MoE": _qwen3_moe, "OLMoE": _olmoe, "gpt-oss": _gpt_oss}
+MOE = {"Mixtral": _mixtral, "Qwen2-MoE": _qwen2_moe, "Qwen3-MoE": _qwen3_moe, "OLMoE": _olmoe, "gpt-oss": _gpt_oss, "DeepSeek-V3": _deepseek_v3}
 
 
 class ExportedMoE:
@@ -557,7 +568,7 @@ def test_experts_the_kernel_cannot_run_keep_the_all_experts_schedule_with_a_warn
     torch.testing.assert_close(logits[0], expected[0, :CHUNK], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["Mixtral", "Qwen2-MoE"])
+@pytest.mark.parametrize("name", ["Mixtral", "Qwen2-MoE", "DeepSeek-V3"])
 def test_streamed_export_of_a_checkpoint_routes_the_same_experts(name, tmp_path, tmp_path_factory):
     """From the safetensors checkpoint without loading the model: the same expert blocks,
     weights and tokens as the in-memory export. The checkpoints store one linear per expert

@@ -18,7 +18,7 @@ MB = 2**20
 MAX_SEQ_LEN = 30  # not a multiple of the chunk: a prompt ending near it runs its rest token by token
 CHUNK = 4
 # the decoder LMs of the support table that generation supports (Gemma3: local/global layers)
-GENERATION_ARCHITECTURES = ["Llama", "Qwen2", "Qwen3", "Mistral", "Phi-3", "Gemma", "GPT-2", "Gemma3"]
+GENERATION_ARCHITECTURES = ["Llama", "Qwen2", "Qwen3", "Mistral", "Phi-3", "Gemma", "GPT-2", "Gemma3", "Falcon"]
 
 
 def transformers_greedy(model, prompt: torch.Tensor, new: int, max_seq_len: int) -> torch.Tensor:
