@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
 from torch.library import Library
 
 from hostswap.passes.probe_op import NAMESPACE
+from hostswap.schedules.op_facts import grouped_in_place
 
 _ARGS = "Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False"
 SDPA_SCHEMA = f"sdpa({_ARGS}) -> Tensor"
@@ -25,29 +25,6 @@ SDPA_OUT_SCHEMA = f"sdpa.out({_ARGS}, *, Tensor(a!) out) -> Tensor(a!)"
 _lib = Library(NAMESPACE, "FRAGMENT")
 _lib.define(SDPA_SCHEMA)
 _lib.define(SDPA_OUT_SCHEMA)
-
-
-# SDPA's kernels that take grouped KV heads as they lie (its math reference repeats them itself)
-FUSED_BACKENDS = frozenset(int(b) for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION))
-
-
-def reads_grouped(device_type: str, dtype: torch.dtype, choice: int) -> bool:
-    """Whether grouped KV heads are read in place: on CUDA in 16 bits, where SDPA's choice for
-    the grouped call (``choice``, an ``SDPBackend`` value) is a fused kernel. Elsewhere the
-    heads are repeated first, as transformers' ``repeat_kv`` does: bitwise what the graph
-    computed before, and, where SDPA would pick its math reference (a GPU or build whose fused
-    kernels refuse grouped heads with a mask), no float32 score matrix beside the repeat."""
-    return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and choice in FUSED_BACKENDS
-
-
-def grouped_in_place(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None) -> bool:
-    """``reads_grouped`` for this call (on an H200, cuDNN's kernel, the one repeated heads get,
-    and decode over a 4096-position cache 8x faster than over its heads repeated;
-    passes/grouped_query_attention.py)."""
-    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True)
-    return reads_grouped(query.device.type, query.dtype, choice)
 
 
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):

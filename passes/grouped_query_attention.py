@@ -12,7 +12,7 @@ The pass finds ``hostswap::sdpa`` calls (passes/fused_attention.py) whose key an
 both that expression, with the same grouping, and passes the cache itself with
 ``enable_gqa=True``; the repeat's nodes go where nothing else reads them. Nothing is
 rewritten across an in-place write (the repeat copied the cache before it). The op decides
-where the grouped read runs (``fused_attention.grouped_in_place``): in place on CUDA for 16-bit
+where the grouped read runs (``schedules.op_facts.grouped_in_place``): in place on CUDA for 16-bit
 tensors where SDPA picks a fused kernel for grouped heads; elsewhere it repeats the heads
 itself, as ``repeat_kv`` did, so those results are bitwise what they were.
 """

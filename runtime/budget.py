@@ -17,8 +17,11 @@ import torch
 from hostswap.kernels.routed_gemv import reads_in_place_on
 from hostswap.runtime.host_memory import available_host_memory
 from hostswap.runtime.pool import PoolCreationError
+from hostswap.schedules.custom_ops import SDPA_OPERATOR
 from hostswap.schedules.experts import expert_scratch_bytes
+from hostswap.schedules.op_facts import grouped_in_place
 from hostswap.schedules.policies import BudgetError, mb_ceil
+from hostswap.schedules.pte_program import evalue_scalar, torch_dtype
 
 AUTO = "auto"
 # What "auto" leaves free beyond the program's own memory: the CUDA context's growth, cuBLAS
@@ -142,3 +145,48 @@ def load_floor_on(schedules, device: torch.device) -> int:
     """The least budget, in bytes, that loads a program of these methods' schedules on
     ``device``: the largest method's floor plus what ``device`` gathers routed experts into."""
     return max(s.floor_bytes for s in schedules.values()) + expert_scratch_on(schedules, device)
+
+
+def grouped_attention_scratch_on(program, device: torch.device) -> int:
+    """The most device bytes one grouped-query attention call of ``program`` allocates to
+    repeat its key and value heads on ``device``, outside the planned arenas.
+
+    Where SDPA reads grouped heads in place (``op_facts.grouped_in_place``: CUDA in 16 bits
+    with a fused kernel for the call) none. Elsewhere ``hostswap::sdpa`` repeats key and value
+    to the query's heads first, a temporary of the allocator's that the caching allocator then
+    keeps: 2 x query heads x positions x width per call, 1 GiB for a float32 8B Llama over 32k
+    positions. The load counts it beside the activations, as it counts the experts' scratch.
+    Calls of one shape are asked once (on CUDA, with tensors of the call's shapes)."""
+    most, asked = 0, {}
+    for plan in program.execution_plan:
+        operators = [op.name for op in plan.operators]
+        for chain in plan.chains:
+            for instruction in chain.instructions:
+                call = instruction.instr_args
+                if type(call).__name__ != "KernelCall" or operators[call.op_index] != SDPA_OPERATOR:
+                    continue
+                query, key, value, mask = (plan.values[i].val for i in call.args[:4])
+                dropout, causal, scale, gqa = (_scalar(plan.values[i]) for i in call.args[4:8])
+                if not gqa or key.sizes[-3] == query.sizes[-3]:
+                    continue
+                shapes = tuple((tuple(t.sizes), torch_dtype(t.scalar_type)) if type(t).__name__ == "Tensor" else None for t in (query, key, value, mask))
+                where = (shapes, dropout, causal, scale)
+                if where not in asked:
+                    asked[where] = _grouped_in_place_for(shapes, dropout, causal, scale, device)
+                if not asked[where]:
+                    group = query.sizes[-3] // key.sizes[-3]
+                    itemsize = torch_dtype(key.scalar_type).itemsize
+                    most = max(most, group * (math.prod(key.sizes) + math.prod(value.sizes)) * itemsize)
+    return most
+
+
+def _scalar(value):
+    """An EValue's Python value; None for a None."""
+    return None if type(value.val).__name__ == "Null" else evalue_scalar(value)
+
+
+def _grouped_in_place_for(shapes, dropout, causal, scale, device: torch.device) -> bool:
+    if device.type != "cuda" or shapes[0][1] not in (torch.float16, torch.bfloat16):
+        return False  # what grouped_in_place answers there, without tensors to ask with
+    q, k, v, mask = (torch.empty(s, dtype=d, device=device) if s is not None else None for s, d in (x or (None, None) for x in shapes))
+    return grouped_in_place(q, k, v, mask, dropout, causal, scale)

@@ -14,7 +14,9 @@ import weakref
 import torch
 
 from hostswap.kernels.routed_experts import REPLAYED_COUNTS, ExpertReads, reading_rows, recording_reads, using_caches, using_host_experts, warming_a_graph
-from hostswap.runtime.budget import AUTO, auto_budget, check_budget_argument, check_device_memory, expert_scratch_on, free_memory, total_memory
+from hostswap.runtime.budget import (
+    AUTO, auto_budget, check_budget_argument, check_device_memory, expert_scratch_on, free_memory, grouped_attention_scratch_on, total_memory,
+)
 from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_placement
@@ -228,11 +230,14 @@ class Module:
         # device gathers them: on CUDA with Triton the products read them in place
         floor_schedule = max(self.schedules.values(), key=lambda s: s.floor_bytes)
         self.expert_scratch_bytes = expert_scratch_on(self.schedules, self.device)
+        # grouped KV heads repeated by attention where this device does not read them in place:
+        # a temporary beside the activations, outside the weight budget
+        self.attention_scratch_bytes = grouped_attention_scratch_on(self.program, self.device)
         self.auto_budget = None  # what "auto" chose, and from what
         if weight_offload_budget_mb == AUTO:
             state_sizes, activations = self._arena_sizes()
             self.auto_budget = auto_budget(free_bytes=free_memory(self.device), total_bytes=total_memory(self.device),
-                                           state_bytes=sum(state_sizes.values()), activation_bytes=activations + self.expert_scratch_bytes,
+                                           state_bytes=sum(state_sizes.values()), activation_bytes=activations + self.expert_scratch_bytes + self.attention_scratch_bytes,
                                            weight_bytes=self.schedule.resident_bytes + self._expert_table_bytes(),
                                            floor_bytes=floor_schedule.floor_bytes, device=self.device)
             given = self.auto_budget.budget_bytes + self.expert_scratch_bytes
@@ -290,7 +295,8 @@ class Module:
         state_sizes, activations = self._arena_sizes()
         weights_on_device = (min(self.budget_bytes, self.schedule.resident_bytes) + sum(c.nbytes for c in self.expert_caches.values())
                              + sum(b.table_bytes for b in self.schedule.expert_blocks if b.block in self.resident_experts))
-        check_device_memory(self.device, weights_on_device, sum(state_sizes.values()), activations + self.expert_scratch_bytes, free_memory(self.device))
+        check_device_memory(self.device, weights_on_device, sum(state_sizes.values()), activations + self.expert_scratch_bytes + self.attention_scratch_bytes,
+                            free_memory(self.device))
         host = {fqn: self.ptd.host_tensor(fqn) for fqn in self.schedule.fqns}
         if layout is None:
             self.pool = POOLS[policy](self.schedule, host, self.budget_bytes, self.device, warm=warm_pool)

@@ -11,6 +11,7 @@ PROBE_OPERATOR = "hostswap::probe"  # every weight use is read through it
 # an MoE block's experts, reading the rows of its stacked tables that the router picks
 ROUTED_EXPERTS_OPERATOR = "hostswap::routed_experts"
 ROUTED_EXPERTS_TABLES = ("gate_up", "down", "gate_up_bias", "down_bias")
+SDPA_OPERATOR = "hostswap::sdpa"  # scaled dot-product attention kept whole (passes/fused_attention.py)
 OUT_OVERLOAD = "out"
 
 

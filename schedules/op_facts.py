@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import SDPBackend
 
 
 def is_view_copy(op) -> bool:
@@ -19,3 +20,27 @@ def view_for_copy(op) -> torch._ops.OpOverload | None:
     overload = op._overloadname
     functional = "default" if overload == "out" else overload.removesuffix("_out")
     return getattr(getattr(torch.ops.aten, base, None), functional, None)
+
+
+# SDPA's kernels that take grouped KV heads as they lie (its math reference repeats them itself)
+FUSED_BACKENDS = frozenset(int(b) for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION))
+
+
+def reads_grouped(device_type: str, dtype: torch.dtype, choice: int) -> bool:
+    """Whether grouped KV heads are read in place: on CUDA in 16 bits, where SDPA's choice for
+    the grouped call (``choice``, an ``SDPBackend`` value) is a fused kernel. Elsewhere the
+    heads are repeated first, as transformers' ``repeat_kv`` does: bitwise what the graph
+    computed before, and, where SDPA would pick its math reference (a GPU or build whose fused
+    kernels refuse grouped heads with a mask), no float32 score matrix beside the repeat."""
+    return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and choice in FUSED_BACKENDS
+
+
+def grouped_in_place(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None) -> bool:
+    """``reads_grouped`` for this call (on an H200, cuDNN's kernel, the one repeated heads get,
+    and decode over a 4096-position cache 8x faster than over its heads repeated;
+    passes/grouped_query_attention.py). The load counts the repeat where it is not
+    (runtime/budget.grouped_attention_scratch_on)."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True)
+    return reads_grouped(query.device.type, query.dtype, choice)

@@ -141,7 +141,7 @@ def test_a_cache_written_between_its_repeat_and_attention_is_left_alone():
 def test_grouped_heads_are_read_in_place_only_on_cuda_in_16_bits_by_a_fused_kernel():
     from torch.nn.attention import SDPBackend
 
-    from hostswap.passes.fused_attention import grouped_in_place, reads_grouped
+    from hostswap.schedules.op_facts import grouped_in_place, reads_grouped
 
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         assert reads_grouped("cuda", torch.bfloat16, int(backend)) and reads_grouped("cuda", torch.float16, int(backend))
@@ -168,7 +168,7 @@ def test_the_op_on_the_gpu(dtype):
     for length, cache in ((1, 64), (1, 4096), (32, 512)):
         q, k, v = (t.cuda() for t in _inputs(dtype, heads=32, kv_heads=4, length=length, cache=cache))
         mask = (torch.arange(cache, device="cuda")[None, :] <= cache // 2 + torch.arange(length, device="cuda")[:, None])[None, None]
-        from hostswap.passes.fused_attention import grouped_in_place
+        from hostswap.schedules.op_facts import grouped_in_place
 
         # on the GPUs the suite runs on (H100, H200) cuDNN takes grouped heads with a mask
         assert grouped_in_place(q, k, v, mask) == (dtype != torch.float32)
@@ -178,3 +178,58 @@ def test_the_op_on_the_gpu(dtype):
             assert torch.equal(grouped, repeated)
         else:
             torch.testing.assert_close(grouped, repeated, atol=2e-3, rtol=2e-2)
+
+
+def _saved_llama(path, dtype=torch.float32, heads=4, kv_heads=2, max_seq_len=16):
+    """A tiny Llama's program (hidden 32, head width 8) of ``max_seq_len`` cache positions."""
+    import transformers as T
+
+    import hostswap
+    from hostswap import llm
+
+    config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=heads,
+                           num_key_value_heads=kv_heads, max_position_embeddings=64)
+    torch.manual_seed(0)
+    programs, constants = llm.export_programs(T.LlamaForCausalLM(config).to(dtype).eval(), max_seq_len=max_seq_len, prefill_chunk=4)
+    return hostswap.save(programs, path / "m", constant_methods=constants)
+
+
+def _repeat_bytes(heads=4, max_seq_len=16, width=8, itemsize=4):
+    # key and value, each repeated to the query's heads, over the whole cache
+    return 2 * heads * max_seq_len * width * itemsize
+
+
+def test_the_load_counts_the_repeated_heads_where_they_are_repeated(tmp_path):
+    """On the CPU the op repeats the grouped heads: the load counts one call's repeat beside
+    the activations, in what "auto" leaves free and in what it checks."""
+    from hostswap.runtime import Module
+    from hostswap.runtime.budget import grouped_attention_scratch_on
+    from hostswap.schedules.pte_program import read_program
+
+    pte, ptd = _saved_llama(tmp_path)
+    assert grouped_attention_scratch_on(read_program(pte), torch.device("cpu")) == _repeat_bytes()
+    with Module(pte, ptd, weight_offload_budget_mb="auto", device="cpu") as m:
+        assert m.attention_scratch_bytes == _repeat_bytes()
+        _, activations = m._arena_sizes()
+        assert m.auto_budget.activation_bytes == activations + _repeat_bytes()
+
+
+def test_no_repeat_is_counted_for_attention_without_grouped_heads(tmp_path):
+    from hostswap.runtime.budget import grouped_attention_scratch_on
+    from hostswap.schedules.pte_program import read_program
+
+    pte, _ = _saved_llama(tmp_path, kv_heads=4)  # one KV head per query head
+    assert grouped_attention_scratch_on(read_program(pte), torch.device("cpu")) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_load_counts_no_repeat_where_the_gpu_reads_grouped_heads(tmp_path, dtype):
+    """On the suite's GPUs (H100, H200) bf16 reads grouped heads in place: nothing to count;
+    float32 repeats them."""
+    from hostswap.runtime.budget import grouped_attention_scratch_on
+    from hostswap.schedules.pte_program import read_program
+
+    pte, _ = _saved_llama(tmp_path, dtype=dtype)
+    want = 0 if dtype == torch.bfloat16 else _repeat_bytes()
+    assert grouped_attention_scratch_on(read_program(pte), torch.device("cuda")) == want
