@@ -95,14 +95,28 @@ def attention_masks(config, positions: torch.Tensor, max_len: int):
     return {"full_attention": full, "sliding_attention": sliding}
 
 
+def _cache_shapes(model) -> list[kv_shapes.LayerCacheShape]:
+    """Each layer's heads and widths as its attention writes them (hostswap/kv_shapes.py);
+    the config's where transformers has no static-cache module to trace them with."""
+    try:
+        return llm.cache_shapes(model)
+    except GenerationError:
+        from transformers.integrations.executorch import get_head_shapes
+
+        heads, head_dim = get_head_shapes(model.config)
+        layers = model.config.num_hidden_layers
+        heads = heads if isinstance(heads, list) else [heads] * layers
+        head_dim = head_dim if isinstance(head_dim, list) else [head_dim] * layers
+        return [kv_shapes.LayerCacheShape(h, d, h, d) for h, d in zip(heads, head_dim)]
+
+
 class SlotDecoder(torch.nn.Module):
     """A transformers causal LM over a ``SlotCache`` of ``slots`` x ``max_len`` positions."""
 
     def __init__(self, model, slots: int, max_len: int):
         super().__init__()
         self.model, self.slots, self.max_len = model, slots, max_len
-        # each layer's heads and widths as its attention writes them (hostswap/kv_shapes.py)
-        shapes = kv_shapes.layer_shapes(llm.static_cache_wrapper(model, 1).model)
+        shapes = _cache_shapes(model)
         self.layers = len(shapes)
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device

@@ -56,15 +56,15 @@ def measure(exportable, device: torch.device) -> list[LayerCacheShape | None]:
                     value_states.new_zeros(*value_states.shape[:2], positions, value_states.shape[-1]))
         return update
 
-    for i, layer in enumerate(layers):
-        layer.update = recording(i, layer.max_cache_len)
     try:
+        for i, layer in enumerate(layers):
+            layer.update = recording(i, layer.max_cache_len)
         ids = torch.zeros(1, 1, dtype=torch.long, device=device)
         with torch.no_grad():
             torch.export.export(exportable, args=(), kwargs={"input_ids": ids, "cache_position": torch.arange(1, device=device)}, strict=False)
     finally:
         for layer in layers:
-            del layer.update  # the class's own again
+            vars(layer).pop("update", None)  # the class's own again: a recorder left would write nothing
     return [seen.get(i) for i in range(len(layers))]
 
 
@@ -82,12 +82,13 @@ def fit(exportable, device: torch.device) -> list[int]:
     for i, (layer, shape) in enumerate(zip(_cache(exportable).layers, shapes)):
         if shape is None or shape == LayerCacheShape.of(layer.keys, layer.values):
             continue
-        if shape.key_heads != shape.value_heads:
-            continue  # transformers' cache layer holds one head count for both; the export reports it
-        batch = layer.keys.shape[0]
+        # as the layer's own lazy initialization makes them, each of its own heads (that takes
+        # the keys' count for both); its update reads no head count
+        batch, positions = layer.keys.shape[0], layer.keys.shape[2]
         like = dict(dtype=layer.keys.dtype, device=layer.keys.device)
-        layer.lazy_initialization(torch.zeros(batch, shape.key_heads, 0, shape.key_dim, **like),
-                                  torch.zeros(batch, shape.value_heads, 0, shape.value_dim, **like))
+        layer.keys = torch.zeros(batch, shape.key_heads, positions, shape.key_dim, **like)
+        layer.values = torch.zeros(batch, shape.value_heads, positions, shape.value_dim, **like)
+        layer.num_heads, layer.k_head_dim, layer.v_head_dim = shape.key_heads, shape.key_dim, shape.value_dim
         exportable.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
         exportable.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
         resized.append(i)

@@ -64,12 +64,24 @@ def prepare_for_export(model) -> None:
 
 
 def static_cache_wrapper(model, max_seq_len: int):
-    """transformers' exportable decoder with a static cache of ``max_seq_len`` positions."""
+    """transformers' exportable decoder with a static cache of ``max_seq_len`` positions, each
+    layer's sized as its attention writes it (hostswap/kv_shapes.py)."""
+    prepare_for_export(model)
+    return _exportable(model, max_seq_len)
+
+
+def cache_shapes(model) -> list[kv_shapes.LayerCacheShape]:
+    """Per layer of ``model`` (ready for export: ``prepare_for_export``), the heads and widths
+    its attention caches per position."""
+    return kv_shapes.layer_shapes(_exportable(model, 1).model)
+
+
+def _exportable(model, max_seq_len: int):
     from transformers import GenerationConfig
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
-    prepare_for_export(model)
     config = model.generation_config
+    # what the wrapper reads, when it is made, of the cache to build; the model's own after
     model.generation_config = GenerationConfig(
         use_cache=True, cache_implementation="static", max_length=max_seq_len,
         cache_config={"batch_size": 1, "max_cache_len": max_seq_len},
@@ -79,6 +91,8 @@ def static_cache_wrapper(model, max_seq_len: int):
         wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_seq_len)
     except (ValueError, AssertionError, TypeError, AttributeError) as e:
         raise GenerationError(f"{type(model).__name__} has no static-cache export in transformers: {e}") from e
+    finally:
+        model.generation_config = config
     kv_shapes.fit(wrapper.model, next(model.parameters()).device)  # the config's head shapes are not every attention's
     return wrapper
 

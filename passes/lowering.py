@@ -78,9 +78,19 @@ def _view_in_place_results_as_their_inputs(graph_module: torch.fx.GraphModule) -
             _alias_inplace_result_specs(node)
     for node in graph_module.graph.nodes:
         spec = node.meta.get("spec")
+        if node.op == "output" and isinstance(spec, (list, tuple)):
+            # The outputs that return a state update (the write-back of every cache layer) kept
+            # the result's spec too: planned in the activation arena, a second cache's bytes
+            # that nothing reads. The emitter takes outputs from the values, not these specs.
+            returned = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
+            fixed = [a.meta["spec"] if isinstance(a, torch.fx.Node) and _is_inplace_node(a) and isinstance(a.meta.get("spec"), TensorSpec) else s
+                     for a, s in zip(returned, spec)]
+            node.meta["spec"] = type(spec)(fixed)
+            continue
         if _view_spec_base(spec) is None or not node.args or not isinstance(node.args[0], torch.fx.Node):
             continue
         written = node.args[0].meta.get("spec")
+        written = _view_spec_base(written) or written  # a view's own storage
         if _is_inplace_node(node.args[0]) and isinstance(written, TensorSpec) and written is not _view_spec_base(spec):
             object.__setattr__(spec, "_base", written)
 

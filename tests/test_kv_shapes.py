@@ -75,6 +75,38 @@ def test_a_trace_that_fails_leaves_the_cache_to_the_export(monkeypatch):
     assert all("update" not in vars(layer) for layer in exportable.static_cache.layers)  # the recording update is gone
 
 
+def test_a_recorder_never_outlives_the_trace():
+    """A layer the recorder cannot be made for stops the trace; no layer keeps a recorder,
+    which would write nothing to the cache in the export that follows."""
+    exportable = _config_shaped(build(BY_NAME["Falcon"])[0])
+    del exportable.static_cache.layers[1].max_cache_len
+    with pytest.raises(AttributeError):
+        kv_shapes.measure(exportable, torch.device("cpu"))
+    assert all("update" not in vars(layer) for layer in exportable.static_cache.layers)
+
+
+def test_keys_and_values_of_their_own_head_counts(monkeypatch):
+    exportable = _config_shaped(build(BY_NAME["Falcon"])[0])
+    monkeypatch.setattr(kv_shapes, "measure", lambda *args: [LayerCacheShape(1, 16, 2, 8)] * 2)
+    assert kv_shapes.fit(exportable, torch.device("cpu")) == [0, 1]
+    assert kv_shapes.layer_shapes(exportable) == [LayerCacheShape(1, 16, 2, 8)] * 2
+    assert tuple(exportable.value_cache_1.shape) == (1, 2, 12, 8)
+
+
+def test_the_export_leaves_the_models_generation_config(tmp_path):
+    from transformers import GenerationConfig
+
+    from hostswap import batching
+
+    model = build(BY_NAME["Falcon"])[0]
+    mine = GenerationConfig(do_sample=True, temperature=0.7, max_new_tokens=5)
+    model.generation_config = mine
+    llm.export_programs(model, max_seq_len=16, prefill_chunk=4)
+    assert model.generation_config is mine
+    batching.export_programs(model, max_seq_len=16, max_batch_size=2, prefill_chunk=4)
+    assert model.generation_config is mine
+
+
 @pytest.mark.parametrize("name", ["Falcon", "DeepSeek-V3"])
 def test_tokens_equal_transformers_alone_and_batched(name, tmp_path):
     """Both export and generate as transformers does, one sequence or several in slots."""

@@ -277,3 +277,31 @@ def test_large_constant_created_in_forward_is_refused():
     ep = torch.export.export(CreatesConstants(big=True).eval(), (torch.randn(2, 4),), strict=False)
     with pytest.raises(hostswap.WeightOffloadError, match=r"tensor constant '.*lifted_tensor.*' \(1200000 bytes\) is created inside forward"):
         hostswap.apply_weight_offload(ep)
+
+
+class FillsAnEmptyTensor(torch.nn.Module):
+    """``new_empty`` then written in two slices (DeepSeek-V3 builds its keys so): lowered to
+    ExecuTorch's ``_empty_dim_order``, which runs without a memory format beside its out."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        joined = y.new_empty(*y.shape[:-1], 12)
+        joined[..., :8].copy_(y)
+        joined[..., 8:].copy_(y[..., :4] * 2)
+        return joined
+
+
+def test_an_empty_tensor_filled_in_slices(tmp_path):
+    model = FillsAnEmptyTensor().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        exported = torch.export.export(model, (x,), strict=False)
+    pte, ptd = hostswap.save(hostswap.apply_weight_offload(exported), tmp_path / "m")
+    lowered = hostswap.schedules.load_weight_schedule(pte)
+    with hostswap.runtime.Module(pte, ptd, weight_offload_budget_mb=lowered.floor_bytes / MB, device="cpu") as m:
+        assert torch.equal(m(x), model(x))
