@@ -78,6 +78,12 @@ def fit(exportable, device: torch.device) -> list[int]:
         shapes = measure(exportable, device)
     except Exception:  # noqa: BLE001 - see the docstring: the export itself reports the failure
         return []
+    return resize(exportable, shapes)
+
+
+def resize(exportable, shapes: list[LayerCacheShape | None]) -> list[int]:
+    """Size each layer of ``exportable``'s static cache as ``shapes`` says (None: as it is) and
+    register its new buffers; the layers resized."""
     resized = []
     for i, (layer, shape) in enumerate(zip(_cache(exportable).layers, shapes)):
         if shape is None or shape == LayerCacheShape.of(layer.keys, layer.values):

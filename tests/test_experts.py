@@ -496,11 +496,12 @@ def test_each_block_guesses_the_next_blocks_experts_with_its_norm_and_router():
             if i == len(calls.seen) - 1:
                 assert logits is None and following == "", name  # the last block guesses nothing
                 continue
-            nxt = layers[i + 1]
+            here, there = (int(b.split(".")[2]) for b in (block, calls.seen[i + 1][0]))  # model.layers.<L>.mlp.experts
+            nxt = layers[there]
             router = getattr(nxt.mlp, "gate", None) or nxt.mlp.router
-            x = type(nxt.post_attention_layernorm).forward(nxt.post_attention_layernorm, residuals[i].reshape(5, -1))
+            x = type(nxt.post_attention_layernorm).forward(nxt.post_attention_layernorm, residuals[here].reshape(5, -1))
             expected = torch.nn.functional.linear(x, router.weight, getattr(router, "bias", None))
-            assert following == f"model.layers.{i + 1}.mlp.experts" and torch.equal(logits, expected), name
+            assert following == f"model.layers.{there}.mlp.experts" and torch.equal(logits, expected), name
 
 
 def test_a_block_whose_router_cannot_be_found_is_not_guessed():

@@ -69,7 +69,7 @@ def test_a_trace_that_fails_leaves_the_cache_to_the_export(monkeypatch):
     def fails(*args, **kwargs):
         raise RuntimeError("not traceable here")
 
-    monkeypatch.setattr(torch.export, "export", fails)
+    monkeypatch.setattr(exportable, "forward", fails)
     assert kv_shapes.fit(exportable, torch.device("cpu")) == []
     assert [layer.keys for layer in exportable.static_cache.layers] == before
     assert all("update" not in vars(layer) for layer in exportable.static_cache.layers)  # the recording update is gone
@@ -85,10 +85,9 @@ def test_a_recorder_never_outlives_the_trace():
     assert all("update" not in vars(layer) for layer in exportable.static_cache.layers)
 
 
-def test_keys_and_values_of_their_own_head_counts(monkeypatch):
+def test_keys_and_values_of_their_own_head_counts():
     exportable = _config_shaped(build(BY_NAME["Falcon"])[0])
-    monkeypatch.setattr(kv_shapes, "measure", lambda *args: [LayerCacheShape(1, 16, 2, 8)] * 2)
-    assert kv_shapes.fit(exportable, torch.device("cpu")) == [0, 1]
+    assert kv_shapes.resize(exportable, [LayerCacheShape(1, 16, 2, 8)] * 2) == [0, 1]
     assert kv_shapes.layer_shapes(exportable) == [LayerCacheShape(1, 16, 2, 8)] * 2
     assert tuple(exportable.value_cache_1.shape) == (1, 2, 12, 8)
 
