@@ -61,8 +61,9 @@ def _set_view_spec_dynamism(spec, dynamism) -> None:
     spec.shape_dynamism = dynamism
 
 
-def _view_in_place_results_as_their_inputs(graph_module: torch.fx.GraphModule) -> None:
-    """Make each memory view of an in-place op's result a view of the tensor the op wrote.
+def _in_place_results_as_their_inputs(graph_module: torch.fx.GraphModule) -> None:
+    """Give every reference to an in-place op's result the storage of the tensor the op wrote:
+    the result itself, each memory view of it, and the program's outputs that return it.
 
     ExecuTorch's planner gives an in-place op's result the spec of the input it writes
     (``memory_planning._alias_inplace_result_specs``) only while planning, after
@@ -117,7 +118,7 @@ def _make_memory_planning_pass(share_mutable_buffers: bool = False):
                     if spec is not None:
                         spec.shape_dynamism = TensorShapeDynamism.DYNAMIC_UNBOUND
                         unplanned.add(id(spec))
-            _view_in_place_results_as_their_inputs(graph_module)
+            _in_place_results_as_their_inputs(graph_module)
             # A view_copy that ExecuTorch already turned into a memory view shares its base's
             # storage spec; it must share the base's dynamism too (the emitter then emits it
             # as an et_view instruction, which the runtime runs as a view of the pool tensor).

@@ -19,7 +19,7 @@ from hostswap.runtime.host_memory import available_host_memory
 from hostswap.runtime.pool import PoolCreationError
 from hostswap.schedules.custom_ops import SDPA_OPERATOR
 from hostswap.schedules.experts import expert_scratch_bytes
-from hostswap.schedules.op_facts import grouped_in_place
+from hostswap.schedules.op_facts import grouped_in_place, may_read_grouped
 from hostswap.schedules.policies import BudgetError, mb_ceil
 from hostswap.schedules.pte_program import evalue_scalar, torch_dtype
 
@@ -186,7 +186,9 @@ def _scalar(value):
 
 
 def _grouped_in_place_for(shapes, dropout, causal, scale, device: torch.device) -> bool:
-    if device.type != "cuda" or shapes[0][1] not in (torch.float16, torch.bfloat16):
-        return False  # what grouped_in_place answers there, without tensors to ask with
-    q, k, v, mask = (torch.empty(s, dtype=d, device=device) if s is not None else None for s, d in (x or (None, None) for x in shapes))
+    """``grouped_in_place`` for a call of these (sizes, dtype) of query, key, value and mask
+    (None: no mask); tensors to ask SDPA with are made only where it can say yes."""
+    if not may_read_grouped(device.type, shapes[0][1]):
+        return False
+    q, k, v, mask = (torch.empty(shape[0], dtype=shape[1], device=device) if shape is not None else None for shape in shapes)
     return grouped_in_place(q, k, v, mask, dropout, causal, scale)

@@ -26,13 +26,19 @@ def view_for_copy(op) -> torch._ops.OpOverload | None:
 FUSED_BACKENDS = frozenset(int(b) for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION))
 
 
+def may_read_grouped(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether grouped KV heads can be read in place at all: on CUDA in 16 bits (``reads_grouped``
+    then asks SDPA's choice)."""
+    return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
 def reads_grouped(device_type: str, dtype: torch.dtype, choice: int) -> bool:
     """Whether grouped KV heads are read in place: on CUDA in 16 bits, where SDPA's choice for
     the grouped call (``choice``, an ``SDPBackend`` value) is a fused kernel. Elsewhere the
-    heads are repeated first, as transformers' ``repeat_kv`` does: bitwise what the graph
-    computed before, and, where SDPA would pick its math reference (a GPU or build whose fused
+    heads are repeated first, as transformers' ``repeat_kv`` does: bitwise what its graph
+    computes, and, where SDPA would pick its math reference (a GPU or build whose fused
     kernels refuse grouped heads with a mask), no float32 score matrix beside the repeat."""
-    return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and choice in FUSED_BACKENDS
+    return may_read_grouped(device_type, dtype) and choice in FUSED_BACKENDS
 
 
 def grouped_in_place(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None) -> bool:
@@ -40,7 +46,7 @@ def grouped_in_place(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     and decode over a 4096-position cache 8x faster than over its heads repeated;
     passes/grouped_query_attention.py). The load counts the repeat where it is not
     (runtime/budget.grouped_attention_scratch_on)."""
-    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
-        return False
+    if not may_read_grouped(query.device.type, query.dtype):
+        return False  # without asking SDPA
     choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True)
     return reads_grouped(query.device.type, query.dtype, choice)
