@@ -18,7 +18,9 @@ beyond the streamed weights, experts take it (whole tables, or a device cache pe
 a row records the decode steps' cache hit rate. Where a row has a cache it is measured twice:
 as it is by default, and with each block's guess at the next block's experts prefetched
 (``expert_prefetch=--prefetch``: the next block's predicted top-k, at most that many of it
-missing from its cache); the row records how many prefetched experts a lookup then read. The routed bound counts the
+missing from its cache); the row records how many prefetched experts a lookup then read. Such
+a row is also measured with the cache evicting the least recently used expert
+(``expert_cache_policy="lru"``) instead of the default, the one picked least often lately. The routed bound counts the
 experts a token needed over the bus (its misses, prefetched or not), not wrong guesses. On a
 GPU, a row whose budget holds every weight but the routed experts is also measured with decode
 compiled into one TorchInductor graph (``compiled=("decode",)``, the experts' op inside it),
@@ -66,6 +68,7 @@ from hostswap.checkpoint import export_checkpoint, read_safetensors_header  # no
 from hostswap.sampling import SamplingParams  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
 from hostswap.runtime.budget import load_floor_on  # noqa: E402
+from hostswap.runtime.expert_cache import POLICIES  # noqa: E402
 
 
 def shape_config(shape: str):
@@ -84,6 +87,7 @@ def shape_config(shape: str):
     raise SystemExit(f"--shape must be mixtral, many or tiny, got {shape!r}")
 
 
+DEFAULT_POLICY, OTHER_POLICY = tuple(POLICIES)  # the expert caches' default eviction, and the one measured beside it
 WEIGHT_STD = 0.02  # bench/checkpoints.py draws every value, norms included, from N(0, 0.02)
 
 
@@ -127,9 +131,9 @@ def skew_routers(folder: str, config, exponent: float, seed: int = 0) -> dict:
 
 
 def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_tokens: int, device: torch.device, temperature: float = 0.0,
-             expert_prefetch: int = 0, compiled: bool = False) -> dict:
+             expert_prefetch: int = 0, compiled: bool = False, policy: str = DEFAULT_POLICY) -> dict:
     with llm.Generator(pte, ptd, weight_offload_budget_mb=budget_bytes / 2**20, device=device, expert_prefetch=expert_prefetch,
-                       compiled=(llm.DECODE,) if compiled else False) as g:
+                       compiled=(llm.DECODE,) if compiled else False, expert_cache_policy=policy) as g:
         out = g.generate(prompt, new_tokens, eos_token_id=[], sampling=SamplingParams(temperature=temperature, seed=0) if temperature else None)
         s = g.stats
         reads = s["expert_reads"].values()
@@ -205,7 +209,7 @@ def main(argv=None) -> int:
     if not 0 <= args.prefetch <= config.num_experts_per_tok:
         raise SystemExit(f"--prefetch must be 0 to the shape's top-k ({config.num_experts_per_tok}), got {args.prefetch}")
     result = {"environment": environment(device), "shape": args.shape, "config": config.to_dict(), "temperature": args.temperature,
-              "expert_prefetch": args.prefetch, "rows": []}
+              "expert_prefetch": args.prefetch, "expert_cache_policy": DEFAULT_POLICY, "other_policy": OTHER_POLICY, "rows": []}
     result["pinned_h2d_bytes_per_s"] = h2d_bandwidth(device, torch.empty(256 * 2**20, dtype=torch.uint8).pin_memory()) if device.type == "cuda" else None
     os.makedirs(args.out, exist_ok=True)
     path = result_path(args.out, "moe", device, args.shape)
@@ -235,6 +239,13 @@ def main(argv=None) -> int:
         result["sampling_warmed_up"] = True  # the Generator's warm-up launched the sampling kernels: the first sampled decode is steady-state too
         budgets = (("floor", floor), ("25%", total // 4), ("50%", total // 2))
         bandwidth = result["pinned_h2d_bytes_per_s"]
+
+        def with_other_policy(row, program, budget):
+            """A row with a cache is measured again with the caches evicting as the other policy says."""
+            r = row["routed"]
+            if r["cache_slots"] and not r["resident_blocks"]:
+                other = row[f"routed, {OTHER_POLICY}"] = generate(*program, budget, prompt, args.new_tokens, device, args.temperature, policy=OTHER_POLICY)
+                row["policy_speedup"] = other["ms_per_token"] / r["ms_per_token"]  # the default's over the other's
 
         def with_guess(row, program, budget):
             """A row with a cache is measured again with the next-layer guess prefetching."""
@@ -279,6 +290,7 @@ def main(argv=None) -> int:
                 measured = generate(*programs[name], max(budget, floor, whole_floor if name == "all experts" else 0), prompt, args.new_tokens, device, args.temperature)
                 row[name] = measured
             r = row["routed"]
+            with_other_policy(row, programs["routed"], max(budget, floor))
             with_guess(row, programs["routed"], max(budget, floor))
             with_compiled(row, programs["routed"], max(budget, floor))
             bound(row, r)
@@ -307,6 +319,7 @@ def main(argv=None) -> int:
             result["export_skewed_s"] = time.perf_counter() - t
             for budget_name, budget in budgets:
                 row = {"routing": "skewed", "budget": budget_name, "budget_bytes": max(budget, floor), "routed": generate(*skewed, max(budget, floor), prompt, args.new_tokens, device, args.temperature)}
+                with_other_policy(row, skewed, max(budget, floor))
                 with_guess(row, skewed, max(budget, floor))
                 with_compiled(row, skewed, max(budget, floor))
                 bound(row, row["routed"])

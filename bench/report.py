@@ -976,7 +976,10 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
                    "one-time first launch, about 0.15 to 0.35 ms/token on a 2-layer model of this kind, so a ratio whose bound is this figure reads low)")
                 + "; "
                 + (f"decode sampled at temperature {r['temperature']:g}, seeded" if r.get("temperature") else "greedy decode")
-                + f"; guess prefetch N = {r.get('expert_prefetch', c['num_experts_per_tok'])}")
+                + f"; guess prefetch N = {r.get('expert_prefetch', c['num_experts_per_tok'])}"
+                # runs before the choice of policy evicted the least recently used expert
+                + f"; expert caches evict: {r.get('expert_cache_policy', 'lru')}")
+        other = r.get("other_policy")
         rows, skewed, peers = [], [], []
         compiled_run = "all_resident_compiled_ms_per_token" in r
         if compiled_run:
@@ -998,6 +1001,9 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
                       f"{routed['expert_bytes_per_token'] / 2**30:.2f}", f"{routed['ms_per_token']:.1f}", f"{row['routed_bound_ms_per_token']:.1f}",
                       f"{row['routed_ratio_to_bound']:.2f}",
                       f"{guessed['ms_per_token']:.1f} ({guessed['cache_hit_rate']:.0%} hits, {guessed['expert_bytes_per_token'] / 2**30:.2f} GiB)" if guessed else "-", used]
+            if other:
+                o = row.get(f"routed, {other}")
+                common.append(f"{o['ms_per_token']:.1f} ({o['cache_hit_rate']:.0%} hits; {row['policy_speedup']:.2f} x)" if o else "-")
             if compiled_run:
                 c = row.get("routed, compiled")
                 common.append(f"{c['ms_per_token']:.1f} ({row['compiled_ratio_to_bound']:.2f}; {row['compiled_speedup']:.2f} x)"
@@ -1010,6 +1016,8 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
                                   "yes" if row["same_tokens"] else "NO"])
         headers = ["budget", "GiB", "routed: streamed GiB/token", "experts on the device (per block)", "decode cache hits",
                    "experts over the bus GiB/token", "ms/token", "bound ms", "ratio", "guess prefetched: ms/token (hits, experts over the bus)", "guesses used"]
+        if other:
+            headers.append(f"evicting {other} instead: ms/token (hits; speed-up of {r['expert_cache_policy']})")
         if compiled_run:
             headers.append("decode compiled: ms/token (ratio to its bound; speed-up)")
         parts.append(head + "\n\nUniform routing (the random router):\n\n"
@@ -1336,8 +1344,9 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
            "whole like any weight). Decode is sampled with a fixed seed (greedy decode of random weights soon repeats a few tokens, which "
            "route alike and would flatter the cache); the routed bound is max(all-resident decode, (streamed + expert bytes read over the bus "
            "per token that the token needed: its misses, prefetched or not) / pinned H2D of the same run). Budget beyond the streamed weights "
-           "holds experts: whole tables where they fit, else a device cache of the same number of slots per block, least recently used evicted; "
-           "the hit rate counts decode steps' lookups. Rows with a cache are measured again with `expert_prefetch=N` (N in each shape's line): "
+           "holds experts: whole tables where they fit, else a device cache of the same number of slots per block, evicting as each shape's line "
+           "says (lfu: the expert its router picked least often lately, the least recently used among equals; lru: the least recently used); "
+           "the hit rate counts decode steps' lookups. Rows with a cache are measured again with the other policy, and with `expert_prefetch=N` (N in each shape's line): "
            "each block scores the next block's experts a layer early (the next norm and router on this layer's residual stream) and, once its "
            "own experts are queued, prefetches the next block's predicted top-k on a side stream, at most N of them missing from its cache, while the next attention "
            "runs; guesses used counts the prefetched experts a lookup then read. Where a budget holds every weight but the routed experts, "

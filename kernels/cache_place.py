@@ -1,16 +1,19 @@
 """An expert cache's bookkeeping for one call in one Triton program.
 
-``ExpertCache._place`` (runtime/expert_cache.py) gives each picked expert a slot, evicts the
-least recently used slots for the misses, stamps what it used and counts hits and misses. As
+``ExpertCache._place`` (runtime/expert_cache.py) gives each picked expert a slot, evicts
+slots for the misses in the policy's order, counts the picks, stamps what it used and counts
+hits and misses. As
 torch ops that is about forty small kernels a block per decode step, each a launch of a few
 microseconds in a replayed CUDA graph: on a many-expert model, more time than the misses'
 bytes take on the bus where the cache hits well. Here it is one program of one block, the
 picks one per lane and the slots one per lane of a second range: the same state afterwards
 as the torch ops leave, call for call (``tests/test_cache_place.py`` compares the two).
 
-Victims are the slots of lowest stamp that no hit of the call holds, lowest slot first among
-equal stamps; an empty slot's stamp is below any used one and distinct per slot, so the order
-is the torch path's ``topk`` order too.
+Victims are the slots no hit of the call (nor a call of the ``recent`` before it) holds, of
+lowest score first: -1 for an empty slot or an unread guess, else the expert's pick count
+(``by_uses``: the lfu policy) or 0 (lru); the lowest stamp first among equal scores, the
+lowest slot among equal stamps. Stamps are distinct per slot (an empty slot's below any used
+one), so the order is the torch path's sorts' order too.
 """
 
 from __future__ import annotations
@@ -35,30 +38,51 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def cache_place(ids_ptr, slot_of_ptr, expert_of_ptr, last_use_ptr, fresh_ptr, clock_ptr, counters_ptr, target_ptr, copy_ptr, on_ptr,
-                    k, slots, never, guessed, K: tl.constexpr, SLOTS: tl.constexpr, MODE: tl.constexpr, GATED: tl.constexpr):
+    def cache_place(ids_ptr, slot_of_ptr, expert_of_ptr, last_use_ptr, fresh_ptr, uses_ptr, clock_ptr, counters_ptr, target_ptr, copy_ptr, on_ptr,
+                    k, slots, experts, never, guessed, half_life, recent, K: tl.constexpr, SLOTS: tl.constexpr, EXPERTS: tl.constexpr,
+                    MODE: tl.constexpr, GATED: tl.constexpr, BY_USES: tl.constexpr):
         lane = tl.arange(0, K)
         inside = lane < k
         live = inside
         if GATED:  # a call of a row nobody reads: it changes nothing, and its slots are -1
             live = live & (tl.load(on_ptr) != 0)
         ids = tl.load(ids_ptr + lane, mask=live, other=0)
-        clock = tl.load(clock_ptr) + tl.max(live.to(tl.int64), 0)
+        any_live = tl.max(live.to(tl.int64), 0)
+        clock = tl.load(clock_ptr) + any_live
+        if MODE != 2:  # the counts halved every half_life calls, then this call's picks counted
+            e = tl.arange(0, EXPERTS)
+            uses = tl.load(uses_ptr + e, mask=e < experts, other=0)
+            uses = tl.where((any_live != 0) & (clock % half_life == 0), uses >> 1, uses)
+            uses += tl.sum(((ids[:, None] == e[None, :]) & live[:, None]).to(tl.int64), axis=0)
+            tl.store(uses_ptr + e, uses, mask=e < experts)
+            tl.debug_barrier()  # the counts are stored before the slots' experts read them
         slot = tl.load(slot_of_ptr + ids, mask=live, other=-1)
         hit = live & (slot >= 0)
         miss = live & (slot < 0)
         s = tl.arange(0, SLOTS).to(tl.int64)
         in_range = s < slots
         last_use = tl.load(last_use_ptr + s, mask=in_range, other=never)
-        # a slot a hit holds is not evicted; of the rest the lowest stamp goes first
+        # a slot a hit holds is not evicted, nor one the recent calls stamped; of the rest an
+        # empty slot or an unread guess goes first, then the lowest score, then the lowest stamp
         held = tl.sum(((slot[:, None] == s[None, :]) & hit[:, None]).to(tl.int32), axis=0) > 0
-        age = tl.where(held | (s >= slots), never, last_use)
+        held = held | (s >= slots) | ((recent > 0) & (last_use >= (clock - recent) * (2 * slots)))
+        age = tl.where(held, never, last_use)
+        holding = tl.load(expert_of_ptr + s, mask=in_range, other=experts - 1)
+        spare = (holding == experts - 1) | (tl.load(fresh_ptr + s, mask=in_range, other=0) != 0)
+        if BY_USES:
+            count = tl.load(uses_ptr + holding, mask=in_range, other=0)
+        else:
+            count = tl.zeros([SLOTS], tl.int64)
+        score = tl.where(held, never, tl.where(spare, -1, count))
         rank = tl.cumsum(miss.to(tl.int32), 0) - 1
         target = slot
         for r in tl.static_range(K):
-            low = tl.min(age, 0)
-            victim = tl.min(tl.where(age == low, s, SLOTS), 0)
+            low = tl.min(score, 0)
+            least = score == low
+            oldest = tl.min(tl.where(least, age, never), 0)
+            victim = tl.min(tl.where(least & (age == oldest), s, SLOTS), 0)
             target = tl.where(miss & (rank == r), victim, target)
+            score = tl.where(s == victim, never, score)
             age = tl.where(s == victim, never, age)
         evicted = tl.load(expert_of_ptr + target, mask=live, other=0)
         before = tl.load(last_use_ptr + target, mask=live, other=0)
@@ -90,20 +114,23 @@ def _kernel():
     return cache_place
 
 
-def cache_place(ids: torch.Tensor, slot_of: torch.Tensor, expert_of: torch.Tensor, last_use: torch.Tensor, fresh: torch.Tensor,
-                clock: torch.Tensor, counters: torch.Tensor, mode: int, never: int, guessed: int, on: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def cache_place(ids: torch.Tensor, slot_of: torch.Tensor, expert_of: torch.Tensor, last_use: torch.Tensor, fresh: torch.Tensor, uses: torch.Tensor,
+                clock: torch.Tensor, counters: torch.Tensor, mode: int, never: int, guessed: int, on: torch.Tensor | None = None, *,
+                by_uses: bool, half_life: int, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Place ``ids`` (distinct experts) in the cache whose state the other tensors are, as
     ``mode`` (LOOKUP, FILL or GUESS) does: (slot per id, 1 where its rows must be copied in).
     The state tensors are updated in place; no host sync. Where ``on`` (a 0-d bool device
-    tensor) is false the call leaves the state as it is: slots -1, nothing to copy."""
+    tensor) is false the call leaves the state as it is: slots -1, nothing to copy.
+    ``by_uses``: evict by pick count before stamp (lfu); ``recent``: the calls before this
+    one whose slots are held."""
     import triton
 
-    k, slots = ids.numel(), last_use.numel()
+    k, slots, experts = ids.numel(), last_use.numel(), uses.numel()
     target = torch.empty(k, dtype=torch.int64, device=ids.device)
     copy = torch.empty(k, dtype=torch.int32, device=ids.device)
     with torch.cuda.device(ids.device) if ids.is_cuda else contextlib.nullcontext():
-        _kernel()[(1,)](ids, slot_of, expert_of, last_use, fresh.view(torch.int8), clock, counters, target, copy, clock if on is None else on,
-                        k, slots, never, guessed, K=max(2, triton.next_power_of_2(k)), SLOTS=max(2, triton.next_power_of_2(slots)), MODE=mode,
-                        GATED=on is not None, num_warps=4)
+        _kernel()[(1,)](ids, slot_of, expert_of, last_use, fresh.view(torch.int8), uses, clock, counters, target, copy, clock if on is None else on,
+                        k, slots, experts, never, guessed, half_life, recent, K=max(2, triton.next_power_of_2(k)), SLOTS=max(2, triton.next_power_of_2(slots)),
+                        EXPERTS=max(2, triton.next_power_of_2(experts)), MODE=mode, GATED=on is not None, BY_USES=by_uses, num_warps=4)
     return target, copy
 

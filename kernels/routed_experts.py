@@ -408,9 +408,9 @@ def _cached_pairs(hidden, ids, weights, tables, cache, activate, transposed, liv
     """A captured call of several tokens (a batched decode step) through the block's expert
     cache: each token looks its top-k up in turn, its misses copied into slots (a later token
     that picks the same expert then hits it), and each (token, expert) pair is multiplied from
-    its slot. As many tokens at a time as the slots hold every pick of: a token's lookup evicts
-    the least recently used slots, never those the tokens before it in the group just stamped,
-    so a group's slots all hold its picks when its products read them; the next group's
+    its slot. As many tokens at a time as the slots hold every pick of: a token's lookup holds
+    the slots the tokens before it in the group stamped (``recent``), whatever the policy, so a
+    group's slots all hold its picks when its products read them; the next group's
     lookups come after those products on the stream. A row ``live`` clears looks nothing up
     (its slots are -1: no pick) and reads nothing."""
     tokens, k = ids.shape
@@ -418,7 +418,8 @@ def _cached_pairs(hidden, ids, weights, tables, cache, activate, transposed, liv
     out = []
     for start in range(0, tokens, group):
         end = min(tokens, start + group)
-        rows = torch.cat([cache.lookup(ids[t], tables, live=None if live is None else live[t])[0] for t in range(start, end)]).view(end - start, k)
+        rows = torch.cat([cache.lookup(ids[t], tables, live=None if live is None else live[t], recent=t - start)[0]
+                          for t in range(start, end)]).view(end - start, k)
         out.append(_pairs(hidden[start:end], rows, weights[start:end], *cache.tables, activate, transposed))
     return torch.cat(out) if len(out) > 1 else out[0]
 

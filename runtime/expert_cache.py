@@ -6,13 +6,19 @@ tensors updated by device ops, the same ops every step:
 
 - ``slot_of[e]``: the slot holding expert ``e``, or -1;
 - ``expert_of[s]``: the expert in slot ``s``, or ``num_experts`` (empty);
-- ``last_use[s]``: when slot ``s`` was last read, in steps and picks (least recently used
-  evicted first);
+- ``uses[e]``: how often lookups picked expert ``e`` lately, cached or not (each lookup adds
+  one per pick; every ``HALF_LIFE`` calls the counts are halved);
+- ``last_use[s]``: when slot ``s`` was last read, in steps and picks;
 - ``hits``/``misses``: counters, read by the host only when it asks for stats.
 
-A step looks its top-k up; each miss takes the least recently used slot that no hit of the
-same lookup holds, and its rows are copied from the tables in mapped host memory by a kernel
-that skips the hits (kernels/row_copy.py): a hit reads no host byte. The step's experts are
+A step looks its top-k up; each miss takes a slot that no hit of the same lookup holds, and
+its rows are copied from the tables in mapped host memory by a kernel that skips the hits
+(kernels/row_copy.py): a hit reads no host byte. Which slot: the policy's (``POLICIES``).
+``lfu`` (the default) evicts the expert picked least often lately, the least recently used
+among equals: routers have favourites, so how often an expert was picked predicts its next
+pick better than when it last was, and one token's rare picks do not push a favourite out.
+``lru`` evicts the least recently used. Either way an empty slot goes first, then a guess no
+lookup has read. The step's experts are
 then read from the slots. Where the routed-experts kernel reads its products in place (CUDA),
 it leaves the gate/up and down rows out of the lookup's copy (``left``) and its products fill
 the missed slots as they read the rows from the tables. Index ``num_experts`` of ``slot_of`` is a sink: writes that a hit
@@ -30,13 +36,17 @@ missing: the cached experts among them come in as hits, which the placement hold
 guessed miss never evicts what the same guess predicts L+1 will read. L+1's lookup waits for that copy (``settle``) and then misses only where
 the guess was wrong. The guess copies a few experts (``prefetching``, at most the block's top-k): the
 bus is idle for about one attention, and a guess that has not landed when the lookup comes
-holds the step up, whether it was right or wrong. A guessed expert takes the least recently
-used slot and counts as never used until a lookup reads it, so a wrong guess is evicted first;
+holds the step up, whether it was right or wrong. A guessed miss takes the slot the policy
+evicts and ranks below every expert a lookup read until a lookup reads it, so a wrong guess is
+evicted first (a guess adds nothing to ``uses``);
 ``fresh`` marks the slots a prefetch filled until a lookup reads them, so ``stats`` can say
 how many guesses were used (``prefetch_hits``) against those made (``prefetched``).
 
 A captured batched decode step (several tokens, kernels/routed_experts.py) looks its tokens
-up one after another, misses copied in by the lookup, and reads every pair from the slots. A
+up one after another, misses copied in by the lookup, and reads every pair from the slots.
+Each lookup of a group is told how many lookups before it belong to the group (``recent``):
+the slots those stamped are held as its own hits are, so no token evicts an expert another
+token of its group is about to read, whatever the policy. A
 row no sequence holds looks nothing up: its lookup's ``live`` flag, read on the device, turns
 the call into one that changes and counts nothing.
 
@@ -56,21 +66,26 @@ from hostswap.kernels.cache_place import FILL, GUESS, LOOKUP, cache_place
 from hostswap.kernels.row_copy import masked_row_copy, triton_available
 from hostswap.schedules.experts import plan_expert_cache, resident_blocks
 
-POLICY = "lru"
+# how a miss chooses its slot; the default first
+POLICIES = {"lfu": "least frequently used lately (picks counted, halved every 256 calls), then least recently used",
+            "lru": "least recently used"}
+HALF_LIFE = 256  # calls between halvings of the pick counts: hundreds of picks rank the favourites, and a new prompt's take over within as many tokens
 GUESSED = -(2**62)  # added to a guessed expert's stamp until a lookup reads it: it goes first, oldest guess first
 PREFETCH = "next-layer router on the residual stream"
 
 
 class ExpertCache:
-    """``slots`` experts of one block's stacked tables on the device, least recently used
-    evicted, looked up and filled by device ops only."""
+    """``slots`` experts of one block's stacked tables on the device, evicted as ``policy``
+    says (``POLICIES``), looked up and filled by device ops only."""
 
     def __init__(self, block: str, num_experts: int, unit_bytes: int, slots: int, top_k: int, device: torch.device, prefetch: int = 0,
-                 fused: bool | None = None):
+                 fused: bool | None = None, policy: str = "lfu", half_life: int = HALF_LIFE):
         if not top_k <= slots < num_experts:
             raise ValueError(f"an expert cache of {block} needs top_k ({top_k}) to {num_experts - 1} slots, not {slots}")
         check_prefetch(prefetch, ((block, top_k),))
+        check_policy(policy)
         self.block, self.slots, self.top_k, self.num_experts = block, slots, top_k, num_experts
+        self.policy, self.half_life = policy, int(half_life)
         self.nbytes = slots * unit_bytes
         self.tables: tuple[torch.Tensor | None, ...] | None = None  # made at the first lookup, in the kernel's order of tables
         self.sources: tuple[torch.Tensor | None, ...] | None = None  # the block's tables, as the first lookup gave them
@@ -83,6 +98,8 @@ class ExpertCache:
         self.fresh = torch.zeros(slots, dtype=torch.bool, device=device)
         self.slot_of = torch.full((num_experts + 1,), -1, dtype=torch.int64, device=device)
         self.expert_of = torch.full((slots,), num_experts, dtype=torch.int64, device=device)
+        # picks per expert lately (index num_experts: the sink, an empty slot's), counted under either policy
+        self.uses = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
         # stamps: an empty slot's is the lowest (one per slot, the first slot first), a guess's
         # below any lookup's (GUESSED + time)
         self.last_use = torch.iinfo(torch.int64).min + torch.arange(slots, dtype=torch.int64, device=device)
@@ -95,15 +112,19 @@ class ExpertCache:
         self._never = torch.iinfo(torch.int64).max
 
     def lookup(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], left: tuple[int, ...] = (),
-               rows: torch.Tensor | None = None, live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               rows: torch.Tensor | None = None, live: torch.Tensor | None = None, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots of ``ids`` (one token's distinct top-k), the missed ones filled from
         ``sources`` (the block's tables, in the order the cache was built with; their rows
         ``rows`` where given, else the experts' own), and 1 per id that missed. The tables at
         positions ``left`` are not copied: the caller's products fill their missed rows as they
         read them (``routed_gemv``'s ``fill_from``). Where ``live`` (a 0-d bool device tensor)
         is false the token is a batch row nobody reads: the lookup changes and counts nothing,
-        its slots are -1 and it copies nothing."""
-        return self._use(ids, sources, LOOKUP, left, rows, live)
+        its slots are -1 and it copies nothing. ``recent``: the slots the ``recent`` calls
+        before this one stamped are held, as its own hits are (a batched step's group: their
+        products have not read them yet); at most ``slots // top_k - 1``."""
+        if not 0 <= recent < max(1, self.slots // self.top_k):
+            raise ValueError(f"the expert cache of {self.block} holds the slots of at most {self.slots // self.top_k - 1} calls before a lookup, not {recent}")
+        return self._use(ids, sources, LOOKUP, left, rows, live, recent)
 
     def fill(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], rows: torch.Tensor | None = None) -> None:
         """Bring ``ids`` (distinct experts: a prefill chunk's last row's) in as a lookup of them
@@ -111,12 +132,12 @@ class ExpertCache:
         self._use(ids, sources, FILL, rows=rows)
 
     def _use(self, ids: torch.Tensor, sources: tuple[torch.Tensor | None, ...], mode: int, left: tuple[int, ...] = (), rows: torch.Tensor | None = None,
-             live: torch.Tensor | None = None):
+             live: torch.Tensor | None = None, recent: int = 0):
         """Place ``ids`` as used now, once any queued prefetch is in: (slot per id, 1 where it missed)."""
         ids = ids.reshape(-1)
         self._make_tables(sources, ids.device)
         self.settle()
-        return self._place(ids, sources, mode, left, rows, live)
+        return self._place(ids, sources, mode, left, rows, live, recent)
 
     def _make_tables(self, sources: tuple[torch.Tensor | None, ...], device: torch.device) -> None:
         """The slots' tables, made at the first call (a warm-up forward runs before any capture)."""
@@ -181,24 +202,27 @@ class ExpertCache:
             self._pending = False
 
     def _place(self, ids: torch.Tensor, sources, mode: int, left: tuple[int, ...] = (), rows: torch.Tensor | None = None,
-               live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Give each of ``ids`` a slot (its own on a hit; else the least recently used slot
-        no hit of these ids holds), copy the missed rows in, stamp the slots and count the
-        call as ``mode`` (LOOKUP, FILL or GUESS): the slot per id. A lookup or fill stamps
-        its slots as used now and marks them read; a guess (GUESS) stamps nothing it
-        found, and its misses below every expert a lookup read: a wrong guess is the first to
-        go, so guesses evict mostly earlier guesses, not what lookups keep reading. The tables
+               live: torch.Tensor | None = None, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give each of ``ids`` a slot (its own on a hit; else the slot the policy evicts
+        first of those no hit of these ids, nor any of the ``recent`` calls before, holds),
+        copy the missed rows in, stamp the slots and count the
+        call as ``mode`` (LOOKUP, FILL or GUESS): the slot per id. A lookup or fill counts
+        its picks in ``uses``, stamps its slots as used now and marks them read; a guess (GUESS)
+        counts nothing, stamps nothing it found, and ranks its misses below every expert a
+        lookup read: a wrong guess is the first to go, so guesses evict mostly earlier
+        guesses, not what lookups keep reading. The tables
         at positions ``left`` are not copied; ``rows``: the sources' row of each id (default: the id).
         ``live`` false: the call leaves the state as it is. Returns (slot per id, 1 where it missed)."""
         if self.fused:
-            target, copy = cache_place(ids, self.slot_of, self.expert_of, self.last_use, self.fresh, self.clock, self._counters, mode,
-                                       self._never, GUESSED, None if live is None else live.reshape(()).view(torch.uint8))
+            target, copy = cache_place(ids, self.slot_of, self.expert_of, self.last_use, self.fresh, self.uses, self.clock, self._counters, mode,
+                                       self._never, GUESSED, None if live is None else live.reshape(()).view(torch.uint8),
+                                       by_uses=self.policy == "lfu", half_life=self.half_life, recent=recent)
         elif live is None:
-            target, copy = self._place_ops(ids, mode)
+            target, copy = self._place_ops(ids, mode, recent)
         else:  # placed, then undone where the row is not live: device ops, no host sync
-            state = (self.slot_of, self.expert_of, self.last_use, self.fresh, self.clock, self._counters)
+            state = (self.slot_of, self.expert_of, self.uses, self.last_use, self.fresh, self.clock, self._counters)
             before = [t.clone() for t in state]
-            target, copy = self._place_ops(ids, mode)
+            target, copy = self._place_ops(ids, mode, recent)
             for now, then in zip(state, before):
                 now.copy_(torch.where(live, now, then))
             target, copy = torch.where(live, target, -1), torch.where(live, copy, 0)
@@ -207,17 +231,26 @@ class ExpertCache:
                 masked_row_copy(source, table, ids if rows is None else rows.reshape(-1), target, copy)
         return target, copy
 
-    def _place_ops(self, ids: torch.Tensor, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _place_ops(self, ids: torch.Tensor, mode: int, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``_place``'s bookkeeping as torch ops: (slot per id, 1 where its rows must be copied in)."""
         used = mode != GUESS
         self.clock += 1
+        if used:  # halved every half_life calls, then this call's picks counted
+            self.uses.copy_(torch.where(self.clock % self.half_life == 0, self.uses >> 1, self.uses))
+            self.uses.index_put_((ids,), torch.ones_like(ids), accumulate=True)
         slot = self.slot_of[ids]
         hit = slot >= 0
         miss = ~hit
-        # the step's hits are not evicted; of the other slots the least recently used go first
-        held = torch.zeros(self.slots, dtype=torch.int64, device=ids.device).scatter_reduce_(0, slot.clamp(min=0), hit.to(torch.int64), "amax")
-        age = torch.where(held > 0, self._never, self.last_use)
-        victims = torch.topk(age, ids.numel(), largest=False, sorted=True).indices
+        # the step's hits are not evicted, nor the slots the recent calls stamped; of the other
+        # slots an empty one goes first, then an unread guess, then by the policy's order
+        held = torch.zeros(self.slots, dtype=torch.int64, device=ids.device).scatter_reduce_(0, slot.clamp(min=0), hit.to(torch.int64), "amax") > 0
+        if recent:
+            held |= self.last_use >= (self.clock - recent) * (2 * self.slots)
+        age = torch.where(held, self._never, self.last_use)
+        spare = (self.expert_of == self.num_experts) | self.fresh
+        score = torch.where(held, self._never, torch.where(spare, -1, self.uses[self.expert_of] if self.policy == "lfu" else 0))
+        by_age = torch.argsort(age, stable=True)
+        victims = by_age[torch.argsort(score[by_age], stable=True)][: ids.numel()]
         rank = (torch.cumsum(miss.to(torch.int64), 0) - 1).clamp(min=0)
         target = torch.where(hit, slot, victims[rank])
         sink = torch.full_like(ids, self.num_experts)
@@ -245,6 +278,12 @@ class ExpertCache:
         return tuple(self._counters.tolist())
 
 
+def check_policy(policy) -> None:
+    """Refuse an expert cache policy that is not one of ``POLICIES``."""
+    if policy not in POLICIES:
+        raise ValueError(f"expert_cache_policy must be one of {tuple(POLICIES)}, got {policy!r}")
+
+
 def check_prefetch(prefetch: int, blocks) -> None:
     """Refuse a guess of more experts than a block picks: ``blocks`` are (name, top_k) pairs,
     every routed block of the program, cached or not (a budget that gives no block a cache
@@ -254,14 +293,16 @@ def check_prefetch(prefetch: int, blocks) -> None:
             raise ValueError(f"expert_prefetch asks {int(prefetch)} guessed experts per block; {block} picks {top_k} per token")
 
 
-def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: int = 0, unguessed: frozenset[str] = frozenset()) -> tuple[frozenset[str], dict[str, ExpertCache]]:
+def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: int = 0, unguessed: frozenset[str] = frozenset(),
+                  policy: str = "lfu") -> tuple[frozenset[str], dict[str, ExpertCache]]:
     """The blocks kept whole on the device, and a cache for each block given fewer slots than
     it has experts (``plan_expert_cache`` over ``room_bytes``), each prefetching up to
     ``prefetch`` guessed experts a step but those of ``unguessed`` (blocks whose tables are on
     disk: a guess copies from the tables by expert id, on the device, which needs them in
-    host memory whole)."""
+    host memory whole). ``policy``: the caches' eviction (``POLICIES``)."""
     slots = plan_expert_cache(blocks, room_bytes)
-    caches = {b.block: ExpertCache(b.block, b.num_experts, b.unit_bytes, slots[b.block], b.top_k, device, 0 if b.block in unguessed else prefetch)
+    caches = {b.block: ExpertCache(b.block, b.num_experts, b.unit_bytes, slots[b.block], b.top_k, device, 0 if b.block in unguessed else prefetch,
+                                   policy=policy)
               for b in blocks if 0 < slots[b.block] < b.num_experts}
     return resident_blocks(slots, blocks), caches
 
@@ -276,7 +317,7 @@ def expert_read_stats(block, reads, resident: bool, cache: ExpertCache | None) -
             # over the bus: every miss, and every expert a prefetch or a prefill's fill brought in
             "bytes": (reads.experts - hits + prefetched + filled) * block.unit_bytes, "resident": resident,
             "cache_slots": block.num_experts if resident else cache.slots if cache is not None else 0,
-            "cache_policy": POLICY if cache is not None else None,
+            "cache_policy": cache.policy if cache is not None else None,
             "prefetch": f"{PREFETCH}, {cache.prefetching} per step" if cache is not None and cache.prefetching else None,
             # the decode steps' lookups alone
             "cache_hits": cache_hits, "cache_misses": cache_misses,

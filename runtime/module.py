@@ -20,7 +20,7 @@ from hostswap.runtime.budget import (
 from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_placement
-from hostswap.runtime.expert_cache import check_prefetch, expert_read_stats, place_experts
+from hostswap.runtime.expert_cache import check_policy, check_prefetch, expert_read_stats, place_experts
 from hostswap.runtime.expert_store import check_expert_host_cache_argument, close_host_experts, open_host_experts
 from hostswap.runtime.instructions import ListRef, ProgramError
 from hostswap.runtime.method_loader import state_memory_ids
@@ -156,6 +156,8 @@ class Module:
     attention between them runs (runtime/expert_cache.py). Off by default: it pays where an
     expert moves over the bus in about an attention's time (many small experts) and the guess
     is mostly right; a big expert (Mixtral's) moved on a wrong guess costs more than it saves.
+    ``expert_cache_policy``: which expert a device cache evicts, ``"lfu"`` (default: the one
+    its router picked least often lately, the least recently used among equals) or ``"lru"``.
 
     ``expert_host_cache_mb`` (default ``"auto"``): where an MoE model's expert tables do not
     fit in the host memory available at load besides its other pinned weights, they stay in
@@ -182,7 +184,8 @@ class Module:
 
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool | tuple[str, ...] = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False,
                  host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False, expert_prefetch: bool | int = False,
-                 compiled: bool | tuple[str, ...] = False, compiled_where_possible: bool = False, expert_host_cache_mb: float | str = AUTO):
+                 compiled: bool | tuple[str, ...] = False, compiled_where_possible: bool = False, expert_host_cache_mb: float | str = AUTO,
+                 expert_cache_policy: str = "lfu"):
         t0 = time.perf_counter()
         self._closed = True  # until loaded
         check_budget_argument(weight_offload_budget_mb)
@@ -201,6 +204,8 @@ class Module:
         if not isinstance(expert_prefetch, int) or expert_prefetch < 0:
             raise ValueError(f"expert_prefetch must be True, False or a number of experts (0 or more), got {expert_prefetch!r}")
         self._expert_prefetch = int(expert_prefetch)
+        check_policy(expert_cache_policy)
+        self._expert_cache_policy = expert_cache_policy
         _check_method_names_argument("cuda_graph", cuda_graph)
         _check_method_names_argument("compiled", compiled)
         self.pte_path = os.fspath(pte_path)
@@ -290,7 +295,8 @@ class Module:
         # MoE experts take the budget left once every streamed weight is resident: whole
         # tables where they fit, else a device cache per block; the rest are read in place
         self.resident_experts, self.expert_caches = place_experts(self.schedule.expert_blocks, self.budget_bytes - self.schedule.resident_bytes, self.device,
-                                                                    prefetch=self._expert_prefetch, unguessed=frozenset(self.expert_host_plan.slots))
+                                                                    prefetch=self._expert_prefetch, unguessed=frozenset(self.expert_host_plan.slots),
+                                                                    policy=self._expert_cache_policy)
         on_device = {t for b in self.schedule.expert_blocks if b.block in self.resident_experts for t in b.tables}
         state_sizes, activations = self._arena_sizes()
         weights_on_device = (min(self.budget_bytes, self.schedule.resident_bytes) + sum(c.nbytes for c in self.expert_caches.values())

@@ -146,12 +146,13 @@ def test_every_experts_module_is_routed_and_its_tables_read_in_place(moe):
     assert all(b.tokens == CHUNK for b in prefill.expert_blocks)
 
 
-@pytest.mark.parametrize("budget", ["floor", "cache", "everything"])
+@pytest.mark.parametrize("budget", ["floor", "cache", "cache-lru", "everything"])
 def test_greedy_tokens_equal_transformers(moe, budget):
     prompt = _prompt(7)
     expected = moe.transformers_tokens(prompt, 12)
-    mb = {"floor": moe.floor, "cache": moe.cached, "everything": moe.everything}[budget] / MB
-    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=mb, device="cpu") as g:
+    mb = {"floor": moe.floor, "cache": moe.cached, "cache-lru": moe.cached, "everything": moe.everything}[budget] / MB
+    policy = "lru" if budget == "cache-lru" else "lfu"  # which expert a cache evicts changes no output
+    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=mb, device="cpu", expert_cache_policy=policy) as g:
         out = g.generate(prompt, 12, eos_token_id=[])
         assert torch.equal(out, expected), (out.tolist(), expected.tolist())
         s = g.stats
@@ -166,10 +167,10 @@ def test_greedy_tokens_equal_transformers(moe, budget):
             assert g.module.resident_experts == frozenset()
             assert s["expert_bytes_per_token"] == per_token
             assert all(r["misses"] == r["experts"] > 0 and r["hits"] == 0 and r["filled"] == 0 for r in s["expert_reads"].values())
-        elif budget == "cache":
+        elif budget.startswith("cache"):
             assert g.module.resident_experts == frozenset() and set(g.module.expert_caches) == {b.block for b in blocks}
             for r in s["expert_reads"].values():
-                assert r["cache_slots"] == moe.cache_slots and r["cache_policy"] == "lru" and r["hits"] > 0
+                assert r["cache_slots"] == moe.cache_slots and r["cache_policy"] == policy and r["hits"] > 0
                 # over the bus: the misses, and the experts each prefill chunk's last row brought in
                 assert r["hits"] + r["misses"] == r["experts"] and r["bytes"] == (r["misses"] + r["filled"]) * blocks[0].unit_bytes
                 assert r["filled"] > 0
@@ -405,32 +406,45 @@ def test_experts_take_the_same_slots_in_every_block_up_to_whole_tables():
     assert not chunk.gathers_pairs and chunk.scratch_bytes == 0 and chunk.units_per_call == (2, 8)
 
 
-def test_expert_cache_evicts_the_least_recently_used_and_holds_the_experts_rows():
-    """The device-side cache against a plain LRU, step by step over random picks (skewed, so
-    that hits and evictions both happen), with a guess prefetched before most steps (part
-    right, part wrong) and a prefill's fill before some: same hits, same experts held, each
-    slot's rows the expert's rows of the tables, and the guesses and fills counted."""
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_expert_cache_evicts_as_its_policy_says_and_holds_the_experts_rows(policy):
+    """The device-side cache against a plain reference of its policy (lru: least recently used;
+    lfu: fewest picks lately, counts halved every 8 calls here, least recently used among
+    equals), step by step over random picks (skewed, so that hits and evictions both happen),
+    with a guess prefetched before most steps (part right, part wrong) and a prefill's fill
+    before some: same hits, same experts held, each slot's rows the expert's rows of the
+    tables, and the guesses and fills counted."""
     import collections
 
-    experts, k, slots = 16, 4, 6
+    experts, k, slots, half_life = 16, 4, 6, 8
     gen = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(experts, 6, 3, generator=gen), torch.randn(experts, 3, 3, generator=gen)
     unit = (6 * 3 + 3 * 3) * 4
-    cache = ExpertCache("block", experts, unit, slots, k, torch.device("cpu"), prefetch=True)
-    lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+    cache = ExpertCache("block", experts, unit, slots, k, torch.device("cpu"), prefetch=True, policy=policy, half_life=half_life)
+    lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # held experts, least recently used first
     fresh: set[int] = set()  # experts a guess brought in that no lookup has read yet
+    uses = [0] * experts  # picks lately: every call ticks the clock; a lookup or fill halves them on a multiple of half_life, then counts
+    clock = 0
     popularity = torch.tensor([1.0 / (e + 1) for e in range(experts)])
     hits = prefetched = prefetch_hits = filled = 0
 
     def use(ids, guess=False):  # the reference; returns the misses
+        nonlocal clock, uses
+        clock += 1
+        if not guess:
+            uses = [u >> 1 for u in uses] if clock % half_life == 0 else uses
+            for e in ids:
+                uses[e] += 1
         for e in ids:  # a lookup's hits are refreshed; a guess refreshes nothing
             if e in lru and not guess:
                 lru.move_to_end(e)
                 fresh.discard(e)
         missed = [e for e in ids if e not in lru]
         for e in missed:
-            if len(lru) == slots:  # unread guesses go first (oldest first), then the least recently used
-                victim = next(v for v in [*(v for v in lru if v in fresh), *(v for v in lru if v not in fresh)] if v not in ids)
+            if len(lru) == slots:  # unread guesses go first (oldest first), then as the policy says
+                order = list(lru)
+                rest = sorted((v for v in order if v not in fresh), key=lambda v: (uses[v] if policy == "lfu" else 0, order.index(v)))
+                victim = next(v for v in [*(v for v in order if v in fresh), *rest] if v not in ids)
                 fresh.discard(victim)
                 del lru[victim]
             lru[e] = None

@@ -27,7 +27,7 @@ from test_generation import transformers_greedy
 
 MB = 2**20
 EXPERTS, K, HIDDEN, INNER = 8, 2, 6, 4
-STATE = ("slot_of", "expert_of", "last_use", "fresh", "clock", "_counters")
+STATE = ("slot_of", "expert_of", "uses", "last_use", "fresh", "clock", "_counters")
 
 
 def _tables(seed: int = 0, poisoned: bool = False):
