@@ -16,7 +16,8 @@ alone ("lacking"), whose misses may evict cached experts the guess predicts; and
 (``ExpertCache.guess``: the predicted top-k, of which at most the N best scored missing ones:
 the cached ones among the predicted come along as hits, so the guessed misses cannot evict
 them). It counts hits and the guesses a
-lookup read. The routing is the random router's. The result goes to stdout and, with
+lookup read, under each eviction policy (``POLICIES``: the expert picked least often lately,
+or the least recently used). The routing is the random router's. The result goes to stdout and, with
 ``--out``, to ``<out>/guess_cpu_<shape>.json`` (bench/report.py renders it).
 
     python bench/expert_guess.py --shape many      # 4 layers of the Qwen3-MoE shape
@@ -66,15 +67,16 @@ def lacking_guess(cache, scores: torch.Tensor) -> torch.Tensor:
     return torch.topk(scores.masked_fill(cache.slot_of[: cache.num_experts] >= 0, float("-inf")), cache.prefetching).indices
 
 
-def replay(steps: list, experts: int, k: int, slots: int, guess: str, n: int) -> dict:
+def replay(steps: list, experts: int, k: int, slots: int, guess: str, n: int, policy: str) -> dict:
     """The decode steps' picks (per step, per block: top-k ids) and guess scores (per step,
     per block after the first: that block's router on the block before's residual stream)
-    through one ``ExpertCache`` per block."""
+    through one ``ExpertCache`` per block, evicting as ``policy`` says."""
     from hostswap.runtime.expert_cache import ExpertCache
 
     blocks = len(steps[0][0])
     tables = (torch.zeros(experts, 1, 1), torch.zeros(experts, 1, 1), None)  # the rows' values do not matter here
-    caches = [ExpertCache(f"block {i}", experts, 8, slots, k, torch.device("cpu"), prefetch=n if guess != "none" else 0) for i in range(blocks)]
+    caches = [ExpertCache(f"block {i}", experts, 8, slots, k, torch.device("cpu"), prefetch=n if guess != "none" else 0, policy=policy)
+              for i in range(blocks)]
     for picks, scores in steps:
         for i, cache in enumerate(caches):
             cache.lookup(picks[i].view(1, k), tables)
@@ -82,7 +84,7 @@ def replay(steps: list, experts: int, k: int, slots: int, guess: str, n: int) ->
                 after = caches[i + 1]
                 after.prefetch(lacking_guess(after, scores[i + 1]) if guess == "lacking" else after.guess(scores[i + 1]))
     hits, misses, prefetched, used, _ = (sum(c) for c in zip(*(cache.counts() for cache in caches)))
-    return {"slots": slots, "guess": guess, "hit_rate": hits / (hits + misses), "prefetched_per_lookup": prefetched / (hits + misses),
+    return {"slots": slots, "policy": policy, "guess": guess, "hit_rate": hits / (hits + misses), "prefetched_per_lookup": prefetched / (hits + misses),
             "guesses_read": used / prefetched if prefetched else None}
 
 
@@ -97,6 +99,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None, help="folder for guess_cpu_<shape>.json (default: stdout only)")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM
+
+    from hostswap.runtime.expert_cache import POLICIES
 
     config = config_for(args.shape)
     torch.manual_seed(0)
@@ -158,7 +162,7 @@ def main(argv=None) -> dict:
               "guess_found": counts["early"] / counts["guessed"], "guess_after_experts_found": counts["late"] / counts["guessed"],
               # a block's picks of the token before it also picked (the first decode step has none before it)
               "same_as_previous_token": counts["repeated"] / (counts["picks"] - len(layers) * k),
-              "cache": [replay(trace, experts, k, s, guess, args.prefetch) for s in slots for guess in GUESSES]}
+              "cache": [replay(trace, experts, k, s, guess, args.prefetch, policy) for s in slots for policy in POLICIES for guess in GUESSES]}
     print(json.dumps(result))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -1073,9 +1073,10 @@ def guess_section(paths: list[str], plot_path: str | None) -> str:
                 f"temperature {r['temperature']:g}; {_machine(r['environment'])}. The guess finds {r['guess_found']:.1%} of the next block's picks "
                 f"({r['guess_after_experts_found']:.1%} made after this layer's experts); a block shares {r['same_as_previous_token']:.1%} of its "
                 f"picks with the token before. Replayed with N = {r['prefetch']}:")
-        rows = [[c["slots"], c["guess"], f"{c['hit_rate']:.1%}", f"{c['prefetched_per_lookup']:.3f}",
+        # runs before the choice of policy evicted the least recently used expert
+        rows = [[c["slots"], c.get("policy", "lru"), c["guess"], f"{c['hit_rate']:.1%}", f"{c['prefetched_per_lookup']:.3f}",
                  "-" if c["guesses_read"] is None else f"{c['guesses_read']:.0%}"] for c in r["cache"]]
-        parts.append(head + "\n\n" + tabulate(rows, headers=["slots per block", "guess", "decode cache hits", "guessed experts per lookup", "guesses read"],
+        parts.append(head + "\n\n" + tabulate(rows, headers=["slots per block", "evicts", "guess", "decode cache hits", "guessed experts per lookup", "guesses read"],
                                                tablefmt="github", disable_numparse=True))
     return "\n\n".join(parts)
 
@@ -1311,7 +1312,8 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
              "(its torch ops, which the GPU's kernel matches call for call): block L looks its picks up, then prefetches block L+1's guess. "
              "Guess \"lacking\": the N best scored experts the cache lacks, alone; \"held\" (`ExpertCache.guess`, what `expert_prefetch=N` does): the "
              "predicted top-k with at most those N missing, so the cached ones among the predicted come along as hits and no guessed miss "
-             "evicts them. The trace is short and has no prefill, so its hit rates sit below the GPU runs'; the order of the three is what it shows.",
+             "evicts them. Each way is replayed with the caches evicting the expert picked least often lately (lfu, the default) and the least "
+             "recently used (lru). The trace has no prefill, so its hit rates sit below the GPU runs'; the order of the rows is what it shows.",
     "generate": "Greedy decoding of a transformers `LlamaForCausalLM` (hidden 2048, GQA, bf16, random weights). Decode cells: ms per token "
                 "(ratio to the bound max(hostswap's all-resident decode, bytes streamed per token / pinned H2D bandwidth of the same run)).",
     "weights": "One forward of the Llama (no KV cache), with its ratio to max(all-resident forward, bytes streamed "

@@ -75,12 +75,13 @@ def test_expert_guess_trace_counts_the_next_blocks_picks_it_finds(tmp_path):
     assert row["decode_steps"] == 5
     assert json.loads((tmp_path / "guess_cpu_tiny.json").read_text()) == row
     section = bench_scripts.load("report").guess_section([str(tmp_path / "guess_cpu_tiny.json")], None)
-    assert "**tiny**: 2 layers, 4 experts, top-2; 5 decode steps" in section and section.count("| held ") == 2
+    assert "**tiny**: 2 layers, 4 experts, top-2; 5 decode steps" in section and section.count("| held ") == 4  # 2 slot counts, 2 policies
     for key in ("guess_found", "guess_after_experts_found", "same_as_previous_token"):
         assert 0.0 <= row[key] <= 1.0, (key, row)
     assert row["guess_found"] > 0  # two of four experts: a guess finds some of them
-    # the cache replay: each slot count with no guess, the guess as built and the guess held
-    assert [(r["slots"], r["guess"]) for r in row["cache"]] == [(s, g) for s in (2, 3) for g in ("none", "lacking", "held")]
+    # the cache replay: each slot count and policy with no guess, the guess as built and the guess held
+    assert [(r["slots"], r["policy"], r["guess"]) for r in row["cache"]] == [(s, p, g) for s in (2, 3) for p in ("lfu", "lru")
+                                                                           for g in ("none", "lacking", "held")]
     for r in row["cache"]:
         assert 0.0 <= r["hit_rate"] <= 1.0 and (r["prefetched_per_lookup"] == 0) == (r["guess"] == "none"), r
     with pytest.raises(SystemExit, match="--shape must be mixtral, many or tiny, got 'big'"):
