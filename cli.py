@@ -166,6 +166,8 @@ COMPILED_HELP = ("run decode as one TorchInductor graph: fewer, fused kernels, f
                  "experts (the first load compiles)")
 EXPERT_PREFETCH_HELP = ("MoE: each block with an expert cache prefetches the top-k the block before it predicts, at most N of them missing "
                         "(default 0: none; pays where experts are small, see docs/design.md)")
+EXPERT_CACHE_POLICY_HELP = ("MoE: which expert a device cache evicts: lfu (default), the one its router picked least often lately, "
+                            "or lru, the least recently used")
 EXPERT_HOST_CACHE_HELP = ("MoE: pinned host memory for experts read from the .ptd on disk (MB), or auto (the default): the expert tables stay "
                           "pinned where the RAM available at load holds them besides the other weights, else they are read from disk "
                           "into a cache of what it leaves")
@@ -246,7 +248,7 @@ def _generate(args) -> int:
         with llm.Generator(program + ".pte", program + ".ptd", weight_offload_budget_mb=args.budget_mb, host_memory_budget_mb=args.host_budget_mb,
                            device=device, policy=args.policy, draft=draft, speculate_k=args.speculate_k if draft else None,
                            draft_ahead=args.draft_ahead, expert_prefetch=args.expert_prefetch, compiled=(llm.DECODE,) if args.compiled else False,
-                           expert_host_cache_mb=args.expert_host_cache_mb) as g:
+                           expert_host_cache_mb=args.expert_host_cache_mb, expert_cache_policy=args.expert_cache_policy) as g:
             print(f"loaded{f' rank {rank}' if g.tensor_parallel else ''}: {g.memory_report()}", file=sys.stderr, flush=True)
             if tokenizer is not None and shown:
                 print(args.prompt, end="", flush=True)
@@ -290,7 +292,7 @@ def _serve(args) -> int:
     try:
         serve(base, budget_mb=args.budget_mb, device=device, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("HOSTSWAP_API_KEY"),
               max_queue=args.max_queue, model_id=args.model_id, on_ready=ready, expert_prefetch=args.expert_prefetch, compiled=args.compiled,
-              expert_host_cache_mb=args.expert_host_cache_mb)
+              expert_host_cache_mb=args.expert_host_cache_mb, expert_cache_policy=args.expert_cache_policy)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"hostswap serve: {e}", file=sys.stderr)
         return 2
@@ -298,6 +300,8 @@ def _serve(args) -> int:
 
 
 def main(argv=None) -> int:
+    from hostswap.runtime.expert_cache import POLICIES
+
     parser = argparse.ArgumentParser(prog="hostswap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="print the weight schedule stored in a .pte")
@@ -358,6 +362,7 @@ def main(argv=None) -> int:
                    help="with --draft, greedy: draft the next round while each verify pass streams the weights (default: on a GPU)")
     g.add_argument("--policy", choices=["planned", "lru"], default="planned")
     g.add_argument("--expert-prefetch", type=int, default=0, metavar="N", help=EXPERT_PREFETCH_HELP)
+    g.add_argument("--expert-cache-policy", choices=list(POLICIES), default="lfu", help=EXPERT_CACHE_POLICY_HELP)
     g.add_argument("--expert-host-cache-mb", type=_budget_mb, default="auto", help=EXPERT_HOST_CACHE_HELP)
     g.add_argument("--compiled", action="store_true", help=COMPILED_HELP)
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
@@ -372,6 +377,7 @@ def main(argv=None) -> int:
     sv.add_argument("--model-id", help="the model name clients send (default: the program's file name)")
     sv.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     sv.add_argument("--expert-prefetch", type=int, default=0, metavar="N", help=EXPERT_PREFETCH_HELP)
+    sv.add_argument("--expert-cache-policy", choices=list(POLICIES), default="lfu", help=EXPERT_CACHE_POLICY_HELP)
     sv.add_argument("--expert-host-cache-mb", type=_budget_mb, default="auto", help=EXPERT_HOST_CACHE_HELP)
     sv.add_argument("--compiled", action="store_true", help=COMPILED_HELP)
     sv.set_defaults(func=_serve)

@@ -701,7 +701,7 @@ class Generator:
             guessed = f", {sum(r['prefetch_hits'] for r in cached) / prefetched:.0%} of {prefetched} guessed experts read" if prefetched else ""
             if not prefetched and any(r["prefetch"] for r in cached):  # guessing, but no guess found an expert missing (or none ran)
                 guessed = ", no guessed expert copied"
-            disk += (f" (expert cache: {min(r['cache_slots'] for r in cached)} experts a block on the device, "
+            disk += (f" (expert cache: {min(r['cache_slots'] for r in cached)} experts a block on the device, {cached[0]['cache_policy']}, "
                      f"{sum(r['cache_hits'] for r in cached) / lookups:.0%} of decode lookups hit since load{guessed})")
         host = s["expert_host_cache"].values()
         if host:  # experts read from the disk through pinned host slots

@@ -572,9 +572,10 @@ async def _whole(job: Job, kind: str, model_id: str) -> dict:
 
 def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_queue: int = 64, model_id: str | None = None, graceful_seconds: float = 30.0,
-          on_ready=None, expert_prefetch: int = 0, compiled: bool = False, expert_host_cache_mb: float | str = "auto") -> None:
+          on_ready=None, expert_prefetch: int = 0, compiled: bool = False, expert_host_cache_mb: float | str = "auto",
+          expert_cache_policy: str = "lfu") -> None:
     """Load ``<base>.pte``/``.ptd`` and its tokenizer (``<base>.tokenizer``) and serve them until
-    SIGTERM or SIGINT. ``expert_prefetch``, ``expert_host_cache_mb``: as ``Module`` takes them;
+    SIGTERM or SIGINT. ``expert_prefetch``, ``expert_host_cache_mb``, ``expert_cache_policy``: as ``Module`` takes them;
     ``compiled``: decode runs as one TorchInductor graph (``Module``'s ``compiled=("decode",)``)."""
     import os
 
@@ -597,7 +598,8 @@ def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", h
     batched = batching.is_batched(program + ".pte")  # continuous batching over the program's slots
     generator = (batching.BatchGenerator if batched else llm.Generator)(program + ".pte", program + ".ptd", weight_offload_budget_mb=budget_mb,
                                                                         device=device, expert_prefetch=expert_prefetch,
-                                                                        compiled=(llm.DECODE,) if compiled else False, expert_host_cache_mb=expert_host_cache_mb)
+                                                                        compiled=(llm.DECODE,) if compiled else False, expert_host_cache_mb=expert_host_cache_mb,
+                                                                        expert_cache_policy=expert_cache_policy)
     if program != base:  # tensor parallel: rank 0 serves, the others generate what it sends them
         group = tensor_parallel.control_group()
         if rank != 0:

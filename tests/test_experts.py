@@ -176,7 +176,7 @@ def test_greedy_tokens_equal_transformers(moe, budget):
                 assert r["filled"] > 0
                 assert r["prefetch"] is None and r["prefetched"] == r["prefetch_hits"] == 0  # no guess unless asked for
             assert 0 < s["expert_bytes_per_token"] < per_token
-            assert re.search(rf"expert cache: {moe.cache_slots} experts a block on the device, \d+% of decode lookups hit", g.summary()), g.summary()
+            assert re.search(rf"expert cache: {moe.cache_slots} experts a block on the device, {policy}, \d+% of decode lookups hit", g.summary()), g.summary()
         else:
             assert g.module.resident_experts == {b.block for b in blocks}
             assert s["expert_bytes_per_token"] == 0
@@ -241,13 +241,23 @@ def test_compiled_refuses_a_budget_that_streams_other_weights_and_names_the_one_
         assert not g.module.pool.streamed_weights() and not g.module.resident_experts
 
 
-def test_generate_command_takes_expert_prefetch_and_names_a_bad_count(moe, capsys):
+def test_generate_command_takes_expert_prefetch_and_policy_and_names_a_bad_value(moe, capsys):
     from hostswap import cli
 
     top_k = moe.schedules["decode"].expert_blocks[0].top_k
     common = ["generate", moe.pte, "--budget-mb", str(moe.cached / MB), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--device", "cpu"]
     assert cli.main([*common, "--expert-prefetch", "1"]) == 0
     assert re.search(r"of decode lookups hit since load, (\d+% of \d+ guessed experts read|no guessed expert copied)\)", capsys.readouterr().err)
+    # either eviction: the same tokens; a policy not offered is refused by argparse, naming the choices
+    assert cli.main([*common, "--expert-cache-policy", "lru"]) == 0
+    lru = capsys.readouterr()
+    assert cli.main(common) == 0
+    lfu = capsys.readouterr()
+    assert lru.out == lfu.out and ", lru, " in lru.err and ", lfu, " in lfu.err
+    with pytest.raises(SystemExit):
+        cli.main([*common, "--expert-cache-policy", "fifo"])
+    err = capsys.readouterr().err
+    assert "--expert-cache-policy: invalid choice: 'fifo'" in err and "lfu" in err and "lru" in err
     assert cli.main([*common, "--expert-prefetch", str(top_k + 1)]) == 2
     assert f"hostswap generate: expert_prefetch asks {top_k + 1} guessed experts per block" in capsys.readouterr().err
     # decode compiled, the experts' op inside its graph: the same tokens as the executor's run here
