@@ -49,13 +49,15 @@ def _kernel():
         ids = tl.load(ids_ptr + lane, mask=live, other=0)
         any_live = tl.max(live.to(tl.int64), 0)
         clock = tl.load(clock_ptr) + any_live
-        if MODE != 2:  # the counts halved every half_life calls, then this call's picks counted
-            e = tl.arange(0, EXPERTS)
-            uses = tl.load(uses_ptr + e, mask=e < experts, other=0)
-            uses = tl.where((any_live != 0) & (clock % half_life == 0), uses >> 1, uses)
+        # the counts halved every half_life calls (guesses too: the clock ticks the same with or
+        # without them), then a lookup's or fill's picks counted
+        e = tl.arange(0, EXPERTS)
+        uses = tl.load(uses_ptr + e, mask=e < experts, other=0)
+        uses = tl.where((any_live != 0) & (clock % half_life == 0), uses >> 1, uses)
+        if MODE != 2:
             uses += tl.sum(((ids[:, None] == e[None, :]) & live[:, None]).to(tl.int64), axis=0)
-            tl.store(uses_ptr + e, uses, mask=e < experts)
-            tl.debug_barrier()  # the counts are stored before the slots' experts read them
+        tl.store(uses_ptr + e, uses, mask=e < experts)
+        tl.debug_barrier()  # the counts are stored before the slots' experts read them
         slot = tl.load(slot_of_ptr + ids, mask=live, other=-1)
         hit = live & (slot >= 0)
         miss = live & (slot < 0)

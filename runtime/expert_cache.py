@@ -7,7 +7,7 @@ tensors updated by device ops, the same ops every step:
 - ``slot_of[e]``: the slot holding expert ``e``, or -1;
 - ``expert_of[s]``: the expert in slot ``s``, or ``num_experts`` (empty);
 - ``uses[e]``: how often lookups picked expert ``e`` lately, cached or not (each lookup adds
-  one per pick; every ``HALF_LIFE`` calls the counts are halved);
+  one per pick; every ``HALF_LIFE`` calls, guesses included, the counts are halved);
 - ``last_use[s]``: when slot ``s`` was last read, in steps and picks;
 - ``hits``/``misses``: counters, read by the host only when it asks for stats.
 
@@ -121,7 +121,9 @@ class ExpertCache:
         is false the token is a batch row nobody reads: the lookup changes and counts nothing,
         its slots are -1 and it copies nothing. ``recent``: the slots the ``recent`` calls
         before this one stamped are held, as its own hits are (a batched step's group: their
-        products have not read them yet); at most ``slots // top_k - 1``."""
+        products have not read them yet); at most ``slots // top_k - 1``. Calls of this cache,
+        counted by its clock: no guess or fill may come between a group's lookups (none does: a
+        batched step guesses nothing, and its lookups follow one another)."""
         if not 0 <= recent < max(1, self.slots // self.top_k):
             raise ValueError(f"the expert cache of {self.block} holds the slots of at most {self.slots // self.top_k - 1} calls before a lookup, not {recent}")
         return self._use(ids, sources, LOOKUP, left, rows, live, recent)
@@ -235,8 +237,10 @@ class ExpertCache:
         """``_place``'s bookkeeping as torch ops: (slot per id, 1 where its rows must be copied in)."""
         used = mode != GUESS
         self.clock += 1
-        if used:  # halved every half_life calls, then this call's picks counted
-            self.uses.copy_(torch.where(self.clock % self.half_life == 0, self.uses >> 1, self.uses))
+        # halved every half_life calls, guesses included (with or without them the halving keeps
+        # its pace), then a lookup's or fill's picks counted
+        self.uses.copy_(torch.where(self.clock % self.half_life == 0, self.uses >> 1, self.uses))
+        if used:
             self.uses.index_put_((ids,), torch.ones_like(ids), accumulate=True)
         slot = self.slot_of[ids]
         hit = slot >= 0
@@ -280,7 +284,7 @@ class ExpertCache:
 
 def check_policy(policy) -> None:
     """Refuse an expert cache policy that is not one of ``POLICIES``."""
-    if policy not in POLICIES:
+    if not isinstance(policy, str) or policy not in POLICIES:
         raise ValueError(f"expert_cache_policy must be one of {tuple(POLICIES)}, got {policy!r}")
 
 

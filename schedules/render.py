@@ -195,7 +195,7 @@ def render_tables(schedule: ScheduleFacts, budget_bytes: int | None = None, host
                            + (" when it misses the cache" if b.get("expert_cache_slots") else ""))
                 for block, slots in b.get("expert_cache_slots", {}).items():
                     if slots:
-                        out.append(f"  expert cache of {block}: {slots} experts' slots on the device (a cache; expert_cache_policy says what it evicts)")
+                        out.append(f"  expert cache of {block}: {slots} experts' slots on the device (an expert cache, evicting as expert_cache_policy says)")
             if tier:
                 t = b["tiers"]
                 out.append(f"\nTiers with {_mb(t['host_budget_bytes'])} MB of pinned host memory for streamed weights")

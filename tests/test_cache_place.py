@@ -39,14 +39,14 @@ def _same_state_over_a_run(device: torch.device, experts: int, k: int, slots: in
             guess = torch.randperm(experts, generator=gen)[:k].to(device)
             for cache in (fused, ops):
                 cache.prefetch(guess)
+        recent = step % (slots // k)  # a batched step's group: the calls before it in the group held
         if step % 7 == 5:  # a batch row nobody reads: nothing changes, its slots are -1
             before = {name: getattr(fused, name).clone() for name in STATE}
             off = torch.tensor(False, device=device)
             for cache in (fused, ops):
-                target, missed = cache.lookup(torch.full((1, k), -1, device=device), tables, live=off)  # its picks marked none, as a step gives them
+                target, missed = cache.lookup(torch.full((1, k), -1, device=device), tables, live=off, recent=recent)  # its picks marked none, as a step gives them
                 assert target.tolist() == [-1] * k and missed.tolist() == [0] * k, step
                 assert all(torch.equal(getattr(cache, name), before[name]) for name in STATE), step
-        recent = step % (slots // k)  # a batched step's group: the calls before it in the group held
         (got, got_missed), (want, want_missed) = (cache.lookup(ids.view(1, k), tables, recent=recent) for cache in (fused, ops))
         assert torch.equal(got, want) and torch.equal(got_missed, want_missed), step
         for name in STATE:

@@ -65,6 +65,20 @@ def test_the_pick_counts_are_halved_every_half_life_calls():
     assert ExpertCache("b", EXPERTS, 12, 3, K, torch.device("cpu")).half_life == HALF_LIFE
 
 
+def test_the_counts_keep_their_pace_with_a_guess_between_lookups():
+    """A guess before each lookup ticks the clock too: the halving falls on guesses as well, so
+    it comes every half_life calls however the lookups and guesses interleave."""
+    for fills in (1, 2):  # an odd or even number of calls before decode
+        cache = _cache(3, prefetch=1, half_life=4)
+        for _ in range(fills):
+            cache.fill(torch.tensor([0, 1]), TABLES)
+        for _ in range(100):
+            cache.prefetch(torch.tensor([0, 1]))
+            _look(cache, 0, 1)
+        # two picks of each every four calls, halved once: the counts stay at a few, not 100
+        assert 1 <= cache.uses[0] == cache.uses[1] <= 4 and cache.uses[2:].sum() == 0, (fills, cache.uses.tolist())
+
+
 def test_a_lookup_holds_the_slots_its_groups_calls_before_it_stamped():
     """A batched step looks its tokens up one after another and reads their slots after the
     group's last lookup: no lookup of the group may evict an expert another one placed, even

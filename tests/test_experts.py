@@ -433,7 +433,7 @@ def test_expert_cache_evicts_as_its_policy_says_and_holds_the_experts_rows(polic
     cache = ExpertCache("block", experts, unit, slots, k, torch.device("cpu"), prefetch=True, policy=policy, half_life=half_life)
     lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # held experts, least recently used first
     fresh: set[int] = set()  # experts a guess brought in that no lookup has read yet
-    uses = [0] * experts  # picks lately: every call ticks the clock; a lookup or fill halves them on a multiple of half_life, then counts
+    uses = [0] * experts  # picks lately: every call ticks the clock and halves them on a multiple of half_life; a lookup or fill counts
     clock = 0
     popularity = torch.tensor([1.0 / (e + 1) for e in range(experts)])
     hits = prefetched = prefetch_hits = filled = 0
@@ -441,8 +441,8 @@ def test_expert_cache_evicts_as_its_policy_says_and_holds_the_experts_rows(polic
     def use(ids, guess=False):  # the reference; returns the misses
         nonlocal clock, uses
         clock += 1
+        uses = [u >> 1 for u in uses] if clock % half_life == 0 else uses
         if not guess:
-            uses = [u >> 1 for u in uses] if clock % half_life == 0 else uses
             for e in ids:
                 uses[e] += 1
         for e in ids:  # a lookup's hits are refreshed; a guess refreshes nothing
