@@ -977,7 +977,7 @@ def moe_section(paths: list[str], plot_path: str | None) -> str:
                 + "; "
                 + (f"decode sampled at temperature {r['temperature']:g}, seeded" if r.get("temperature") else "greedy decode")
                 + f"; guess prefetch N = {r.get('expert_prefetch', c['num_experts_per_tok'])}"
-                # runs before the choice of policy evicted the least recently used expert
+                # a result that names no policy was measured with least-recently-used caches
                 + f"; expert caches evict: {r.get('expert_cache_policy', 'lru')}")
         other = r.get("other_policy")
         rows, skewed, peers = [], [], []
@@ -1073,7 +1073,7 @@ def guess_section(paths: list[str], plot_path: str | None) -> str:
                 f"temperature {r['temperature']:g}; {_machine(r['environment'])}. The guess finds {r['guess_found']:.1%} of the next block's picks "
                 f"({r['guess_after_experts_found']:.1%} made after this layer's experts); a block shares {r['same_as_previous_token']:.1%} of its "
                 f"picks with the token before. Replayed with N = {r['prefetch']}:")
-        # runs before the choice of policy evicted the least recently used expert
+        # a result that names no policy was measured with least-recently-used caches
         rows = [[c["slots"], c.get("policy", "lru"), c["guess"], f"{c['hit_rate']:.1%}", f"{c['prefetched_per_lookup']:.3f}",
                  "-" if c["guesses_read"] is None else f"{c['guesses_read']:.0%}"] for c in r["cache"]]
         parts.append(head + "\n\n" + tabulate(rows, headers=["slots per block", "evicts", "guess", "decode cache hits", "guessed experts per lookup", "guesses read"],
