@@ -300,7 +300,7 @@ def _serve(args) -> int:
 
 
 def main(argv=None) -> int:
-    from hostswap.runtime.expert_cache import POLICIES
+    from hostswap.runtime.expert_cache import DEFAULT_POLICY, POLICIES
 
     parser = argparse.ArgumentParser(prog="hostswap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
                    help="with --draft, greedy: draft the next round while each verify pass streams the weights (default: on a GPU)")
     g.add_argument("--policy", choices=["planned", "lru"], default="planned")
     g.add_argument("--expert-prefetch", type=int, default=0, metavar="N", help=EXPERT_PREFETCH_HELP)
-    g.add_argument("--expert-cache-policy", choices=list(POLICIES), default="lfu", help=EXPERT_CACHE_POLICY_HELP)
+    g.add_argument("--expert-cache-policy", choices=list(POLICIES), default=DEFAULT_POLICY, help=EXPERT_CACHE_POLICY_HELP)
     g.add_argument("--expert-host-cache-mb", type=_budget_mb, default="auto", help=EXPERT_HOST_CACHE_HELP)
     g.add_argument("--compiled", action="store_true", help=COMPILED_HELP)
     g.add_argument("--device", help="cuda or cpu (default: cuda if available)")
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
     sv.add_argument("--model-id", help="the model name clients send (default: the program's file name)")
     sv.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     sv.add_argument("--expert-prefetch", type=int, default=0, metavar="N", help=EXPERT_PREFETCH_HELP)
-    sv.add_argument("--expert-cache-policy", choices=list(POLICIES), default="lfu", help=EXPERT_CACHE_POLICY_HELP)
+    sv.add_argument("--expert-cache-policy", choices=list(POLICIES), default=DEFAULT_POLICY, help=EXPERT_CACHE_POLICY_HELP)
     sv.add_argument("--expert-host-cache-mb", type=_budget_mb, default="auto", help=EXPERT_HOST_CACHE_HELP)
     sv.add_argument("--compiled", action="store_true", help=COMPILED_HELP)
     sv.set_defaults(func=_serve)

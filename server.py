@@ -31,6 +31,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from hostswap.runtime.expert_cache import DEFAULT_POLICY
 from hostswap.sampling import SamplingError, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20  # a request body beyond this is refused with 413
@@ -573,7 +574,7 @@ async def _whole(job: Job, kind: str, model_id: str) -> dict:
 def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_queue: int = 64, model_id: str | None = None, graceful_seconds: float = 30.0,
           on_ready=None, expert_prefetch: int = 0, compiled: bool = False, expert_host_cache_mb: float | str = "auto",
-          expert_cache_policy: str = "lfu") -> None:
+          expert_cache_policy: str = DEFAULT_POLICY) -> None:
     """Load ``<base>.pte``/``.ptd`` and its tokenizer (``<base>.tokenizer``) and serve them until
     SIGTERM or SIGINT. ``expert_prefetch``, ``expert_host_cache_mb``, ``expert_cache_policy``: as ``Module`` takes them;
     ``compiled``: decode runs as one TorchInductor graph (``Module``'s ``compiled=("decode",)``)."""

@@ -68,7 +68,7 @@ from hostswap.checkpoint import export_checkpoint, read_safetensors_header  # no
 from hostswap.sampling import SamplingParams  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
 from hostswap.runtime.budget import load_floor_on  # noqa: E402
-from hostswap.runtime.expert_cache import POLICIES  # noqa: E402
+from hostswap.runtime.expert_cache import DEFAULT_POLICY, POLICIES  # noqa: E402
 
 
 def shape_config(shape: str):
@@ -87,7 +87,7 @@ def shape_config(shape: str):
     raise SystemExit(f"--shape must be mixtral, many or tiny, got {shape!r}")
 
 
-DEFAULT_POLICY, OTHER_POLICY = tuple(POLICIES)  # the expert caches' default eviction, and the one measured beside it
+OTHER_POLICY = next(p for p in POLICIES if p != DEFAULT_POLICY)  # the expert caches' eviction measured beside the default
 WEIGHT_STD = 0.02  # bench/checkpoints.py draws every value, norms included, from N(0, 0.02)
 
 

@@ -66,10 +66,11 @@ from hostswap.kernels.cache_place import FILL, GUESS, LOOKUP, cache_place
 from hostswap.kernels.row_copy import masked_row_copy, triton_available
 from hostswap.schedules.experts import plan_expert_cache, resident_blocks
 
-# how a miss chooses its slot; the default first
-POLICIES = {"lfu": "least frequently used lately (picks counted, halved every 256 calls), then least recently used",
-            "lru": "least recently used"}
 HALF_LIFE = 256  # calls between halvings of the pick counts: hundreds of picks rank the favourites, and a new prompt's take over within as many tokens
+# how a miss chooses its slot
+POLICIES = {"lfu": f"least frequently used lately (picks counted, halved every {HALF_LIFE} calls), then least recently used",
+            "lru": "least recently used"}
+DEFAULT_POLICY = "lfu"
 GUESSED = -(2**62)  # added to a guessed expert's stamp until a lookup reads it: it goes first, oldest guess first
 PREFETCH = "next-layer router on the residual stream"
 
@@ -79,13 +80,14 @@ class ExpertCache:
     says (``POLICIES``), looked up and filled by device ops only."""
 
     def __init__(self, block: str, num_experts: int, unit_bytes: int, slots: int, top_k: int, device: torch.device, prefetch: int = 0,
-                 fused: bool | None = None, policy: str = "lfu", half_life: int = HALF_LIFE):
+                 fused: bool | None = None, policy: str = DEFAULT_POLICY, half_life: int = HALF_LIFE):
         if not top_k <= slots < num_experts:
             raise ValueError(f"an expert cache of {block} needs top_k ({top_k}) to {num_experts - 1} slots, not {slots}")
         check_prefetch(prefetch, ((block, top_k),))
         check_policy(policy)
         self.block, self.slots, self.top_k, self.num_experts = block, slots, top_k, num_experts
         self.policy, self.half_life = policy, int(half_life)
+        self.by_uses = policy == "lfu"  # the victims ranked by pick count before their stamps
         self.nbytes = slots * unit_bytes
         self.tables: tuple[torch.Tensor | None, ...] | None = None  # made at the first lookup, in the kernel's order of tables
         self.sources: tuple[torch.Tensor | None, ...] | None = None  # the block's tables, as the first lookup gave them
@@ -218,7 +220,7 @@ class ExpertCache:
         if self.fused:
             target, copy = cache_place(ids, self.slot_of, self.expert_of, self.last_use, self.fresh, self.uses, self.clock, self._counters, mode,
                                        self._never, GUESSED, None if live is None else live.reshape(()).view(torch.uint8),
-                                       by_uses=self.policy == "lfu", half_life=self.half_life, recent=recent)
+                                       by_uses=self.by_uses, half_life=self.half_life, recent=recent)
         elif live is None:
             target, copy = self._place_ops(ids, mode, recent)
         else:  # placed, then undone where the row is not live: device ops, no host sync
@@ -252,7 +254,7 @@ class ExpertCache:
             held |= self.last_use >= (self.clock - recent) * (2 * self.slots)
         age = torch.where(held, self._never, self.last_use)
         spare = (self.expert_of == self.num_experts) | self.fresh
-        score = torch.where(held, self._never, torch.where(spare, -1, self.uses[self.expert_of] if self.policy == "lfu" else 0))
+        score = torch.where(held, self._never, torch.where(spare, -1, self.uses[self.expert_of] if self.by_uses else 0))
         by_age = torch.argsort(age, stable=True)
         victims = by_age[torch.argsort(score[by_age], stable=True)][: ids.numel()]
         rank = (torch.cumsum(miss.to(torch.int64), 0) - 1).clamp(min=0)
@@ -298,7 +300,7 @@ def check_prefetch(prefetch: int, blocks) -> None:
 
 
 def place_experts(blocks, room_bytes: int, device: torch.device, prefetch: int = 0, unguessed: frozenset[str] = frozenset(),
-                  policy: str = "lfu") -> tuple[frozenset[str], dict[str, ExpertCache]]:
+                  policy: str = DEFAULT_POLICY) -> tuple[frozenset[str], dict[str, ExpertCache]]:
     """The blocks kept whole on the device, and a cache for each block given fewer slots than
     it has experts (``plan_expert_cache`` over ``room_bytes``), each prefetching up to
     ``prefetch`` guessed experts a step but those of ``unguessed`` (blocks whose tables are on

@@ -20,7 +20,7 @@ from hostswap.runtime.budget import (
 from hostswap.runtime.compiled_method import CompiledExecutor, compiled_or_none
 from hostswap.runtime.executor import MethodExecutor
 from hostswap.runtime.host_tier import check_host_budget_argument, open_disk_reader, plan_placement
-from hostswap.runtime.expert_cache import check_policy, check_prefetch, expert_read_stats, place_experts
+from hostswap.runtime.expert_cache import DEFAULT_POLICY, check_policy, check_prefetch, expert_read_stats, place_experts
 from hostswap.runtime.expert_store import check_expert_host_cache_argument, close_host_experts, open_host_experts
 from hostswap.runtime.instructions import ListRef, ProgramError
 from hostswap.runtime.method_loader import state_memory_ids
@@ -185,7 +185,7 @@ class Module:
     def __init__(self, pte_path, data_path=None, *, weight_offload_budget_mb: float | str, device="cuda", policy: str = "planned", cuda_graph: bool | tuple[str, ...] = False, prefault: bool = False, lock: bool = False, warm_pool: bool = True, prefetch_depth: int | None = None, verify: bool = False,
                  host_memory_budget_mb: float | str = "auto", cuda_graph_where_possible: bool = False, expert_prefetch: bool | int = False,
                  compiled: bool | tuple[str, ...] = False, compiled_where_possible: bool = False, expert_host_cache_mb: float | str = AUTO,
-                 expert_cache_policy: str = "lfu"):
+                 expert_cache_policy: str = DEFAULT_POLICY):
         t0 = time.perf_counter()
         self._closed = True  # until loaded
         check_budget_argument(weight_offload_budget_mb)
