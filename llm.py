@@ -682,7 +682,7 @@ class Generator:
         tiers = self.module.tiers
         experts = self.module.expert_host_plan
         eager = ("; decode runs eagerly (no CUDA graph) while weights come from disk" if (tiers.disk or experts.on_disk) and self.device.type == "cuda" else "")
-        host = self.module.host_budget.explain(tiers) + (f"; {experts.explain()}" if self.module.schedule.expert_blocks else "")
+        host = self.module.host_budget.explain(tiers) + (f"; {experts.explain(self.module.expert_cache_policy)}" if self.module.schedule.expert_blocks else "")
         lines = ([] if auto is None else [auto.explain(self.device)]) + [memory, host + eager]
         return "\n".join(lines)
 

@@ -17,8 +17,14 @@ alone ("lacking"), whose misses may evict cached experts the guess predicts; and
 the cached ones among the predicted come along as hits, so the guessed misses cannot evict
 them). It counts hits and the guesses a
 lookup read, under each eviction policy (``POLICIES``: the expert picked least often lately,
-or the least recently used). The routing is the random router's. The result goes to stdout and, with
-``--out``, to ``<out>/guess_cpu_<shape>.json`` (bench/report.py renders it).
+or the least recently used). The routing is the random router's.
+
+The same decode steps are replayed once more for experts on disk (runtime/expert_store.py):
+each block's host cache (``HostSlots``, ``--host-slots`` per block) is asked for the picks its
+device cache lacks (``--slots``' first figure, or none: every pick), both caches evicting as
+each policy says, and the experts read from the disk per block and token are counted. The
+result goes to stdout and, with ``--out``, to ``<out>/guess_cpu_<shape>.json``
+(bench/report.py renders it).
 
     python bench/expert_guess.py --shape many      # 4 layers of the Qwen3-MoE shape
     python bench/expert_guess.py --shape mixtral   # 3 layers of the Mixtral shape, experts 8x narrower
@@ -57,6 +63,8 @@ def config_for(shape: str):
 
 # slots per block of the GPU bench's caches (bench/moe.py at 25 % and 50 % of the weights)
 SLOTS = {"many": (27, 60), "mixtral": (3,), "tiny": (2, 3)}
+# host slots per block of bench/moe_disk.py's host caches (12.5, 25 and 50 % of the tables; at least top-k)
+HOST_SLOTS = {"many": (16, 32, 64), "mixtral": (2, 4), "tiny": (2, 3)}
 GUESSES = ("none", "lacking", "held")
 
 
@@ -88,6 +96,31 @@ def replay(steps: list, experts: int, k: int, slots: int, guess: str, n: int, po
             "guesses_read": used / prefetched if prefetched else None}
 
 
+def replay_host(steps: list, experts: int, k: int, host_slots: int, device_slots: int, policy: str) -> dict:
+    """The decode steps' picks through a host cache of ``host_slots`` per block
+    (``HostSlots``), asked for those a device cache of ``device_slots`` (0: none) lacks, both
+    evicting as ``policy`` says: the experts read from the disk per block and token."""
+    from hostswap.runtime.expert_cache import ExpertCache
+    from hostswap.runtime.expert_store import HostSlots
+
+    blocks = len(steps[0][0])
+    tables = (torch.zeros(experts, 1, 1), torch.zeros(experts, 1, 1), None)
+    hosts = [HostSlots(host_slots, experts, policy) for _ in range(blocks)]
+    devices = [ExpertCache(f"block {i}", experts, 8, device_slots, k, torch.device("cpu"), policy=policy) for i in range(blocks)] if device_slots else None
+    reads = asked = 0
+    for picks, _ in steps:
+        for i, host in enumerate(hosts):
+            lacking = picks[i].tolist()
+            if devices:  # a pick the device cache holds needs nothing from the disk
+                lacking = [e for e, held in zip(lacking, (devices[i].slot_of[picks[i]] >= 0).tolist()) if not held]
+                devices[i].lookup(picks[i].view(1, k), tables)
+            placed, missed = host.place(lacking)
+            host.filled(missed, placed)
+            reads, asked = reads + len(missed), asked + len(lacking)
+    return {"host_slots": host_slots, "device_slots": device_slots, "policy": policy, "disk_reads_per_block_token": reads / len(steps) / blocks,
+            "host_hit_rate": 1 - reads / asked if asked else None}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="many")
@@ -95,6 +128,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--slots", type=lambda v: [int(x) for x in v.split(",") if x], default=None,
                         help="cache slots per block to replay (default: the GPU bench's for the shape)")
+    parser.add_argument("--host-slots", type=lambda v: [int(x) for x in v.split(",") if x], default=None,
+                        help="host cache slots per block to replay experts on disk with (default: bench/moe_disk.py's for the shape)")
     parser.add_argument("--prefetch", type=int, default=1, help="guessed experts per block and step in the replay")
     parser.add_argument("--out", default=None, help="folder for guess_cpu_<shape>.json (default: stdout only)")
     args = parser.parse_args(argv)
@@ -125,6 +160,9 @@ def main(argv=None) -> dict:
     slots = args.slots if args.slots is not None else SLOTS[args.shape]
     if any(not k <= s < experts for s in slots) or not 0 < args.prefetch <= k:
         raise SystemExit(f"--slots must be {k} to {experts - 1} and --prefetch 1 to {k}, got {slots} and {args.prefetch}")
+    host_slots = args.host_slots if args.host_slots is not None else HOST_SLOTS[args.shape]
+    if any(not k <= s <= experts for s in host_slots):
+        raise SystemExit(f"--host-slots must be {k} to {experts}, got {host_slots}")
     trace: list = []  # per decode step: (each block's top-k ids, each block's guess scores)
 
     counts = {"early": 0, "late": 0, "guessed": 0, "repeated": 0, "picks": 0}
@@ -162,7 +200,8 @@ def main(argv=None) -> dict:
               "guess_found": counts["early"] / counts["guessed"], "guess_after_experts_found": counts["late"] / counts["guessed"],
               # a block's picks of the token before it also picked (the first decode step has none before it)
               "same_as_previous_token": counts["repeated"] / (counts["picks"] - len(layers) * k),
-              "cache": [replay(trace, experts, k, s, guess, args.prefetch, policy) for s in slots for policy in POLICIES for guess in GUESSES]}
+              "cache": [replay(trace, experts, k, s, guess, args.prefetch, policy) for s in slots for policy in POLICIES for guess in GUESSES],
+              "host_cache": [replay_host(trace, experts, k, h, d, policy) for d in (0, slots[0]) for h in host_slots for policy in POLICIES]}
     print(json.dumps(result))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

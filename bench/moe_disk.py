@@ -14,7 +14,9 @@ host memory; or a share of every weight, the rest a device cache of experts). Ro
   default, and eager (as decode runs once experts come from disk);
 - **disk**: ``expert_host_cache_mb`` = a share of the expert tables (``--host-shares``): the
   tables stay on disk, each block's slots in pinned host memory filled from the file as its
-  router picks, least recently used evicted.
+  router picks, evicted as the default ``expert_cache_policy`` says (the expert asked for least
+  often lately); each disk row is measured again with the other policy (the least recently
+  used), on the same checkpoint.
 
 Each decodes ``--new-tokens`` tokens from one prompt, sampled at ``--temperature`` with a fixed
 seed (greedy decode of random weights soon repeats a few tokens, which route alike and would
@@ -39,20 +41,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from checkpoints import write_checkpoint  # noqa: E402
 from export import read_speed  # noqa: E402
-from moe import shape_config  # noqa: E402
+from moe import OTHER_POLICY, shape_config  # noqa: E402
 from weights import add_row, environment, h2d_bandwidth, result_path, save_result  # noqa: E402
 
 from hostswap import llm  # noqa: E402
 from hostswap.checkpoint import export_checkpoint  # noqa: E402
 from hostswap.runtime.budget import load_floor_on  # noqa: E402
+from hostswap.runtime.expert_cache import DEFAULT_POLICY  # noqa: E402
 from hostswap.runtime.expert_store import minimum_host_cache_bytes  # noqa: E402
 from hostswap.sampling import SamplingParams  # noqa: E402
 from hostswap.schedules.serialization import load_weight_schedules  # noqa: E402
 
 
 def generate(pte: str, ptd: str, budget_bytes: int, prompt: torch.Tensor, new_tokens: int, device: torch.device, temperature: float,
-             cuda_graph: bool | None = None, host_cache_bytes: int | None = None) -> dict:
-    options = {} if host_cache_bytes is None else {"expert_host_cache_mb": host_cache_bytes / 2**20}
+             cuda_graph: bool | None = None, host_cache_bytes: int | None = None, policy: str = DEFAULT_POLICY) -> dict:
+    options = {"expert_cache_policy": policy} | ({} if host_cache_bytes is None else {"expert_host_cache_mb": host_cache_bytes / 2**20})
     with llm.Generator(pte, ptd, weight_offload_budget_mb=budget_bytes / 2**20, device=device, cuda_graph=cuda_graph, **options) as g:
         out = g.generate(prompt, new_tokens, eos_token_id=[], sampling=SamplingParams(temperature=temperature, seed=0) if temperature else None)
         s, m = g.stats, g.module.stats
@@ -95,7 +98,8 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     result = {"environment": environment(device), "shape": args.shape, "layers": config.num_hidden_layers, "prompt": args.prompt,
               "new_tokens": args.new_tokens, "temperature": args.temperature,
-              "experts": getattr(config, "num_local_experts", None) or config.num_experts, "top_k": config.num_experts_per_tok, "rows": []}
+              "experts": getattr(config, "num_local_experts", None) or config.num_experts, "top_k": config.num_experts_per_tok,
+              "expert_cache_policy": DEFAULT_POLICY, "other_policy": OTHER_POLICY, "rows": []}
     result["pinned_h2d_bytes_per_s"] = h2d_bandwidth(device, torch.empty(256 * 2**20, dtype=torch.uint8).pin_memory()) if device.type == "cuda" else None
     os.makedirs(args.out, exist_ok=True)
     path = result_path(args.out, "moedisk", device)
@@ -137,6 +141,9 @@ def main(argv=None) -> int:
             row["slowdown_over_pinned_eager"] = row["ms_per_token"] / eager["ms_per_token"]
             if True in pinned:
                 row["slowdown_over_pinned_graphed"] = row["ms_per_token"] / pinned[True]["ms_per_token"]
+            other = generate(pte, ptd, budget, prompt, args.new_tokens, device, args.temperature, host_cache_bytes=cache, policy=OTHER_POLICY)
+            other["same_tokens"] = other.pop("tokens") == eager["tokens"]
+            row["other_policy"], row["policy_speedup"] = other, other["ms_per_token"] / row["ms_per_token"]
             add_row(result, {"gpu_budget": gpu, "experts": "disk", "host_share": share, **row}, path,
                     shown={k: v for k, v in row.items() if k != "tokens"} | {"gpu_budget": gpu, "host_share": share})
     save_result(result, path)

@@ -1078,6 +1078,12 @@ def guess_section(paths: list[str], plot_path: str | None) -> str:
                  "-" if c["guesses_read"] is None else f"{c['guesses_read']:.0%}"] for c in r["cache"]]
         parts.append(head + "\n\n" + tabulate(rows, headers=["slots per block", "evicts", "guess", "decode cache hits", "guessed experts per lookup", "guesses read"],
                                                tablefmt="github", disable_numparse=True))
+        if r.get("host_cache"):
+            rows = [[c["device_slots"] or "none", c["host_slots"], c["policy"], "-" if c["host_hit_rate"] is None else f"{c['host_hit_rate']:.1%}",
+                     f"{c['disk_reads_per_block_token']:.2f}"] for c in r["host_cache"]]
+            parts.append("Experts on disk, the same steps: each block's host cache asked for the picks its device cache lacks, both evicting as the "
+                         "row says:\n\n" + tabulate(rows, headers=["device slots per block", "host slots per block", "evicts", "host cache hits",
+                                                                   "experts from disk per block and token"], tablefmt="github", disable_numparse=True))
     return "\n\n".join(parts)
 
 
@@ -1158,19 +1164,27 @@ def moe_disk_section(paths: list[str], plot_path: str | None) -> str:
     head = (f"{r['shape']} shape, {r['layers']} layers, {r['experts']} experts, top-{r['top_k']}, expert tables {r['expert_table_bytes'] / 2**30:.2f} GiB "
             f"of a {r['ptd_bytes'] / 2**30:.2f} GiB `.ptd`; prompt of {r['prompt']} tokens, {r['new_tokens']} tokens sampled at temperature "
             f"{r['temperature']:g}, seeded; {_machine(r['environment'])}" + (f"; pinned H2D {bandwidth / 1e9:.1f} GB/s" if bandwidth else "")
-            + f"; disk read {r['disk_read_bytes_per_s'] / 1e9:.2f} GB/s ({r['disk_read_mode']})")
+            + f"; disk read {r['disk_read_bytes_per_s'] / 1e9:.2f} GB/s ({r['disk_read_mode']})"
+            # a result that names no policy was measured with least-recently-used host caches
+            + f"; host caches evict: {r.get('expert_cache_policy', 'lru')}")
+    other = r.get("other_policy")
     rows = []
     for row in r["rows"]:
         disk = row["experts"] == "disk"
+        o = row.get("other_policy") if disk else None
         rows.append([row["gpu_budget"], "on disk" if disk else "pinned whole", "yes" if row["graphed"] else "no",
                      f"{row['host_share']} ({row['host_cache_bytes'] / 2**30:.2f} GiB, {row['host_slots'][0]} a block)" if disk else "-",
                      f"{row['host_hit_rate']:.0%}" if disk and row.get("host_hit_rate") is not None else "-",
                      f"{row['disk_bytes_per_token'] / 2**20:.0f}" if disk else "-", f"{row['ms_per_token']:.1f}",
                      f"{row['bound_ms_per_token']:.1f}" if disk else "", f"{row['ratio_to_bound']:.2f}" if disk else "",
                      f"{row['ratio_to_series']:.2f}" if disk else "", f"{row['slowdown_over_pinned_eager']:.2f}" if disk else "",
-                     ("yes" if row["same_tokens"] else "no") if disk else ""])
+                     ("yes" if row["same_tokens"] else "no") if disk else ""]
+                    + ([(f"{o['ms_per_token']:.1f} ({o['host_hit_rate']:.0%} hits, {o['disk_bytes_per_token'] / 2**20:.0f} MiB; "
+                         f"{row['policy_speedup']:.2f} x{'' if o['same_tokens'] else ', other tokens'})") if o else "-"] if other else []))
     headers = ["GPU budget", "expert tables", "graphed", "host cache (share of the tables)", "host cache hits", "read from disk MiB/token", "ms/token",
                "bound ms", "ratio", "ratio to series", "x pinned eager", "tokens as pinned"]
+    if other:
+        headers.append(f"evicting {other} instead: ms/token (hits, from disk; speed-up of {r['expert_cache_policy']})")
     return head + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
@@ -1313,7 +1327,9 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
              "Guess \"lacking\": the N best scored experts the cache lacks, alone; \"held\" (`ExpertCache.guess`, what `expert_prefetch=N` does): the "
              "predicted top-k with at most those N missing, so the cached ones among the predicted come along as hits and no guessed miss "
              "evicts them. Each way is replayed with the caches evicting the expert picked least often lately (lfu, the default) and the least "
-             "recently used (lru). The trace has no prefill, so its hit rates sit below the GPU runs'; the order of the rows is what it shows.",
+             "recently used (lru). The same steps are replayed once more for expert tables on disk (runtime/expert_store.py): each block's "
+             "host cache (`HostSlots`) asked for the picks its device cache lacks (or every pick, with none), counting the experts read from "
+             "the disk. The trace has no prefill, so its hit rates sit below the GPU runs'; the order of the rows is what it shows.",
     "generate": "Greedy decoding of a transformers `LlamaForCausalLM` (hidden 2048, GQA, bf16, random weights). Decode cells: ms per token "
                 "(ratio to the bound max(hostswap's all-resident decode, bytes streamed per token / pinned H2D bandwidth of the same run)).",
     "weights": "One forward of the Llama (no KV cache), with its ratio to max(all-resident forward, bytes streamed "
@@ -1371,7 +1387,9 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
     "moedisk": "`hostswap.llm.Generator` on a random MoE checkpoint exported once (`bench/moe_disk.py`). \"pinned whole\": the expert "
                "tables registered with the driver, each pick read in place over the bus, decode graphed (the default) and eager. \"on disk\": "
                "`expert_host_cache_mb` = the share of the expert tables in the row; the tables stay in the `.ptd` and each block's slots in "
-               "pinned host memory are filled from the file (O_DIRECT where the rows allow) as its router picks, least recently used evicted; "
+               "pinned host memory are filled from the file (O_DIRECT where the rows allow) as its router picks, evicted as the line says (lfu: the "
+               "expert asked for least often lately, the least recently used among equals; lru: the least recently used), each such row "
+               "measured again with the other policy; "
                "decode runs eagerly, a host sync per block. Host cache hits count every pick since load, prefill included. Bound: "
                "max(pinned eager ms/token, bytes read from disk per token / the `.ptd`'s O_DIRECT read speed in the same run). A block's picks "
                "are known only once its router has run, and the host reads them before its products, so reads and compute run in series: "

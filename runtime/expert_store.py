@@ -5,7 +5,8 @@ machine that runs them. Where a block's tables cannot stay pinned (``plan_host_e
 they stay in the ``.ptd`` on disk and the block gets ``slots`` experts of pinned host memory
 instead (``HostExpertCache``). A call of the block learns its picks on the host (experts on
 disk are read by the host: one sync per block and call), brings those the slots lack from
-the file into the least recently used slots, and its products read them from there
+the file into the slots the policy evicts (``HostSlots``: the experts asked for least often
+lately by default, as the device caches evict), and its products read them from there
 (kernels/routed_experts.py), through the block's device cache where it has one. A forward
 with experts on disk runs eagerly, as one with any weight on disk does.
 
@@ -30,13 +31,11 @@ import torch
 
 from hostswap.runtime.budget import AUTO, check_mb_argument
 from hostswap.runtime.disk_reader import CHUNK_BYTES, READER_THREADS, open_for_reads, pread_into
+from hostswap.runtime.expert_cache import DEFAULT_POLICY, HALF_LIFE, check_policy
 from hostswap.runtime.ptd import PtdFile, device_view_of, file_identity, register_host_memory, unregister_host_memory
 from hostswap.schedules.artifacts import ArtifactError
 from hostswap.schedules.experts import ExpertBlock, plan_expert_cache
 from hostswap.schedules.tiers import DIRECT_ALIGNMENT
-
-POLICY = "lru"
-
 
 def check_expert_host_cache_argument(value) -> None:
     """Refuse what is neither ``"auto"`` nor a finite number of MB above 0."""
@@ -68,13 +67,14 @@ class HostExpertPlan:
         """Host memory the experts take: their tables, or the slots."""
         return self.cache_bytes if self.on_disk else self.table_bytes
 
-    def explain(self) -> str:
+    def explain(self, policy: str | None = None) -> str:
+        """Where the tables are, and for slots how many per block and (``policy`` given) how they evict."""
         if not self.on_disk:
             return f"expert tables pinned whole ({self.table_bytes / 2**20:.1f} MiB)"
         per_block = sorted(set(self.slots.values()))
         where = "given" if self.room_bytes is None else f"auto: {self.room_bytes / 2**20:.1f} MiB of host memory left for them"
         return (f"expert tables ({self.table_bytes / 2**20:.1f} MiB) read from the disk through {self.cache_bytes / 2**20:.1f} MiB of pinned host "
-                f"slots ({'/'.join(map(str, per_block))} experts per block, {POLICY}; {where})")
+                f"slots ({'/'.join(map(str, per_block))} experts per block{'' if policy is None else ', evicting ' + policy}; {where})")
 
 
 def minimum_host_cache_bytes(blocks) -> int:
@@ -106,6 +106,55 @@ def plan_host_experts(option, blocks: tuple[ExpertBlock, ...], room_bytes: int) 
                          f"of host slots (expert_host_cache_mb)")
     cache = sum(slots[b.block] * b.unit_bytes for b in blocks)
     return HostExpertPlan(slots, tables, table_bytes, cache, room_bytes if given is None else None)
+
+
+class HostSlots:
+    """Which expert each of a host cache's slots holds, and which slots the experts a call
+    lacks take: an empty slot first, then the one ``policy`` evicts (``POLICIES`` of
+    runtime/expert_cache.py, counted as the device caches count: each call adds one per
+    expert it asks for, and every ``half_life`` calls the counts are halved), never a slot
+    holding another expert of the same call. Plain host bookkeeping, apart from the reads."""
+
+    def __init__(self, slots: int, num_experts: int, policy: str = DEFAULT_POLICY, half_life: int = HALF_LIFE):
+        check_policy(policy)
+        self.slots, self.policy, self.half_life = slots, policy, int(half_life)
+        self.by_uses = policy == "lfu"
+        self.expert_of = [-1] * slots  # -1: empty
+        self.slot_of: dict[int, int] = {}
+        self.uses = [0] * num_experts  # asked for lately, held or not
+        self.last_use = [0] * slots
+        self.clock = 0
+
+    def place(self, experts: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Count a call of ``experts`` (distinct) and give each a slot: (the slot of each, the
+        (expert, slot) pairs to be read in). The slots those take are empty until ``filled``
+        (a read that fails leaves them empty, the first to be taken again)."""
+        self.clock += 1
+        if self.clock % self.half_life == 0:
+            self.uses = [u >> 1 for u in self.uses]
+        for e in experts:
+            self.uses[e] += 1
+        missed = [e for e in experts if e not in self.slot_of]
+        held = {self.slot_of[e] for e in experts if e in self.slot_of}
+        victims = sorted((s for s in range(self.slots) if s not in held), key=self._evicted_before)[: len(missed)]
+        for s in victims:
+            if self.expert_of[s] >= 0:
+                del self.slot_of[self.expert_of[s]]
+            self.expert_of[s] = -1
+        reads = list(zip(missed, victims))
+        at = dict(reads)
+        return [self.slot_of.get(e, at.get(e)) for e in experts], reads
+
+    def _evicted_before(self, slot: int) -> tuple[bool, int, int, int]:
+        expert = self.expert_of[slot]
+        return expert >= 0, self.uses[expert] if self.by_uses and expert >= 0 else 0, self.last_use[slot], slot
+
+    def filled(self, reads: list[tuple[int, int]], slots: list[int]) -> None:
+        """The ``reads`` are in: their slots hold their experts; ``slots`` (the call's) stamped as used now."""
+        for e, s in reads:
+            self.expert_of[s], self.slot_of[e] = e, s
+        for s in slots:
+            self.last_use[s] = self.clock
 
 
 class ExpertReader:
@@ -184,11 +233,12 @@ class ExpertReader:
 
 class HostExpertCache:
     """``slots`` experts of one MoE block in pinned host memory, each brought from the ``.ptd``
-    when a call picks it and the slots lack it, least recently used evicted."""
+    when a call picks it and the slots lack it, evicted as ``policy`` says (``HostSlots``)."""
 
-    def __init__(self, block: ExpertBlock, ptd: PtdFile, slots: int, reader: ExpertReader, device: torch.device):
+    def __init__(self, block: ExpertBlock, ptd: PtdFile, slots: int, reader: ExpertReader, device: torch.device, policy: str = DEFAULT_POLICY):
         if not min(block.top_k, block.num_experts) <= slots <= block.num_experts:
             raise ValueError(f"a host cache of {block.block} needs top_k ({block.top_k}) to {block.num_experts} slots, not {slots}")
+        self._slots = HostSlots(slots, block.num_experts, policy)
         self.block, self.slots, self.num_experts = block.block, slots, block.num_experts
         self.unit_bytes = block.unit_bytes
         self._reader, self._device = reader, device
@@ -220,10 +270,6 @@ class HostExpertCache:
         except BaseException:
             self.close()
             raise
-        self.expert_of = [-1] * slots
-        self.slot_of: dict[int, int] = {}
-        self._last_use = [-slots + s for s in range(slots)]  # empty slots first, the first slot first
-        self._clock = 0
         self._readers: list = [None] * slots  # per slot: the event after the last kernels that read it
         self.hits = self.misses = 0
 
@@ -240,44 +286,38 @@ class HostExpertCache:
             out.append(self.tables[at])
         return tuple(out)
 
+    @property
+    def policy(self) -> str:
+        return self._slots.policy
+
+    @property
+    def expert_of(self) -> list[int]:
+        return self._slots.expert_of
+
+    @property
+    def slot_of(self) -> dict[int, int]:
+        return self._slots.slot_of
+
     def holds(self, expert: int) -> bool:
-        return expert in self.slot_of
+        return expert in self._slots.slot_of
 
     def bring(self, experts: list[int]) -> list[int]:
         """The slot of each of ``experts`` (distinct), those the slots lack read from the file
-        into the least recently used slots no other of them holds; all stamped as used now."""
+        into the slots the policy evicts (``HostSlots``) that no other of them holds."""
         if len(experts) > self.slots:
             raise ValueError(f"{len(experts)} experts of {self.block} at once; its host cache holds {self.slots}")
-        self._clock += 1
-        hit = [e for e in experts if e in self.slot_of]
-        missed = [e for e in experts if e not in self.slot_of]
-        held = {self.slot_of[e] for e in hit}
-        victims = sorted((s for s in range(self.slots) if s not in held), key=lambda s: self._last_use[s])[: len(missed)]
-        try:
-            requests = []
-            for e, s in zip(missed, victims):
-                # the slot holds no expert until its read is in (an interrupted wait or read leaves it empty)
-                old = self.expert_of[s]
-                if old >= 0:
-                    del self.slot_of[old]
-                self.expert_of[s] = -1
-                if self._readers[s] is not None:  # the kernels that read its last expert are done first
-                    self._readers[s].synchronize()
-                    self._readers[s] = None
-                for (fqn, offset, row_bytes), (buffer, lead) in zip(self._rows, self._buffers):
-                    requests.append((f"expert {e} of weight '{fqn}'", offset + e * row_bytes, row_bytes, buffer, lead + s * row_bytes))
-            self._reader.read(requests)
-        except BaseException:
-            for s in victims:
-                self._last_use[s] = -self.slots - 1  # empty: taken first
-            raise
-        for e, s in zip(missed, victims):
-            self.expert_of[s], self.slot_of[e] = e, s
-        self.hits += len(hit)
-        self.misses += len(missed)
-        slots = [self.slot_of[e] for e in experts]
-        for s in slots:
-            self._last_use[s] = self._clock
+        slots, reads = self._slots.place(experts)
+        requests = []
+        for e, s in reads:  # each slot taken is empty until its read is in: an interrupted wait or read leaves it so
+            if self._readers[s] is not None:  # the kernels that read its last expert are done first
+                self._readers[s].synchronize()
+                self._readers[s] = None
+            for (fqn, offset, row_bytes), (buffer, lead) in zip(self._rows, self._buffers):
+                requests.append((f"expert {e} of weight '{fqn}'", offset + e * row_bytes, row_bytes, buffer, lead + s * row_bytes))
+        self._reader.read(requests)
+        self._slots.filled(reads, slots)
+        self.hits += len(experts) - len(reads)
+        self.misses += len(reads)
         return slots
 
     def read_by_kernels(self, slots: list[int]) -> None:
@@ -290,7 +330,7 @@ class HostExpertCache:
             self._readers[s] = event
 
     def stats(self) -> dict:
-        return {"slots": self.slots, "policy": POLICY, "hits": self.hits, "misses": self.misses,
+        return {"slots": self.slots, "policy": self.policy, "hits": self.hits, "misses": self.misses,
                 "bytes_read": self.misses * self.unit_bytes}
 
     def close(self) -> None:
@@ -303,15 +343,17 @@ class HostExpertCache:
         self._buffers = []
 
 
-def open_host_experts(plan: HostExpertPlan, blocks: tuple[ExpertBlock, ...], ptd: PtdFile, device: torch.device) -> tuple[ExpertReader | None, dict[str, HostExpertCache]]:
-    """The reader and each block's host cache for a plan with experts on disk (none otherwise)."""
+def open_host_experts(plan: HostExpertPlan, blocks: tuple[ExpertBlock, ...], ptd: PtdFile, device: torch.device,
+                      policy: str = DEFAULT_POLICY) -> tuple[ExpertReader | None, dict[str, HostExpertCache]]:
+    """The reader and each block's host cache for a plan with experts on disk (none otherwise),
+    evicting as ``policy`` says."""
     if not plan.on_disk:
         return None, {}
     reader = ExpertReader(ptd)
     caches: dict[str, HostExpertCache] = {}
     try:
         for b in blocks:
-            caches[b.block] = HostExpertCache(b, ptd, plan.slots[b.block], reader, device)
+            caches[b.block] = HostExpertCache(b, ptd, plan.slots[b.block], reader, device, policy)
     except BaseException:
         close_host_experts(reader, caches)
         raise

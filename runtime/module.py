@@ -156,8 +156,9 @@ class Module:
     attention between them runs (runtime/expert_cache.py). Off by default: it pays where an
     expert moves over the bus in about an attention's time (many small experts) and the guess
     is mostly right; a big expert (Mixtral's) moved on a wrong guess costs more than it saves.
-    ``expert_cache_policy``: which expert a device cache evicts, ``"lfu"`` (default: the one
-    its router picked least often lately, the least recently used among equals) or ``"lru"``.
+    ``expert_cache_policy``: which expert a device cache, and a host cache of experts on disk
+    (below), evicts: ``"lfu"`` (default: the one its router picked least often lately, the least
+    recently used among equals) or ``"lru"``.
 
     ``expert_host_cache_mb`` (default ``"auto"``): where an MoE model's expert tables do not
     fit in the host memory available at load besides its other pinned weights, they stay in
@@ -205,7 +206,7 @@ class Module:
             raise ValueError(f"expert_prefetch must be True, False or a number of experts (0 or more), got {expert_prefetch!r}")
         self._expert_prefetch = int(expert_prefetch)
         check_policy(expert_cache_policy)
-        self._expert_cache_policy = expert_cache_policy
+        self.expert_cache_policy = expert_cache_policy  # the device caches' and the host caches' of experts on disk
         _check_method_names_argument("cuda_graph", cuda_graph)
         _check_method_names_argument("compiled", compiled)
         self.pte_path = os.fspath(pte_path)
@@ -296,7 +297,7 @@ class Module:
         # tables where they fit, else a device cache per block; the rest are read in place
         self.resident_experts, self.expert_caches = place_experts(self.schedule.expert_blocks, self.budget_bytes - self.schedule.resident_bytes, self.device,
                                                                     prefetch=self._expert_prefetch, unguessed=frozenset(self.expert_host_plan.slots),
-                                                                    policy=self._expert_cache_policy)
+                                                                    policy=self.expert_cache_policy)
         on_device = {t for b in self.schedule.expert_blocks if b.block in self.resident_experts for t in b.tables}
         state_sizes, activations = self._arena_sizes()
         weights_on_device = (min(self.budget_bytes, self.schedule.resident_bytes) + sum(c.nbytes for c in self.expert_caches.values())
@@ -319,7 +320,8 @@ class Module:
             self.ptd.register_with_cuda(host_tier)
         # experts on disk: their host caches; the tables' mapped views bound to the program are
         # never read (a call reads the experts it picks through its block's host cache)
-        self._host_experts = open_host_experts(self.expert_host_plan, tuple(b for b in self.schedule.expert_blocks if b.block in self.expert_host_plan.slots), self.ptd, self.device)
+        self._host_experts = open_host_experts(self.expert_host_plan, tuple(b for b in self.schedule.expert_blocks if b.block in self.expert_host_plan.slots), self.ptd, self.device,
+                                                self.expert_cache_policy)
         self._host_read = {fqn: self.ptd.host_tensor(fqn).to(self.device, copy=True) if fqn in on_device
                            else self.ptd.device_view(fqn, self.device) if self.device.type == "cuda" and fqn not in on_disk else self.ptd.host_tensor(fqn)
                            for fqn in self.schedule.host_read}

@@ -84,10 +84,19 @@ def test_expert_guess_trace_counts_the_next_blocks_picks_it_finds(tmp_path):
                                                                            for g in ("none", "lacking", "held")]
     for r in row["cache"]:
         assert 0.0 <= r["hit_rate"] <= 1.0 and (r["prefetched_per_lookup"] == 0) == (r["guess"] == "none"), r
+    # experts on disk: host caches of 2 and 3 slots, alone and behind a device cache of 2, each policy
+    assert [(r["device_slots"], r["host_slots"], r["policy"]) for r in row["host_cache"]] == [(d, h, p) for d in (0, 2) for h in (2, 3) for p in ("lfu", "lru")]
+    for r in row["host_cache"]:
+        assert 0.0 <= r["disk_reads_per_block_token"] <= 2 and (r["host_hit_rate"] is None or 0.0 <= r["host_hit_rate"] <= 1.0), r
+    # a cold cache reads the first step's picks: at least top-k a block over the 5 steps
+    assert all(r["disk_reads_per_block_token"] * 5 >= 2 for r in row["host_cache"])
+    assert "| experts from disk per block and token " in section
     with pytest.raises(SystemExit, match="--shape must be mixtral, many or tiny, got 'big'"):
         guess.main(["--shape", "big"])
     with pytest.raises(SystemExit, match="--slots must be 2 to 3 and --prefetch 1 to 2, got \\[4\\] and 1"):
         guess.main(["--shape", "tiny", "--tokens", "2", "--slots", "4"])
+    with pytest.raises(SystemExit, match="--host-slots must be 2 to 4, got \\[1\\]"):
+        guess.main(["--shape", "tiny", "--tokens", "2", "--host-slots", "1"])
 
 
 def test_the_guess_keeps_the_predicted_cached_experts_where_the_lacking_one_evicts_them():
@@ -251,5 +260,10 @@ def test_moe_disk_bench_measures_pinned_and_disk_rows_against_the_disk(tmp_path)
     for pinned, disk in (rows[:2], rows[2:]):
         assert pinned["host_cache_bytes"] == 0 and pinned["disk_bytes_per_token"] == 0
         assert disk["same_tokens"] and disk["host_slots"] == [2] and disk["disk_bytes_per_token"] > 0 and disk["ratio_to_series"] > 0
+        # measured again evicting the least recently used: the same tokens, its own reads
+        other = disk["other_policy"]
+        assert other["same_tokens"] and other["disk_bytes_per_token"] > 0 and disk["policy_speedup"] > 0 and "tokens" not in other
+    assert (result["expert_cache_policy"], result["other_policy"]) == ("lfu", "lru")
     section = bench_scripts.load("report").moe_disk_section([str(tmp_path / "moedisk_cpu.json")], None)
-    assert "tiny shape, 2 layers, 4 experts, top-2" in section and "| on disk " in section
+    assert "tiny shape, 2 layers, 4 experts, top-2" in section and "| on disk " in section and "host caches evict: lfu" in section
+    assert "evicting lru instead" in section

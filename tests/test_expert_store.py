@@ -21,7 +21,7 @@ import hostswap.llm as llm
 from hostswap.kernels.routed_experts import ExpertIndexError
 from hostswap.runtime import Module
 from hostswap.runtime.disk_reader import CHUNK_BYTES
-from hostswap.runtime.expert_store import ExpertReader, HostExpertCache, minimum_host_cache_bytes, plan_host_experts
+from hostswap.runtime.expert_store import ExpertReader, HostExpertCache, HostSlots, minimum_host_cache_bytes, plan_host_experts
 from hostswap.runtime.host_tier import AUTO_HOST_SHARE, plan_expert_host_tier
 from hostswap.runtime.ptd import PtdFile, file_identity
 from hostswap.schedules.artifacts import ArtifactError
@@ -43,8 +43,8 @@ def _least_mb(moe) -> float:
     return minimum_host_cache_bytes(moe.schedules["decode"].expert_blocks) / MB
 
 
-@pytest.mark.parametrize("budget", ["floor", "cache"])
-def test_experts_from_disk_give_the_tokens_and_logits_of_experts_pinned(moe, budget):
+@pytest.mark.parametrize("budget, policy", [("floor", "lfu"), ("floor", "lru"), ("cache", "lfu")])
+def test_experts_from_disk_give_the_tokens_and_logits_of_experts_pinned(moe, budget, policy):
     """At the floor (every pick read from the host slots) and with a device cache in front of
     them; the host cache holds one call's picks, so prefill chunks whose union is larger go
     through it in parts."""
@@ -52,7 +52,8 @@ def test_experts_from_disk_give_the_tokens_and_logits_of_experts_pinned(moe, bud
     expected = moe.transformers_tokens(prompt, 12)
     mb = {"floor": moe.floor, "cache": moe.cached}[budget] / MB
     blocks = moe.schedules["decode"].expert_blocks
-    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=mb, device="cpu", expert_host_cache_mb=_least_mb(moe)) as g:
+    with llm.Generator(moe.pte, moe.ptd, weight_offload_budget_mb=mb, device="cpu", expert_host_cache_mb=_least_mb(moe),
+                       expert_cache_policy=policy) as g:
         plan = g.module.expert_host_plan
         assert plan.on_disk and plan.slots == {b.block: b.top_k for b in blocks}
         out = g.generate(prompt, 12, eos_token_id=[])
@@ -60,10 +61,10 @@ def test_experts_from_disk_give_the_tokens_and_logits_of_experts_pinned(moe, bud
         s = g.stats
         assert set(s["expert_host_cache"]) == {b.block for b in blocks}
         for c in s["expert_host_cache"].values():
-            assert c["slots"] == blocks[0].top_k and c["policy"] == "lru" and c["misses"] > c["slots"] and c["hits"] > 0
+            assert c["slots"] == blocks[0].top_k and c["policy"] == policy and c["misses"] > c["slots"] and c["hits"] > 0
         assert s["expert_disk_bytes_read"] == sum(c["bytes_read"] for c in s["expert_host_cache"].values()) > 0
         assert re.search(rf"experts from disk: {blocks[0].top_k} a block in host memory, \d+% of picks found there", g.summary()), g.summary()
-        assert "read from the disk through" in g.memory_report()
+        assert "read from the disk through" in g.memory_report() and f"evicting {policy}" in g.memory_report()
         if budget == "cache":
             assert set(g.module.expert_caches) == {b.block for b in blocks}
             assert all(r["cache_hits"] > 0 for r in s["expert_reads"].values())
@@ -83,12 +84,44 @@ def test_experts_from_disk_give_the_tokens_and_logits_of_experts_pinned(moe, bud
         assert torch.equal(a, b), (method, (a - b).abs().max().item())
 
 
-def test_a_host_cache_holds_the_files_rows_and_evicts_the_least_recently_used(tmp_path_factory):
+def test_host_slots_evict_the_expert_asked_for_least_often_lately():
+    """Worked examples of ``HostSlots``: an empty slot first; then the fewest requests (lfu),
+    the least recently used among equals, or the least recently used (lru); the counts halved
+    every ``half_life`` calls."""
+    def calls(policy, half_life=256):
+        slots = HostSlots(3, 8, policy, half_life)
+        out = []
+        for experts in ([0, 1], [0, 1], [2], [3]):
+            out.append(slots.place(experts))
+            slots.filled(out[-1][1], out[-1][0])
+        return slots, out
+
+    lfu, out = calls("lfu")
+    assert out[0] == ([0, 1], [(0, 0), (1, 1)]) and out[1] == ([0, 1], []) and out[2] == ([2], [(2, 2)])
+    assert lfu.uses[:4] == [2, 2, 1, 1]
+    # 0 and 1 were asked for twice, 2 once: lfu evicts 2, though 0 and 1 were used longer ago
+    assert out[3] == ([2], [(3, 2)]) and lfu.expert_of == [0, 1, 3] and lfu.slot_of == {0: 0, 1: 1, 3: 2}
+    lru, out = calls("lru")
+    assert out[3] == ([0], [(3, 0)]) and lru.expert_of == [3, 1, 2]  # the least recently used: slot 0, before slot 1
+    # halved every 2 calls: at the fourth every count is 0 and lfu takes the least recently used
+    halved, out = calls("lfu", half_life=2)
+    assert out[3] == ([0], [(3, 0)]) and halved.uses[:4] == [0, 0, 0, 1]
+    # the call's own experts are held, whatever their counts; a read that failed left its slot empty, taken first
+    placed, reads = lfu.place([3, 5])
+    assert placed[0] == 2 and reads == [(5, 0)] and lfu.expert_of == [-1, 1, 3]  # 0 and 1 tie (two requests, one stamp): the lower slot
+    placed, reads = lfu.place([6])
+    assert reads == [(6, 0)]  # slot 0 is empty (its read never came in)
+    with pytest.raises(ValueError, match=re.escape("expert_cache_policy must be one of ('lfu', 'lru'), got 'mru'")):
+        HostSlots(3, 8, "mru")
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_host_cache_holds_the_files_rows_and_evicts_as_its_policy_says(tmp_path_factory, policy):
     moe = _get("Qwen3-MoE", tmp_path_factory)
     block = moe.schedules["decode"].expert_blocks[0]
     with PtdFile(moe.ptd) as ptd:
         reader = ExpertReader(ptd)
-        cache = HostExpertCache(block, ptd, 3, reader, torch.device("cpu"))
+        cache = HostExpertCache(block, ptd, 3, reader, torch.device("cpu"), policy)
         try:
             def holds(expert, slot):
                 for fqn, table in zip(block.tables, cache.host_tables):
@@ -96,9 +129,9 @@ def test_a_host_cache_holds_the_files_rows_and_evicts_the_least_recently_used(tm
 
             assert cache.bring([5, 1]) == [0, 1]  # empty slots first, in order
             assert cache.bring([1, 7]) == [1, 2]
-            # 5 was used least recently; 1 and 7 are this call's own
+            # 5 was used least recently and asked for least often; 1 and 7 are this call's own
             assert cache.bring([7, 0]) == [2, 0]
-            assert cache.bring([3, 0, 7]) == [1, 0, 2]
+            assert cache.bring([3, 0, 7]) == [1, 0, 2]  # 1 (asked for twice) was used least recently
             assert (cache.hits, cache.misses) == (4, 5)
             assert cache.expert_of == [0, 3, 7] and cache.slot_of == {0: 0, 3: 1, 7: 2}
             for expert, slot in cache.slot_of.items():
