@@ -166,8 +166,8 @@ COMPILED_HELP = ("run decode as one TorchInductor graph: fewer, fused kernels, f
                  "experts (the first load compiles)")
 EXPERT_PREFETCH_HELP = ("MoE: each block with an expert cache prefetches the top-k the block before it predicts, at most N of them missing "
                         "(default 0: none; pays where experts are small, see docs/design.md)")
-EXPERT_CACHE_POLICY_HELP = ("MoE: which expert a device cache, or a host cache of experts on disk, evicts: lfu (default), the one its "
-                            "router picked least often lately, or lru, the least recently used")
+EXPERT_CACHE_POLICY_HELP = ("MoE: which expert a device cache, or a host cache of experts on disk, evicts: lfu (default), the one "
+                            "picked (a host cache: asked for) least often lately, or lru, the least recently used")
 EXPERT_HOST_CACHE_HELP = ("MoE: pinned host memory for experts read from the .ptd on disk (MB), or auto (the default): the expert tables stay "
                           "pinned where the RAM available at load holds them besides the other weights, else they are read from disk "
                           "into a cache of what it leaves")

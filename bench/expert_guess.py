@@ -114,9 +114,9 @@ def replay_host(steps: list, experts: int, k: int, host_slots: int, device_slots
             if devices:  # a pick the device cache holds needs nothing from the disk
                 lacking = [e for e, held in zip(lacking, (devices[i].slot_of[picks[i]] >= 0).tolist()) if not held]
                 devices[i].lookup(picks[i].view(1, k), tables)
-            placed, missed = host.place(lacking)
-            host.filled(missed, placed)
-            reads, asked = reads + len(missed), asked + len(lacking)
+            slots, read = host.place(lacking)
+            host.filled(read, slots)
+            reads, asked = reads + len(read), asked + len(lacking)
     return {"host_slots": host_slots, "device_slots": device_slots, "policy": policy, "disk_reads_per_block_token": reads / len(steps) / blocks,
             "host_hit_rate": 1 - reads / asked if asked else None}
 

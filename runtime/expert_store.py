@@ -37,6 +37,7 @@ from hostswap.schedules.artifacts import ArtifactError
 from hostswap.schedules.experts import ExpertBlock, plan_expert_cache
 from hostswap.schedules.tiers import DIRECT_ALIGNMENT
 
+
 def check_expert_host_cache_argument(value) -> None:
     """Refuse what is neither ``"auto"`` nor a finite number of MB above 0."""
     check_mb_argument("expert_host_cache_mb", value)
@@ -137,10 +138,10 @@ class HostSlots:
         missed = [e for e in experts if e not in self.slot_of]
         held = {self.slot_of[e] for e in experts if e in self.slot_of}
         victims = sorted((s for s in range(self.slots) if s not in held), key=self._evicted_before)[: len(missed)]
-        for s in victims:
-            if self.expert_of[s] >= 0:
-                del self.slot_of[self.expert_of[s]]
-            self.expert_of[s] = -1
+        for s in victims:  # emptied before the map forgets it: an interrupt between leaves no slot named for bytes it lacks
+            old, self.expert_of[s] = self.expert_of[s], -1
+            if self.slot_of.get(old) == s:
+                del self.slot_of[old]
         reads = list(zip(missed, victims))
         at = dict(reads)
         return [self.slot_of.get(e, at.get(e)) for e in experts], reads
@@ -152,7 +153,8 @@ class HostSlots:
     def filled(self, reads: list[tuple[int, int]], slots: list[int]) -> None:
         """The ``reads`` are in: their slots hold their experts; ``slots`` (the call's) stamped as used now."""
         for e, s in reads:
-            self.expert_of[s], self.slot_of[e] = e, s
+            self.expert_of[s] = e
+            self.slot_of[e] = s
         for s in slots:
             self.last_use[s] = self.clock
 

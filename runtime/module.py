@@ -157,8 +157,8 @@ class Module:
     expert moves over the bus in about an attention's time (many small experts) and the guess
     is mostly right; a big expert (Mixtral's) moved on a wrong guess costs more than it saves.
     ``expert_cache_policy``: which expert a device cache, and a host cache of experts on disk
-    (below), evicts: ``"lfu"`` (default: the one its router picked least often lately, the least
-    recently used among equals) or ``"lru"``.
+    (below), evicts: ``"lfu"`` (default: the one picked least often lately, or for a host cache
+    asked for least often, the least recently used among equals) or ``"lru"``.
 
     ``expert_host_cache_mb`` (default ``"auto"``): where an MoE model's expert tables do not
     fit in the host memory available at load besides its other pinned weights, they stay in

@@ -8,6 +8,7 @@ holds; and a cache too small for one call's picks is refused at load, naming the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -106,11 +107,23 @@ def test_host_slots_evict_the_expert_asked_for_least_often_lately():
     # halved every 2 calls: at the fourth every count is 0 and lfu takes the least recently used
     halved, out = calls("lfu", half_life=2)
     assert out[3] == ([0], [(3, 0)]) and halved.uses[:4] == [0, 0, 0, 1]
-    # the call's own experts are held, whatever their counts; a read that failed left its slot empty, taken first
-    placed, reads = lfu.place([3, 5])
-    assert placed[0] == 2 and reads == [(5, 0)] and lfu.expert_of == [-1, 1, 3]  # 0 and 1 tie (two requests, one stamp): the lower slot
-    placed, reads = lfu.place([6])
-    assert reads == [(6, 0)]  # slot 0 is empty (its read never came in)
+    # lfu among equal counts: the least recently used, not the lower slot
+    ties = HostSlots(3, 8, "lfu")
+    for experts in ([0], [1], [2], [1], [2], [0], [1]):  # 0 and 2 asked for twice (0 last at call 6, 2 at call 5), 1 three times
+        ties.filled(*reversed(ties.place(experts)))
+    assert ties.place([3]) == ([2], [(3, 2)])
+    # a slot holding another expert of the call is never taken, however old
+    own = HostSlots(2, 8, "lru")
+    for experts in ([0], [1]):
+        own.filled(*reversed(own.place(experts)))
+    assert own.place([0, 2]) == ([0, 1], [(2, 1)])
+    # a read that failed left its slot empty: taken first, before an older full one
+    failed = HostSlots(3, 8, "lru")
+    for experts in ([0], [1], [2], [0]):
+        failed.filled(*reversed(failed.place(experts)))
+    assert failed.place([1, 3]) == ([1, 2], [(3, 2)])  # not filled: its read never came in
+    assert failed.expert_of == [0, 1, -1] and 2 not in failed.slot_of and failed.last_use == [4, 2, 3]
+    assert failed.place([4]) == ([2], [(4, 2)])  # slot 1 (used at call 2) is older than slot 2 (call 3), but holds an expert
     with pytest.raises(ValueError, match=re.escape("expert_cache_policy must be one of ('lfu', 'lru'), got 'mru'")):
         HostSlots(3, 8, "mru")
 
@@ -120,41 +133,69 @@ def test_a_host_cache_holds_the_files_rows_and_evicts_as_its_policy_says(tmp_pat
     moe = _get("Qwen3-MoE", tmp_path_factory)
     block = moe.schedules["decode"].expert_blocks[0]
     with PtdFile(moe.ptd) as ptd:
-        reader = ExpertReader(ptd)
-        cache = HostExpertCache(block, ptd, 3, reader, torch.device("cpu"), policy)
-        try:
-            def holds(expert, slot):
-                for fqn, table in zip(block.tables, cache.host_tables):
-                    assert torch.equal(table[slot], ptd.host_tensor(fqn)[expert]), (fqn, expert, slot)
+        with contextlib.closing(ExpertReader(ptd)) as reader:
+            cache = HostExpertCache(block, ptd, 3, reader, torch.device("cpu"), policy)
+            try:
+                def holds(expert, slot):
+                    for fqn, table in zip(block.tables, cache.host_tables):
+                        assert torch.equal(table[slot], ptd.host_tensor(fqn)[expert]), (fqn, expert, slot)
 
-            assert cache.bring([5, 1]) == [0, 1]  # empty slots first, in order
-            assert cache.bring([1, 7]) == [1, 2]
-            # 5 was used least recently and asked for least often; 1 and 7 are this call's own
-            assert cache.bring([7, 0]) == [2, 0]
-            assert cache.bring([3, 0, 7]) == [1, 0, 2]  # 1 (asked for twice) was used least recently
-            assert (cache.hits, cache.misses) == (4, 5)
-            assert cache.expert_of == [0, 3, 7] and cache.slot_of == {0: 0, 3: 1, 7: 2}
-            for expert, slot in cache.slot_of.items():
-                holds(expert, slot)
-            assert reader.bytes_read == 5 * block.unit_bytes == cache.stats()["bytes_read"]
-            with pytest.raises(ValueError, match=re.escape(f"4 experts of {block.block} at once; its host cache holds 3")):
-                cache.bring([0, 1, 2, 4])
-            # a read that fails (a file cut short, an interrupt) leaves its slots holding no expert
-            real = reader.read
-            reader.read = lambda requests: (_ for _ in ()).throw(KeyboardInterrupt())
-            with pytest.raises(KeyboardInterrupt):
-                cache.bring([5, 6])
-            reader.read = real
-            assert sorted(cache.slot_of) == [7] and cache.expert_of.count(-1) == 2
-            misses = cache.misses
-            assert sorted(cache.bring([5, 6, 7])) == [0, 1, 2] and cache.misses == misses + 2  # 5 and 6 read again
-            for expert, slot in cache.slot_of.items():
-                holds(expert, slot)
-            with pytest.raises(ValueError, match=re.escape(f"a host cache of {block.block} needs top_k ({block.top_k}) to {block.num_experts} slots, not 1")):
-                HostExpertCache(block, ptd, 1, reader, torch.device("cpu"))
-        finally:
-            cache.close()
-            reader.close()
+                assert cache.bring([5, 1]) == [0, 1]  # empty slots first, in order
+                assert cache.bring([1, 7]) == [1, 2]
+                # 5 was used least recently and asked for least often; 1 and 7 are this call's own
+                assert cache.bring([7, 0]) == [2, 0]
+                assert cache.bring([3, 0, 7]) == [1, 0, 2]  # slot 1 is the only one no expert of the call holds
+                assert (cache.hits, cache.misses) == (4, 5)
+                assert cache.expert_of == [0, 3, 7] and cache.slot_of == {0: 0, 3: 1, 7: 2}
+                for expert, slot in cache.slot_of.items():
+                    holds(expert, slot)
+                assert reader.bytes_read == 5 * block.unit_bytes == cache.stats()["bytes_read"]
+                with pytest.raises(ValueError, match=re.escape(f"4 experts of {block.block} at once; its host cache holds 3")):
+                    cache.bring([0, 1, 2, 4])
+                # a read that fails (a file cut short, an interrupt) leaves its slots holding no expert
+                real = reader.read
+                reader.read = lambda requests: (_ for _ in ()).throw(KeyboardInterrupt())
+                with pytest.raises(KeyboardInterrupt):
+                    cache.bring([5, 6])
+                reader.read = real
+                assert sorted(cache.slot_of) == [7] and cache.expert_of.count(-1) == 2
+                misses = cache.misses
+                assert sorted(cache.bring([5, 6, 7])) == [0, 1, 2] and cache.misses == misses + 2  # 5 and 6 read again
+                for expert, slot in cache.slot_of.items():
+                    holds(expert, slot)
+                # a slot is refilled only once the kernels that read it are done: a wait interrupted leaves it empty, waited for again
+                class Event:
+                    def __init__(self, fails):
+                        self.fails, self.waits = fails, 0
+
+                    def synchronize(self):
+                        self.waits += 1
+                        if self.fails:
+                            raise KeyboardInterrupt
+
+                slot = cache.slot_of[5]
+                cache._readers[slot] = stuck = Event(fails=True)
+                with pytest.raises(KeyboardInterrupt):
+                    cache.bring([0, 1, 2])  # 5's slot among those taken
+                assert stuck.waits == 1 and cache._readers[slot] is stuck and 5 not in cache.slot_of and cache.expert_of[slot] == -1
+                stuck.fails = False
+                assert cache.bring([5]) == [slot] and stuck.waits == 2 and cache._readers[slot] is None
+                holds(5, slot)
+                with pytest.raises(ValueError, match=re.escape(f"a host cache of {block.block} needs top_k ({block.top_k}) to {block.num_experts} slots, not 1")):
+                    HostExpertCache(block, ptd, 1, reader, torch.device("cpu"))
+            finally:
+                cache.close()
+            # where the policies part: 0 and 1 asked for twice, 2 once, then 3
+            cache = HostExpertCache(block, ptd, 3, reader, torch.device("cpu"), policy)
+            try:
+                for experts in ([0, 1], [0, 1], [2]):
+                    cache.bring(experts)
+                evicted = {"lfu": 2, "lru": 0}[policy]  # lfu: the fewest requests; lru: the least recently used
+                assert cache.bring([3]) == [evicted] and sorted(cache.slot_of) == sorted({0, 1, 2, 3} - {evicted})  # expert e was in slot e
+                for expert, at in cache.slot_of.items():
+                    holds(expert, at)
+            finally:
+                cache.close()
 
 
 def _file_like(path) -> types.SimpleNamespace:
