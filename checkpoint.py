@@ -39,7 +39,8 @@ class CheckpointError(GenerationError):
 
 # safetensors' dtype names (the format's header)
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                      "F8_E4M3": torch.float8_e4m3fn}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,15 @@ def read_safetensors_header(path: str, shard: str, folder: str) -> dict[str, Sto
 
 class SafetensorsCheckpoint:
     """The tensors of a checkpoint's safetensors shards, by name, each read when asked (plain
-    reads into its own buffer: no mapping stays resident, so memory holds one tensor)."""
+    reads into its own buffer: no mapping stays resident, so memory holds one tensor). A
+    block-scaled float8 checkpoint's weights are read as their codes times their scales
+    (checkpoint_quantized.py), and its scales are not among its tensors."""
 
     def __init__(self, folder: str | os.PathLike):
+        from hostswap.checkpoint_quantized import SCALE_SUFFIX, checkpoint_quantization
+
         self.folder = os.fspath(folder)
+        self.quantization = checkpoint_quantization(self.folder)
         index_path = os.path.join(self.folder, INDEX_FILE)
         if os.path.exists(index_path):
             try:
@@ -117,6 +123,15 @@ class SafetensorsCheckpoint:
         if shard_of is not None:
             # the index decides which names the checkpoint has
             self.tensors = {name: t for name, t in self.tensors.items() if name in shard_of}
+        self.scales: dict[str, StoredTensor] = {}  # a float8 weight's scales, by the weight's name
+        if self.quantization is not None:
+            for name in [n for n in self.tensors if self.quantization.is_scale(n)]:
+                self.scales[self.quantization.weight_of(name)] = self.tensors.pop(name)
+        for name, t in self.tensors.items():
+            if t.dtype.is_floating_point and t.dtype.itemsize == 1 and name not in self.scales:
+                raise CheckpointError(f"tensor '{name}' in shard {t.shard} of {self.folder} is float8 with no scales beside it "
+                                      f"('{name}{SCALE_SUFFIX}'{'' if self.quantization else ' and no quantization_config in config.json'}): "
+                                      "its codes are not the weight")
         self.bytes_read = 0
 
     def __contains__(self, name: str) -> bool:
@@ -126,7 +141,13 @@ class SafetensorsCheckpoint:
         return self.tensors[name].shard
 
     def tensor(self, name: str) -> torch.Tensor:
-        stored = self.tensors[name]
+        """Tensor ``name`` as the checkpoint stores it; a float8 weight as codes x scales, in float32."""
+        out = self._read(name, self.tensors[name])
+        if name in self.scales:
+            return self.quantization.dequantize(name, out, self._read(self.quantization.scale_name(name), self.scales[name]))
+        return out
+
+    def _read(self, name: str, stored: StoredTensor) -> torch.Tensor:
         out = torch.empty(stored.shape, dtype=stored.dtype)
         with open(os.path.join(self.folder, stored.shard), "rb") as f:
             f.seek(stored.offset)
