@@ -40,7 +40,7 @@ class CheckpointError(GenerationError):
 # safetensors' dtype names (the format's header)
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-                      "F8_E4M3": torch.float8_e4m3fn}
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,9 +127,17 @@ class SafetensorsCheckpoint:
         if self.quantization is not None:
             for name in [n for n in self.tensors if self.quantization.is_scale(n)]:
                 self.scales[self.quantization.weight_of(name)] = self.tensors.pop(name)
+            for weight, scale in self.scales.items():
+                stored = self.tensors.get(weight)
+                if stored is None:
+                    raise CheckpointError(f"tensor '{weight}{SCALE_SUFFIX}' in shard {scale.shard} of {self.folder} scales a weight '{weight}' "
+                                          "the checkpoint does not hold")
+                problem = self.quantization.problem(stored.dtype, stored.shape, scale.dtype, scale.shape)
+                if problem is not None:
+                    raise CheckpointError(f"tensor '{weight}' in shard {stored.shard} of {self.folder} {problem}")
         for name, t in self.tensors.items():
             if t.dtype.is_floating_point and t.dtype.itemsize == 1 and name not in self.scales:
-                raise CheckpointError(f"tensor '{name}' in shard {t.shard} of {self.folder} is float8 with no scales beside it "
+                raise CheckpointError(f"tensor '{name}' in shard {t.shard} of {self.folder} is {t.dtype} with no scales beside it "
                                       f"('{name}{SCALE_SUFFIX}'{'' if self.quantization else ' and no quantization_config in config.json'}): "
                                       "its codes are not the weight")
         self.bytes_read = 0
@@ -140,11 +148,12 @@ class SafetensorsCheckpoint:
     def shard_of(self, name: str) -> str:
         return self.tensors[name].shard
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` as the checkpoint stores it; a float8 weight as codes x scales, in float32."""
+    def tensor(self, name: str, dequantized_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` as the checkpoint stores it; a float8 weight as codes x scales, in
+        float32, or in ``dequantized_dtype`` where given (the product rounded once)."""
         out = self._read(name, self.tensors[name])
         if name in self.scales:
-            return self.quantization.dequantize(name, out, self._read(self.quantization.scale_name(name), self.scales[name]))
+            return self.quantization.dequantize(out, self._read(self.quantization.scale_name(name), self.scales[name]), dequantized_dtype)
         return out
 
     def _read(self, name: str, stored: StoredTensor) -> torch.Tensor:
@@ -319,7 +328,10 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
             sources = stored_as.sources(converted)
             stored = " + ".join(sources[:2]) + (" + ..." if len(sources) > 2 else "")
             try:
-                tensor = stored_as.build(converted, checkpoint.tensor)
+                # float8 sources in the program's dtype before they are stacked: one copy of a block's experts in float32 would be
+                # twice the bf16 table (the cast rounds each element the same before or after the stack)
+                in_dtype = entry.dtype if entry.dtype.is_floating_point else None
+                tensor = stored_as.build(converted, lambda name: checkpoint.tensor(name, in_dtype))
             except ConversionError as e:
                 raise CheckpointError(f"{folder}: {e}") from None
             return _checked(tensor, entry, stored, f"built from {len(sources)} tensors of")

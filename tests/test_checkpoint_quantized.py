@@ -117,6 +117,8 @@ def test_a_partial_block_takes_its_blocks_scale(tmp_path):
         for c in range(64):
             expected[r, c] = codes[r, c] * scale[r // 16, c // 48]
     assert torch.equal(checkpoint.tensor(name), expected)
+    # in the program's dtype: each float32 product rounded once
+    assert torch.equal(checkpoint.tensor(name, torch.bfloat16), expected.to(torch.bfloat16))
 
 
 def _expect(folder, match):
@@ -141,11 +143,35 @@ def test_what_cannot_be_read_as_its_weights_is_refused_by_name(tmp_path):
     del stored[name]
     save_file(stored, path, metadata={"format": "pt"})
     weight = name[: -len("_scale_inv")]
-    _expect(missing, rf"tensor '{weight}' in shard model\.safetensors of .* is float8 with no scales beside it \('{weight}_scale_inv'\)")
+    _expect(missing, rf"tensor '{weight}' in shard model\.safetensors of .* is torch\.float8_e4m3fn with no scales beside it \('{weight}_scale_inv'\)")
     # scales of the wrong grid
     wrong = _float8_checkpoint(model, tmp_path / "wrong")
     path = os.path.join(wrong, "model.safetensors")
     stored = load_file(path)
     stored[name] = stored[name][:1]
     save_file(stored, path, metadata={"format": "pt"})
-    _expect(wrong, rf"tensor '{weight}' is float8 \[\d+, \d+\] in blocks of 8 x 8, so its scales '{weight}_scale_inv' must be \[\d+, \d+\], not \[1, \d+\]")
+    _expect(wrong, rf"tensor '{weight}' in shard model\.safetensors of .* is float8 \[\d+, \d+\] in blocks of 8 x 8, so its scales must be \[\d+, \d+\], not \[1, \d+\]")
+    # scales of a byte each (UE8M0 exponents): not multipliers
+    exponents = _float8_checkpoint(model, tmp_path / "exponents")
+    path = os.path.join(exponents, "model.safetensors")
+    stored = load_file(path)
+    stored[name] = torch.full(stored[name].shape, 120, dtype=torch.uint8)
+    save_file(stored, path, metadata={"format": "pt"})
+    _expect(exponents, rf"tensor '{weight}' in shard model\.safetensors of .* has torch\.uint8 scales; hostswap reads block scales stored as float32, bfloat16, float16")
+    # a weight that is not float8 codes, with scales beside it (a leftover scale would multiply a real weight)
+    plain = _float8_checkpoint(model, tmp_path / "plain")
+    path = os.path.join(plain, "model.safetensors")
+    stored = load_file(path)
+    stored[weight] = stored[weight].float()
+    save_file(stored, path, metadata={"format": "pt"})
+    _expect(plain, rf"tensor '{weight}' in shard model\.safetensors of .* is torch\.float32 with scales beside it; block-scaled float8 weights are torch\.float8_e4m3fn codes")
+    # scales of a weight the checkpoint does not hold
+    orphan = _float8_checkpoint(model, tmp_path / "orphan")
+    path = os.path.join(orphan, "model.safetensors")
+    stored = load_file(path)
+    stored["model.layers.0.mlp.nothing.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(stored, path, metadata={"format": "pt"})
+    _expect(orphan, r"tensor 'model\.layers\.0\.mlp\.nothing\.weight_scale_inv' in shard model\.safetensors of .* scales a weight 'model\.layers\.0\.mlp\.nothing\.weight' the checkpoint does not hold")
+    # a block that is not two whole numbers
+    floats = _float8_checkpoint(model, tmp_path / "floats", config_update={"quantization_config": {"quant_method": "fp8", "weight_block_size": [8.0, 8.0]}})
+    _expect(floats, r"config\.json: quantization_config's weight_block_size \[8\.0, 8\.0\] is not two whole numbers above 0")
