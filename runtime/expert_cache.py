@@ -75,6 +75,11 @@ GUESSED = -(2**62)  # added to a guessed expert's stamp until a lookup reads it:
 PREFETCH = "next-layer router on the residual stream"
 
 
+def ranks_by_uses(policy: str) -> bool:
+    """Whether ``policy`` ranks a cache's victims by pick count before their stamps."""
+    return policy == "lfu"
+
+
 class ExpertCache:
     """``slots`` experts of one block's stacked tables on the device, evicted as ``policy``
     says (``POLICIES``), looked up and filled by device ops only."""
@@ -87,7 +92,7 @@ class ExpertCache:
         check_policy(policy)
         self.block, self.slots, self.top_k, self.num_experts = block, slots, top_k, num_experts
         self.policy, self.half_life = policy, int(half_life)
-        self.by_uses = policy == "lfu"  # the victims ranked by pick count before their stamps
+        self.by_uses = ranks_by_uses(policy)
         self.nbytes = slots * unit_bytes
         self.tables: tuple[torch.Tensor | None, ...] | None = None  # made at the first lookup, in the kernel's order of tables
         self.sources: tuple[torch.Tensor | None, ...] | None = None  # the block's tables, as the first lookup gave them

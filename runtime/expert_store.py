@@ -31,7 +31,7 @@ import torch
 
 from hostswap.runtime.budget import AUTO, check_mb_argument
 from hostswap.runtime.disk_reader import CHUNK_BYTES, READER_THREADS, open_for_reads, pread_into
-from hostswap.runtime.expert_cache import DEFAULT_POLICY, HALF_LIFE, check_policy
+from hostswap.runtime.expert_cache import DEFAULT_POLICY, HALF_LIFE, check_policy, ranks_by_uses
 from hostswap.runtime.ptd import PtdFile, device_view_of, file_identity, register_host_memory, unregister_host_memory
 from hostswap.schedules.artifacts import ArtifactError
 from hostswap.schedules.experts import ExpertBlock, plan_expert_cache
@@ -119,7 +119,7 @@ class HostSlots:
     def __init__(self, slots: int, num_experts: int, policy: str = DEFAULT_POLICY, half_life: int = HALF_LIFE):
         check_policy(policy)
         self.slots, self.policy, self.half_life = slots, policy, int(half_life)
-        self.by_uses = policy == "lfu"
+        self.by_uses = ranks_by_uses(policy)
         self.expert_of = [-1] * slots  # -1: empty
         self.slot_of: dict[int, int] = {}
         self.uses = [0] * num_experts  # asked for lately, held or not
