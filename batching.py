@@ -5,7 +5,8 @@ one. ``export(model, path, max_seq_len=..., max_batch_size=B)`` writes a program
 holds B slots and whose methods take each row's slot and positions:
 
 - ``prefill(ids [1, chunk], positions [1, chunk], slot [1])`` writes one sequence's prompt
-  chunk into its slot and attends within it;
+  chunk into its slot and attends within it (``prefill_long`` the same for a long prompt's
+  longer chunks, as ``hostswap.llm`` writes it);
 - ``decode(ids [B, 1], positions [B, 1], slots [B])`` advances every slot by one token, each
   at its own position.
 
@@ -33,6 +34,7 @@ import torch
 
 from hostswap import kv_shapes, llm
 from hostswap.llm import DECODE, PREFILL, GenerationError
+from hostswap.prefill_chunks import next_chunk
 from hostswap.sampling import SamplingParams, TokenChooser, check_drawn, warm_up_sampling
 
 MAX_BATCH_SIZE = llm.MAX_BATCH_SIZE
@@ -133,9 +135,11 @@ class SlotDecoder(torch.nn.Module):
         return self.model(input_ids=input_ids, position_ids=positions, attention_mask=masks, past_key_values=cache, use_cache=True).logits
 
 
-def export_programs(model, *, max_seq_len: int, max_batch_size: int, prefill_chunk: int | None = None, prefetch_depth: int = 1,
-                    gather_from_host: bool = True, progress: Callable[[str], None] | None = None, device: str = "cpu") -> tuple[dict, dict]:
-    """The probed ``prefill`` and ``decode`` programs of a batched export, and their constants."""
+def export_programs(model, *, max_seq_len: int, max_batch_size: int, prefill_chunk: int | None = None, long_prefill_chunk: int | str | None = llm.AUTO,
+                    prefetch_depth: int = 1, gather_from_host: bool = True, progress: Callable[[str], None] | None = None,
+                    device: str = "cpu") -> tuple[dict, dict]:
+    """The probed ``prefill`` (and ``prefill_long``, as ``hostswap.llm.export`` writes it) and
+    ``decode`` programs of a batched export, and their constants."""
     from hostswap.passes import apply_weight_offload
 
     llm._check_positive_int("max_seq_len", max_seq_len)
@@ -144,11 +148,13 @@ def export_programs(model, *, max_seq_len: int, max_batch_size: int, prefill_chu
     llm._check_positive_int("prefill_chunk", prefill_chunk)
     if prefill_chunk > max_seq_len:
         raise GenerationError(f"prefill_chunk={prefill_chunk} is longer than max_seq_len={max_seq_len}")
+    long_prefill_chunk = llm.check_long_prefill_chunk(long_prefill_chunk, prefill_chunk=prefill_chunk, max_seq_len=max_seq_len)
     say = progress or (lambda _msg: None)
     llm.prepare_for_export(model)
     decoder = SlotDecoder(model, max_batch_size, max_seq_len)
     programs = {}
-    for name, rows, tokens in ((PREFILL, 1, prefill_chunk), (DECODE, max_batch_size, 1)):
+    prefills = llm.prefill_methods(prefill_chunk, long_prefill_chunk)
+    for name, rows, tokens in (*((method, 1, chunk) for method, chunk in prefills.items()), (DECODE, max_batch_size, 1)):
         say(f"exporting {name} ({rows} x {tokens} tokens)")
         ids = torch.zeros(rows, tokens, dtype=torch.long, device=device)
         positions = torch.arange(tokens, dtype=torch.long, device=device)[None].expand(rows, tokens).contiguous()
@@ -162,7 +168,8 @@ def export_programs(model, *, max_seq_len: int, max_batch_size: int, prefill_chu
         programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host)
     eos = llm._eos_ids(model)
     vocab = model.get_input_embeddings().num_embeddings
-    constants = {llm.MAX_SEQ_LEN: max_seq_len, llm.PREFILL_CHUNK: prefill_chunk, llm.VOCAB_SIZE: vocab, MAX_BATCH_SIZE: max_batch_size,
+    constants = {llm.MAX_SEQ_LEN: max_seq_len, llm.PREFILL_CHUNK: prefill_chunk, **({llm.LONG_PREFILL_CHUNK: long_prefill_chunk} if long_prefill_chunk else {}),
+                 llm.VOCAB_SIZE: vocab, MAX_BATCH_SIZE: max_batch_size,
                  **({llm.EOS_TOKEN_IDS: eos} if eos else {})}
     return programs, constants
 
@@ -226,7 +233,7 @@ class BatchGenerator:
         self.module = Module(pte_path, data_path, weight_offload_budget_mb=weight_offload_budget_mb, device=self.device, policy=policy,
                              cuda_graph=[DECODE] if graphed else False, **module_options)
         constants = {name: constant_method_outputs(self.module.program, name)
-                     for name in (MAX_BATCH_SIZE, llm.MAX_SEQ_LEN, llm.PREFILL_CHUNK, llm.VOCAB_SIZE, llm.EOS_TOKEN_IDS)}
+                     for name in (MAX_BATCH_SIZE, llm.MAX_SEQ_LEN, llm.PREFILL_CHUNK, llm.LONG_PREFILL_CHUNK, llm.VOCAB_SIZE, llm.EOS_TOKEN_IDS)}
         if constants[MAX_BATCH_SIZE] is None:
             self.module.close()
             raise GenerationError(f"{pte_path} is not a batched program: write it with hostswap.batching.export(..., max_batch_size=B), or run it with hostswap.llm.Generator")
@@ -240,12 +247,15 @@ class BatchGenerator:
         self.max_batch_size = constants[MAX_BATCH_SIZE][0]
         self.max_seq_len = constants[llm.MAX_SEQ_LEN][0]
         self.prefill_chunk = constants[llm.PREFILL_CHUNK][0]
+        self.long_prefill_chunk = constants[llm.LONG_PREFILL_CHUNK][0] if constants[llm.LONG_PREFILL_CHUNK] else None
+        self.prefill_chunks = llm.prefill_methods(self.prefill_chunk, self.long_prefill_chunk)  # method -> tokens a call takes
         self.vocab_size = constants[llm.VOCAB_SIZE][0]
         self.eos_token_ids = frozenset(constants[llm.EOS_TOKEN_IDS] or ())
         self.slots: list[Sequence | None] = [None] * self.max_batch_size
         try:
             # one-time costs (lazy initialisation, the decode graph's capture) before the first request
-            self.module.run_method(PREFILL, [torch.zeros(1, self.prefill_chunk, dtype=torch.long), torch.arange(self.prefill_chunk)[None], torch.zeros(1, dtype=torch.long)])
+            for method, chunk in self.prefill_chunks.items():
+                self.module.run_method(method, [torch.zeros(1, chunk, dtype=torch.long), torch.arange(chunk)[None], torch.zeros(1, dtype=torch.long)])
             every = torch.arange(self.max_batch_size)
             (logits,) = self.module.run_method(DECODE, [torch.zeros(self.max_batch_size, 1, dtype=torch.long), torch.zeros(self.max_batch_size, 1, dtype=torch.long), every],
                                                live_rows=torch.ones(self.max_batch_size, dtype=torch.bool))
@@ -294,14 +304,17 @@ class BatchGenerator:
     def prefill_next(self, sequence: Sequence) -> bool:
         """Run ``sequence``'s next prompt chunk through its slot; after the last, choose its
         first token. Returns whether its prompt is all in."""
-        chunk, start = self.prefill_chunk, sequence.prefilled
+        start = sequence.prefilled
+        # no room check: a chunk past the cache clamps its padding's positions into it
+        method = next_chunk(len(sequence.prompt) - start, None, self.prefill_chunks)
+        chunk = self.prefill_chunks[method]
         piece = torch.tensor([sequence.prompt[start : start + chunk]], dtype=torch.long)
         n = piece.shape[1]
         positions = torch.arange(start, start + chunk, dtype=torch.long)[None]
         if n < chunk:  # padding's keys land after the prompt (clamped into the cache): masked, then overwritten
             piece = torch.cat([piece, piece[:, -1:].expand(1, chunk - n)], dim=1)
             positions = positions.clamp(max=self.max_seq_len - 1)
-        (logits,) = self.module.run_method(PREFILL, [piece, positions, torch.tensor([sequence.slot], dtype=torch.long)])
+        (logits,) = self.module.run_method(method, [piece, positions, torch.tensor([sequence.slot], dtype=torch.long)])
         sequence.prefilled += n
         if sequence.prefilled < len(sequence.prompt):
             return False

@@ -268,7 +268,7 @@ class _LinearQuantizer:
         return self._last[1][fqn]
 
 
-def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None,
+def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, long_prefill_chunk="auto",
                       dtype: torch.dtype | str | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
                       progress: Callable[[str], None] | None = None, show_bar: bool = False, quantize: str | None = None,
                       max_batch_size: int | None = None, speculate_k: int | None = None, tensor_parallel: int | None = None,
@@ -365,7 +365,8 @@ def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_
         from hostswap.tensor_parallel import TENSOR_PARALLEL, sharded
 
         with sharded(model, plan, rank) if plan else contextlib.nullcontext():
-            programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth,
+            programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, long_prefill_chunk=long_prefill_chunk,
+                                                  prefetch_depth=prefetch_depth,
                                                   gather_from_host=gather_from_host, progress=progress, device="meta",
                                                   max_batch_size=max_batch_size, speculate_k=speculate_k, fuse_linears=fuse_linears,
                                                   stacked=stacked)

@@ -123,12 +123,13 @@ def _export_llm(args) -> int:
         if has_safetensors(args.checkpoint) and not args.in_memory:
             # streamed from the shards, one tensor at a time (quantized as it is written): no model in memory
             pte, ptd = export_checkpoint(args.checkpoint, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                                         long_prefill_chunk=args.long_prefill_chunk,
                                          dtype=args.dtype, progress=say, show_bar=sys.stderr.isatty(), quantize=args.quantize,
                                          max_batch_size=args.max_batch_size, speculate_k=speculate_k, tensor_parallel=args.tensor_parallel)
             if args.draft:
                 say(f"writing the draft: the same checkpoint quantized to {args.draft}, to {args.out}.draft")
                 export_checkpoint(args.checkpoint, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
-                                  dtype=args.dtype, progress=say, quantize=args.draft, fuse_linears=True)
+                                  long_prefill_chunk=args.long_prefill_chunk, dtype=args.dtype, progress=say, quantize=args.draft, fuse_linears=True)
         else:
             why = "--in-memory" if args.in_memory else "the checkpoint has no safetensors shards to stream"
             say(f"loading {args.checkpoint} into memory ({why})")
@@ -145,8 +146,10 @@ def _export_llm(args) -> int:
 
                 say(f"writing the draft: the same weights quantized to {args.draft}, to {args.out}.draft")
                 draft = llm.quantize(copy.deepcopy(model), args.draft)
-                llm.export(draft, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say, fuse_linears=True)
-            pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, progress=say,
+                llm.export(draft, args.out + ".draft", max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                           long_prefill_chunk=args.long_prefill_chunk, progress=say, fuse_linears=True)
+            pte, ptd = llm.export(model, args.out, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                                  long_prefill_chunk=args.long_prefill_chunk, progress=say,
                                   max_batch_size=args.max_batch_size, speculate_k=speculate_k, tensor_parallel=args.tensor_parallel)
     except (llm.GenerationError, OSError) as e:  # OSError: a full disk (DiskFullError names the file), an unwritable folder
         print(f"hostswap export-llm: {e}", file=sys.stderr)
@@ -171,6 +174,17 @@ EXPERT_CACHE_POLICY_HELP = ("MoE: which expert a device cache, or a host cache o
 EXPERT_HOST_CACHE_HELP = ("MoE: pinned host memory for experts read from the .ptd on disk (MB), or auto (the default): the expert tables stay "
                           "pinned where the RAM available at load holds them besides the other weights, else they are read from disk "
                           "into a cache of what it leaves")
+
+
+def _long_chunk(text: str):
+    """``--long-prefill-chunk``: a number of tokens, ``auto``, or 0 for none."""
+    if text == "auto":
+        return text
+    try:
+        tokens = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of tokens, 'auto' or 0 (none), got {text!r}") from None
+    return None if tokens == 0 else tokens
 
 
 def _budget_mb(text: str):
@@ -325,6 +339,9 @@ def main(argv=None) -> int:
     e.add_argument("--out", required=True, help="path prefix: writes <out>.pte, <out>.ptd and <out>.tokenizer/")
     e.add_argument("--max-seq-len", type=int, required=True, help="KV cache positions: prompt plus new tokens")
     e.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default: 128, or --max-seq-len where that is shorter)")
+    e.add_argument("--long-prefill-chunk", type=_long_chunk, default="auto",
+                   help="tokens per call of a second prefill method for long prompts, each call one pass over the streamed weights "
+                        "(default: 512, or --max-seq-len where that is shorter, where longer than --prefill-chunk; 0: none)")
     e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="the weights' dtype in the program (default: the checkpoint's)")
     e.add_argument("--in-memory", action="store_true", help="load the model into memory and export it (default: stream the safetensors shards, "
                    "one tensor at a time)")

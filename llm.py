@@ -1,15 +1,16 @@
 """Streamed text generation with a transformers causal LM: one program, a KV cache on the GPU.
 
-``export`` turns a transformers ``*ForCausalLM`` into one ExecuTorch program with two methods
-that read the same ``.ptd``: ``prefill`` (a chunk of ``prefill_chunk`` tokens) and
-``decode`` (one token). The KV cache is program state: a static cache of ``max_seq_len``
+``export`` turns a transformers ``*ForCausalLM`` into one ExecuTorch program whose methods
+read the same ``.ptd``: ``prefill`` (a chunk of ``prefill_chunk`` tokens), for long prompts
+``prefill_long`` (a chunk of ``long_prefill_chunk``), and ``decode`` (one token). The KV cache is program state: a static cache of ``max_seq_len``
 positions that both methods update, kept on the device across calls and outside the weight
 budget. ``Generator`` loads the program with one weight pool for both methods and generates
 greedily, as transformers' ``generate(do_sample=False)`` does with the same static cache.
 
 Prefill takes fixed chunks, not a dynamic length: the runtime plans every activation at load
 for fixed shapes, and a fixed shape can be captured in a CUDA graph. A prompt is prefilled
-chunk by chunk; its last chunk is padded, and the padding's cache slots, all after the last
+chunk by chunk, each call taking the shortest chunk that holds the rest of the prompt, else
+the longest (hostswap/prefill_chunks.py); its last chunk is padded, and the padding's cache slots, all after the last
 prompt token, are masked out and then overwritten by decode.
 """
 
@@ -24,11 +25,13 @@ from collections.abc import Callable
 import torch
 
 from hostswap import kv_shapes
+from hostswap.prefill_chunks import AUTO, PREFILL_LONG, ChunkError, long_prefill_chunk_for, prefill_calls
 from hostswap.sampling import SamplingParams, TokenChooser, check_drawn, warm_up_sampling
 
 PREFIX = "hostswap_llm_"
 MAX_SEQ_LEN = PREFIX + "max_seq_len"
 PREFILL_CHUNK = PREFIX + "prefill_chunk"
+LONG_PREFILL_CHUNK = PREFIX + "long_prefill_chunk"  # the tokens ``prefill_long`` takes, where the program has it
 EOS_TOKEN_IDS = PREFIX + "eos_token_ids"
 VOCAB_SIZE = PREFIX + "vocab_size"
 SPECULATE_K = PREFIX + "speculate_k"
@@ -204,7 +207,20 @@ def default_prefill_chunk(max_seq_len: int) -> int:
     return min(DEFAULT_PREFILL_CHUNK, max_seq_len)
 
 
-def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1,
+def check_long_prefill_chunk(asked, *, prefill_chunk: int, max_seq_len: int) -> int | None:
+    """The long prefill chunk an export writes (hostswap/prefill_chunks.py), or None."""
+    try:
+        return long_prefill_chunk_for(asked, prefill_chunk=prefill_chunk, max_seq_len=max_seq_len)
+    except ChunkError as e:
+        raise GenerationError(str(e)) from None
+
+
+def prefill_methods(prefill_chunk: int, long_prefill_chunk: int | None) -> dict[str, int]:
+    """A program's prefill methods and the tokens each call takes."""
+    return {PREFILL: prefill_chunk, **({PREFILL_LONG: long_prefill_chunk} if long_prefill_chunk else {})}
+
+
+def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, long_prefill_chunk: int | str | None = AUTO, prefetch_depth: int = 1,
            gather_from_host: bool = True, progress: Callable[[str], None] | None = None, max_batch_size: int | None = None,
            speculate_k: int | None = None, tensor_parallel: int | None = None, fuse_linears: bool = False):
     """Write ``<path>.pte`` (methods ``prefill`` and ``decode``, their schedules, the KV cache
@@ -213,6 +229,10 @@ def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: i
     The model is changed in place: moved to the CPU if it is elsewhere (a model quantized on
     the GPU, say), and its torchao quantized linears swapped by ``prepare_quantized``.
     ``prefill_chunk``: tokens per prefill call (default ``min(128, max_seq_len)``).
+    ``long_prefill_chunk``: tokens per call of a second prefill method, ``prefill_long``, that
+    takes the bulk of a long prompt (one weight pass per call; hostswap/prefill_chunks.py):
+    default ``"auto"``, 512 (or ``max_seq_len`` where shorter) where that is longer than
+    ``prefill_chunk``; None for none.
     ``gather_from_host``: as in ``apply_weight_offload`` (an untied token table stays in host
     memory, read a row per token). ``max_batch_size``: write a program for that many sequences
     at once, each at its own position (run it with ``hostswap.batching.BatchGenerator``).
@@ -227,9 +247,10 @@ def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: i
         from hostswap.tensor_parallel import export_ranks
 
         return export_ranks(model, path, world=tensor_parallel, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
-                            prefetch_depth=prefetch_depth, gather_from_host=gather_from_host, progress=progress,
+                            long_prefill_chunk=long_prefill_chunk, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host, progress=progress,
                             max_batch_size=max_batch_size, speculate_k=speculate_k)
-    programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefetch_depth=prefetch_depth, fuse_linears=fuse_linears,
+    programs, constants = export_programs(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, long_prefill_chunk=long_prefill_chunk,
+                                          prefetch_depth=prefetch_depth, fuse_linears=fuse_linears,
                                           gather_from_host=gather_from_host, progress=progress, max_batch_size=max_batch_size,
                                           speculate_k=speculate_k)
     return save(programs, path, constant_methods=constants, progress=progress)
@@ -243,10 +264,11 @@ def export_checkpoint(folder: str | os.PathLike, path: str | os.PathLike, **opti
     return stream(folder, path, **options)
 
 
-def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
+def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None, long_prefill_chunk: int | str | None = AUTO, prefetch_depth: int = 1,
+                    gather_from_host: bool = True,
                     progress: Callable[[str], None] | None = None, device: str = "cpu", max_batch_size: int | None = None,
                     speculate_k: int | None = None, fuse_linears: bool = False, stacked: dict | None = None) -> tuple[dict, dict]:
-    """The probed ``prefill`` and ``decode`` programs of ``export``, and the constant methods
+    """The probed ``prefill`` (and ``prefill_long``) and ``decode`` programs of ``export``, and the constant methods
     that describe them, before lowering. ``device``: of the example inputs, the model's own
     (``"meta"`` for a model traced without values). ``max_batch_size``: a KV cache of that many
     slots, for ``hostswap.batching.BatchGenerator`` (hostswap/batching.py). ``speculate_k``: a
@@ -266,7 +288,7 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
             raise GenerationError("fuse_linears and max_batch_size cannot be combined yet: fused linears are for a draft, which is not batched")
 
         return batching.export_programs(model, max_seq_len=max_seq_len, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
-                                        prefetch_depth=prefetch_depth, gather_from_host=gather_from_host, progress=progress, device=device)
+                                        long_prefill_chunk=long_prefill_chunk, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host, progress=progress, device=device)
 
     _check_positive_int("max_seq_len", max_seq_len)
     if prefill_chunk is None:
@@ -274,6 +296,7 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
     _check_positive_int("prefill_chunk", prefill_chunk)
     if prefill_chunk > max_seq_len:
         raise GenerationError(f"prefill_chunk={prefill_chunk} is longer than max_seq_len={max_seq_len}")
+    long_prefill_chunk = check_long_prefill_chunk(long_prefill_chunk, prefill_chunk=prefill_chunk, max_seq_len=max_seq_len)
     if speculate_k is not None:
         _check_positive_int("speculate_k", speculate_k)
         if speculate_k + 1 > max_seq_len:
@@ -282,7 +305,7 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
     wrapper = static_cache_wrapper(model, max_seq_len)
     programs = {}
     # verify: the last accepted token and k drafted ones, checked in one pass (hostswap/speculative.py)
-    methods = ((PREFILL, prefill_chunk), (DECODE, 1)) + (((VERIFY, speculate_k + 1),) if speculate_k is not None else ())
+    methods = (*prefill_methods(prefill_chunk, long_prefill_chunk).items(), (DECODE, 1)) + (((VERIFY, speculate_k + 1),) if speculate_k is not None else ())
     for name, length in methods:
         say(f"exporting {name} ({length} token{'s' if length > 1 else ''})")
         ids = torch.zeros(1, length, dtype=torch.long, device=device)
@@ -296,7 +319,8 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
         programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host)
     eos = _eos_ids(model)
     vocab = model.get_input_embeddings().num_embeddings
-    return programs, {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, VOCAB_SIZE: vocab, **({EOS_TOKEN_IDS: eos} if eos else {}),
+    return programs, {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, **({LONG_PREFILL_CHUNK: long_prefill_chunk} if long_prefill_chunk else {}),
+                      VOCAB_SIZE: vocab, **({EOS_TOKEN_IDS: eos} if eos else {}),
                       **({SPECULATE_K: speculate_k} if speculate_k is not None else {})}
 
 
@@ -304,25 +328,25 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
 Step = Callable[[str, torch.Tensor, "int | torch.Tensor"], torch.Tensor]  # (method, token ids, first position or positions)
 
 
-def prefill(step: Step, ids: torch.Tensor, chunk: int, max_seq_len: int) -> torch.Tensor:
+def prefill(step: Step, ids: torch.Tensor, chunks: "int | dict[str, int]", max_seq_len: int) -> torch.Tensor:
     """Run the prompt ``ids`` [1, n] through the cache; the logits after its last token.
 
-    Chunks of ``chunk`` tokens; the last one padded (its padding's cache slots come after the
-    prompt: masked, then overwritten by decode), or, where a chunk would run past the cache,
-    run token by token through decode."""
-    prompt = ids.shape[1]
-    position, last = 0, None
-    while position < prompt:
-        n = min(chunk, prompt - position)
-        if position + chunk <= max_seq_len:
-            piece = ids[:, position : position + n]
-            if n < chunk:
-                piece = torch.cat([piece, piece[:, -1:].expand(1, chunk - n)], dim=1)
-            last = step(PREFILL, piece, position)[0, n - 1]
-        else:
-            for i in range(n):
-                last = step(DECODE, ids[:, position + i : position + i + 1], position + i)[0, -1]
-        position += n
+    ``chunks``: the program's prefill methods and the tokens each takes (``prefill_methods``),
+    or one chunk length for ``prefill`` alone. Each call takes the shortest chunk that holds
+    the rest of the prompt, else the longest (hostswap/prefill_chunks.py); the last one is
+    padded (its padding's cache slots come after the prompt: masked, then overwritten by
+    decode). Where no chunk fits the cache's room the rest runs token by token through decode."""
+    chunks = {PREFILL: chunks} if isinstance(chunks, int) else chunks
+    last = None
+    for call in prefill_calls(ids.shape[1], chunks, max_seq_len):
+        piece = ids[:, call.start : call.start + call.tokens]
+        if call.method is None:
+            last = step(DECODE, piece, call.start)[0, -1]
+            continue
+        chunk = chunks[call.method]
+        if call.tokens < chunk:
+            piece = torch.cat([piece, piece[:, -1:].expand(1, chunk - call.tokens)], dim=1)
+        last = step(call.method, piece, call.start)[0, call.tokens - 1]
     return last
 
 
@@ -459,7 +483,7 @@ class Generator:
     measured faster at every k and budget): the draft drafts the next round on a stream of its
     own while the streamed verify pass runs.
 
-    ``warm_up`` (default on) runs one prefill chunk, one decode step and one sampled choice at
+    ``warm_up`` (default on) runs a call of each prefill method, one decode step and one sampled choice at
     load, then zeroes the KV cache: the one-time costs of a first call (graph capture, kernel
     selection, compilation and first launch, first use of the copy paths) are paid there and reported on their own
     (``warm_up_seconds``), so every ``generate`` call, the first included, measures
@@ -513,6 +537,10 @@ class Generator:
             self.tensor_parallel = program_ranks(self.module)  # (rank, world), checked against this process group
             self.max_seq_len = self._constant(MAX_SEQ_LEN)
             self.prefill_chunk = self._constant(PREFILL_CHUNK)
+            self.long_prefill_chunk = self._constant(LONG_PREFILL_CHUNK) if LONG_PREFILL_CHUNK in self.module.method_names() else None
+            if self.long_prefill_chunk is not None and PREFILL_LONG not in self.module.schedules:
+                raise GenerationError(f"{pte_path} gives a long prefill chunk but has no method {PREFILL_LONG!r} that reads weights: write it with hostswap.llm.export")
+            self.prefill_chunks = prefill_methods(self.prefill_chunk, self.long_prefill_chunk)  # method -> tokens a call takes
             self.vocab_size = self._constant(VOCAB_SIZE)
             self.eos_token_ids = frozenset(self.module.run_method(EOS_TOKEN_IDS, []) if EOS_TOKEN_IDS in self.module.method_names() else [])
             self.device = device
@@ -545,13 +573,13 @@ class Generator:
         return asked
 
     def _warm_up(self) -> float:
-        """One prefill chunk, one decode step on token 0 and one sampled choice from its
+        """One call of each prefill method, one decode step on token 0 and one sampled choice from its
         logits, then the KV cache zeroed as at load; returns the seconds it took."""
         self._sync()
         start = time.perf_counter()
-        ids = torch.zeros(1, self.prefill_chunk, dtype=torch.long)
-        self._step(PREFILL, ids, 0)
-        logits = self._step(DECODE, ids[:, :1].to(self.device), torch.zeros(1, dtype=torch.long).to(self.device))
+        for method, chunk in self.prefill_chunks.items():
+            self._step(method, torch.zeros(1, chunk, dtype=torch.long), 0)
+        logits = self._step(DECODE, torch.zeros(1, 1, dtype=torch.long).to(self.device), torch.zeros(1, dtype=torch.long).to(self.device))
         warm_up_sampling(logits)
         if self.draft is not None:
             width = self.speculate_k + 1
@@ -622,10 +650,10 @@ class Generator:
         self._sync()
         experts0 = self.module.expert_bytes_read
         t0, bytes0 = time.perf_counter(), self.module.pool.stats.bytes_h2d
-        last = prefill(self._step, ids, self.prefill_chunk, self.max_seq_len)
+        last = prefill(self._step, ids, self.prefill_chunks, self.max_seq_len)
         if self.draft is not None:  # the draft reads the prompt too: a cost per prompt, counted with the target's prefill
             self.draft.module.ensure_open()
-            prefill(self.draft._step, ids, self.draft.prefill_chunk, self.draft.max_seq_len)
+            prefill(self.draft._step, ids, self.draft.prefill_chunks, self.draft.max_seq_len)
         self._sync()
         t1, bytes1, disk1, experts1 = time.perf_counter(), self.module.pool.stats.bytes_h2d, self.module.disk_bytes_read, self.module.expert_bytes_read
         stats.prefill_seconds, stats.bytes_streamed_prefill, stats.expert_bytes_prefill = t1 - t0, bytes1 - bytes0, experts1 - experts0

@@ -239,7 +239,7 @@ class Bench:
         n = prompt.shape[1]
         continuation = [int(step.argmax()) for step in scores]
         with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=self.device) as g:
-            ours = [llm.prefill(g._step, prompt, g.prefill_chunk, g.max_seq_len).float().cpu()]
+            ours = [llm.prefill(g._step, prompt, g.prefill_chunks, g.max_seq_len).float().cpu()]
             for i, token in enumerate(continuation[:-1]):
                 ours.append(g._step(llm.DECODE, torch.tensor([[token]], dtype=torch.long), n + i)[0, -1].float().cpu())
         ours, theirs = torch.stack(ours), torch.stack(scores)

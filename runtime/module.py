@@ -402,15 +402,16 @@ class Module:
         return executor
 
     def _arena_sizes(self) -> tuple[dict[int, int], int]:
-        """(memory id -> bytes of program state, the largest method's other arena bytes), from
-        the program's plans."""
+        """(memory id -> bytes of program state, the methods' other arena bytes together), from
+        the program's plans: each method that reads weights is loaded with arenas of its own."""
         state: dict[int, int] = {}
         activations = 0
         for plan in self.program.execution_plan:
             ids = state_memory_ids(plan)
             for memory_id, nbytes in ids.items():
                 state[memory_id] = max(state.get(memory_id, 0), nbytes)
-            activations = max(activations, sum(size for i, size in enumerate(plan.non_const_buffer_sizes) if i not in ids))
+            if plan.name in self.schedules:
+                activations += sum(size for i, size in enumerate(plan.non_const_buffer_sizes) if i not in ids)
         return state, activations
 
     def reset_state(self) -> None:
@@ -608,7 +609,7 @@ class Module:
     @property
     def stats(self) -> dict:
         s = self.pool.collect_stats().as_dict()
-        s["activation_arena_bytes"] = max(m.executor.arena_bytes for m in self._probed.values())
+        s["activation_arena_bytes"] = sum(m.executor.arena_bytes for m in self._probed.values())
         s["state_bytes"] = self.state_bytes
         s["budget_bytes"] = self.budget_bytes
         reader = self.pool.disk_reader

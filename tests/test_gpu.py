@@ -595,7 +595,7 @@ def test_quantized_generation_on_cuda_is_the_quantized_models_and_streams_its_by
     runs = {}
     for name, budget in (("floor", floor), ("all-resident", total + MB)):
         with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / MB, device=device) as g:
-            first = llm.prefill(g._step, prompt, g.prefill_chunk, g.max_seq_len).float().cpu()
+            first = llm.prefill(g._step, prompt, g.prefill_chunks, g.max_seq_len).float().cpu()
             tokens = g.generate(prompt, new)
             runs[name] = (tokens, first, g.stats["bytes_streamed_per_token"])
             print(f"{scheme} {name}: {g.summary()}")

@@ -113,7 +113,7 @@ def test_a_rejection_at_every_position_of_a_round_rolls_both_caches_back(tmp_pat
     prompt = _prompt()
     with llm.Generator(*pair.target, weight_offload_budget_mb=pair.budget, device="cpu") as g:
         # prefill as generate does, then speculate with the scripted draft
-        last = llm.prefill(g._step, prompt, g.prefill_chunk, g.max_seq_len)
+        last = llm.prefill(g._step, prompt, g.prefill_chunks, g.max_seq_len)
         start = prompt.shape[1]
         # rounds start at start + 5m (each accepts reject_at drafted tokens and the target's own)
         step = reject_at + 1 if reject_at < 4 else 5
