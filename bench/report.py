@@ -1216,6 +1216,34 @@ def moe_prefill_section(paths: list[str], plot_path: str | None) -> str:
     return "\n\n".join(parts)
 
 
+def long_prompt_section(paths: list[str], plot_path: str | None) -> str:
+    """Per model, a row per (budget, prompt): prefill with the short chunk alone against the
+    same checkpoint's program with the long chunk."""
+    parts = []
+    for path in paths:
+        r = json.load(open(path))
+        bandwidths = r.get("pinned_h2d_bytes_per_s_by_model", {})
+        for model in dict.fromkeys(row["model"] for row in r["rows"]):
+            rows = [row for row in r["rows"] if row["model"] == model]
+            bandwidth = bandwidths.get(model, r.get("pinned_h2d_bytes_per_s"))
+            head = (f"**{model}**: {rows[0]['checkpoint_bytes'] / 2**30:.2f} GiB bf16 checkpoint; chunks of {r['prefill_chunk']} alone, or with "
+                    f"a long chunk of {r['long_prefill_chunk']}; median of {rows[0].get('repeats', r.get('repeats'))}; {_machine(r['environment'])}"
+                    + (f"; pinned H2D {bandwidth / 1e9:.1f} GB/s" if bandwidth else ""))
+            table = []
+            for row in rows:
+                short, long = row["short chunk alone"], row["with the long chunk"]
+                table.append([row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", row["prompt_tokens"],
+                              f"{short['calls']} / {long['calls']}",
+                              f"{(short['bytes_streamed_prefill'] + short['expert_bytes_prefill']) / 2**30:.2f} / {(long['bytes_streamed_prefill'] + long['expert_bytes_prefill']) / 2**30:.2f}",
+                              f"{short['prefill_ms']:.1f} / {long['prefill_ms']:.1f}", f"{short['tokens_per_s']:.0f} / {long['tokens_per_s']:.0f}",
+                              f"{row['speedup']:.2f}", f"{long['ratio_to_bound']:.2f}" if "ratio_to_bound" in long else "",
+                              "yes" if row["same_first_token"] else "no"])
+            headers = ["budget", "GiB", "prompt", "calls short / long", "over the bus GiB, short / long", "prefill ms, short / long",
+                       "tokens/s, short / long", "speed-up", "long: ratio to bound", "same first token"]
+            parts.append(head + "\n\n" + tabulate(table, headers=headers, tablefmt="github", disable_numparse=True))
+    return "\n\n".join(parts)
+
+
 def norms_section(paths: list[str], plot_path: str | None) -> str:
     """A row per (model, budget): graphed decode with the norms, then also the rotary embeddings,
     one kernel each, against the same checkpoint's program of ATen ops."""
@@ -1310,7 +1338,7 @@ SECTIONS = {"generate": generation_section, "weights": weights_section, "activat
             "export": export_section, "tiers": disk_tier_section, "load": load_section, "moe": moe_section, "batch": batch_section, "serve": serve_section,
             "speculative": speculative_section, "drafts": draft_cost_section, "tp": tensor_parallel_section,
             "fsdp": fsdp_section, "guess": guess_section, "moebatch": moe_batch_section, "moedisk": moe_disk_section,
-            "moeprefill": moe_prefill_section, "norms": norms_section, "gqa": gqa_section}
+            "moeprefill": moe_prefill_section, "longprompt": long_prompt_section, "norms": norms_section, "gqa": gqa_section}
 TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "activations": "Activation offload", "train": "Training under a memory cap", "verify": "Trusting the files",
           "export": "Exporting a checkpoint", "tiers": "Weights read from disk", "load": "Load time against depth", "moe": "Mixture of experts: only the routed experts",
           "batch": "Batched decode", "serve": "The server end to end", "speculative": "Speculative decoding",
@@ -1318,6 +1346,7 @@ TITLES = {"generate": "Streamed generation", "weights": "Weight streaming", "act
           "tp": "Tensor-parallel streaming over several GPUs", "fsdp": "Sharded training (FSDP2) with host offloads",
           "guess": "MoE: the next-layer guess and the expert cache, traced", "moebatch": "MoE: batched decode through the expert caches",
           "moedisk": "MoE: expert tables on disk behind a host cache", "moeprefill": "MoE: prefill reads each chunk's experts once",
+          "longprompt": "Long prompts: a weight pass per long chunk",
           "norms": "Norms and rotary as one kernel each", "gqa": "Grouped-query attention reads the cache in place"}
 PLOTTED = {"generate", "weights", "activations", "train"}
 NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
@@ -1415,6 +1444,14 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
                   "rows in place), as prefill on CUDA ran before. Over the bus: the streamed weights and the experts read over the bus in the "
                   "prompt's prefill, the cache's fills after each chunk included. Bound: max(the all-resident prefill, those bytes / pinned "
                   "H2D of the same run).",
+    "longprompt": "`bench/long_prompt.py`: one random bf16 checkpoint per model (`dense`: a transformers Llama; `many`: bench/moe.py's "
+                  "Qwen3-MoE shape, experts read in place) exported twice from its shards, with `prefill_chunk=128` alone "
+                  "(`long_prefill_chunk=None`) and with the default long chunk of 512 (`prefill_long`), then prefilled by "
+                  "`hostswap.llm.Generator` at each budget. Each call streams every weight the budget does not hold, so a prompt costs a "
+                  "weight pass per call: calls are counted by the rule the Generator follows (`hostswap.prefill_chunks.prefill_calls`). "
+                  "Over the bus: the streamed weights and the experts read over the bus in the prompt's prefill. Bound: max(the same "
+                  "program's all-resident prefill of the prompt, those bytes / pinned H2D of the same run). The two programs' first "
+                  "tokens after the prompt are compared, not held equal: a chunk of another length runs other GEMM shapes.",
     "serve": "`hostswap serve` in a subprocess with concurrent streaming `/v1/completions` requests through the `openai` client, against "
              "`BatchGenerator.generate` on the same program and budget (`bench/serve.py`); both timed from the first request to the last "
              "token, prefill included.",
