@@ -34,7 +34,7 @@ import torch
 
 from hostswap import kv_shapes, llm
 from hostswap.llm import DECODE, PREFILL, GenerationError
-from hostswap.prefill_chunks import next_chunk
+from hostswap.prefill_chunks import PREFILL_LONG, next_chunk
 from hostswap.sampling import SamplingParams, TokenChooser, check_drawn, warm_up_sampling
 
 MAX_BATCH_SIZE = llm.MAX_BATCH_SIZE
@@ -248,6 +248,9 @@ class BatchGenerator:
         self.max_seq_len = constants[llm.MAX_SEQ_LEN][0]
         self.prefill_chunk = constants[llm.PREFILL_CHUNK][0]
         self.long_prefill_chunk = constants[llm.LONG_PREFILL_CHUNK][0] if constants[llm.LONG_PREFILL_CHUNK] else None
+        if self.long_prefill_chunk is not None and PREFILL_LONG not in self.module.schedules:
+            self.module.close()
+            raise GenerationError(f"{pte_path} gives a long prefill chunk but has no method {PREFILL_LONG!r} that reads weights: write it with hostswap.batching.export")
         self.prefill_chunks = llm.prefill_methods(self.prefill_chunk, self.long_prefill_chunk)  # method -> tokens a call takes
         self.vocab_size = constants[llm.VOCAB_SIZE][0]
         self.eos_token_ids = frozenset(constants[llm.EOS_TOKEN_IDS] or ())

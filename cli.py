@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     e.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill call (default: 128, or --max-seq-len where that is shorter)")
     e.add_argument("--long-prefill-chunk", type=_long_chunk, default="auto",
                    help="tokens per call of a second prefill method for long prompts, each call one pass over the streamed weights "
-                        "(default: 512, or --max-seq-len where that is shorter, where longer than --prefill-chunk; 0: none)")
+                        "(default: 512 where --max-seq-len is at least that and --prefill-chunk shorter; 0: none)")
     e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="the weights' dtype in the program (default: the checkpoint's)")
     e.add_argument("--in-memory", action="store_true", help="load the model into memory and export it (default: stream the safetensors shards, "
                    "one tensor at a time)")

@@ -2,9 +2,10 @@
 
 ``export`` turns a transformers ``*ForCausalLM`` into one ExecuTorch program whose methods
 read the same ``.ptd``: ``prefill`` (a chunk of ``prefill_chunk`` tokens), for long prompts
-``prefill_long`` (a chunk of ``long_prefill_chunk``), and ``decode`` (one token). The KV cache is program state: a static cache of ``max_seq_len``
-positions that both methods update, kept on the device across calls and outside the weight
-budget. ``Generator`` loads the program with one weight pool for both methods and generates
+``prefill_long`` (a chunk of ``long_prefill_chunk``), and ``decode`` (one token). The KV
+cache is program state: a static cache of ``max_seq_len`` positions that every method
+updates, kept on the device across calls and outside the weight budget. ``Generator`` loads
+the program with one weight pool for every method and generates
 greedily, as transformers' ``generate(do_sample=False)`` does with the same static cache.
 
 Prefill takes fixed chunks, not a dynamic length: the runtime plans every activation at load
@@ -223,16 +224,16 @@ def prefill_methods(prefill_chunk: int, long_prefill_chunk: int | None) -> dict[
 def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, long_prefill_chunk: int | str | None = AUTO, prefetch_depth: int = 1,
            gather_from_host: bool = True, progress: Callable[[str], None] | None = None, max_batch_size: int | None = None,
            speculate_k: int | None = None, tensor_parallel: int | None = None, fuse_linears: bool = False):
-    """Write ``<path>.pte`` (methods ``prefill`` and ``decode``, their schedules, the KV cache
-    as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths.
+    """Write ``<path>.pte`` (methods ``prefill``, ``prefill_long`` where written, and
+    ``decode``, their schedules, the KV cache as state) and ``<path>.ptd`` (the weights) for a transformers causal LM; returns both paths.
 
     The model is changed in place: moved to the CPU if it is elsewhere (a model quantized on
     the GPU, say), and its torchao quantized linears swapped by ``prepare_quantized``.
     ``prefill_chunk``: tokens per prefill call (default ``min(128, max_seq_len)``).
     ``long_prefill_chunk``: tokens per call of a second prefill method, ``prefill_long``, that
     takes the bulk of a long prompt (one weight pass per call; hostswap/prefill_chunks.py):
-    default ``"auto"``, 512 (or ``max_seq_len`` where shorter) where that is longer than
-    ``prefill_chunk``; None for none.
+    default ``"auto"``, 512 where ``max_seq_len`` is at least that and ``prefill_chunk``
+    shorter; None for none.
     ``gather_from_host``: as in ``apply_weight_offload`` (an untied token table stays in host
     memory, read a row per token). ``max_batch_size``: write a program for that many sequences
     at once, each at its own position (run it with ``hostswap.batching.BatchGenerator``).
@@ -468,7 +469,7 @@ class GenerationStats:
 class Generator:
     """A program written by ``hostswap.llm.export``, loaded for greedy generation.
 
-    One pool serves both methods within ``weight_offload_budget_mb`` (default ``"auto"``: the
+    One pool serves every method within ``weight_offload_budget_mb`` (default ``"auto"``: the
     device's free memory less the KV cache, the activations and a margin, capped at the
     weights' total; ``memory_report()`` says what it chose); the KV cache and the activation
     arenas live on the device beside it. ``cuda_graph`` (default: on CUDA with the planned

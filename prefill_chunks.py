@@ -27,15 +27,16 @@ class ChunkError(ValueError):
 
 
 def long_prefill_chunk_for(asked, *, prefill_chunk: int, max_seq_len: int) -> int | None:
-    """The long chunk an export writes: ``asked`` checked, or for ``"auto"`` 512 tokens (the
-    whole cache where that is shorter) when that is longer than ``prefill_chunk``; None: none."""
+    """The long chunk an export writes: ``asked`` checked, or for ``"auto"`` 512 tokens where
+    the cache holds that many and ``prefill_chunk`` is shorter; None: none. A shorter cache
+    holds no prompt of more than a few short chunks, so it gets no long method to write,
+    load and warm up (ask for one by its length)."""
     if asked is None:
         return None
     if isinstance(asked, str):
         if asked != AUTO:
             raise ChunkError(f"long_prefill_chunk must be a number of tokens, 'auto' or None, got {asked!r}")
-        longest = min(DEFAULT_LONG_PREFILL_CHUNK, max_seq_len)
-        return longest if longest > prefill_chunk else None
+        return DEFAULT_LONG_PREFILL_CHUNK if prefill_chunk < DEFAULT_LONG_PREFILL_CHUNK <= max_seq_len else None
     if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
         raise ChunkError(f"long_prefill_chunk must be a positive int, 'auto' or None, got {asked!r}")
     if asked <= prefill_chunk:

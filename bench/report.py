@@ -1232,9 +1232,11 @@ def long_prompt_section(paths: list[str], plot_path: str | None) -> str:
             table = []
             for row in rows:
                 short, long = row["short chunk alone"], row["with the long chunk"]
+                disk = (f"; disk {short['disk_bytes'] / 2**30:.2f} / {long['disk_bytes'] / 2**30:.2f} at {short['disk_bytes_per_s'] / 1e9:.1f} / "
+                        f"{long['disk_bytes_per_s'] / 1e9:.1f} GB/s" if short.get("disk_bytes") else "")
                 table.append([row["budget"], f"{row['budget_bytes'] / 2**30:.2f}", row["prompt_tokens"],
                               f"{short['calls']} / {long['calls']}",
-                              f"{(short['bytes_streamed_prefill'] + short['expert_bytes_prefill']) / 2**30:.2f} / {(long['bytes_streamed_prefill'] + long['expert_bytes_prefill']) / 2**30:.2f}",
+                              f"{(short['bytes_streamed_prefill'] + short['expert_bytes_prefill']) / 2**30:.2f} / {(long['bytes_streamed_prefill'] + long['expert_bytes_prefill']) / 2**30:.2f}" + disk,
                               f"{short['prefill_ms']:.1f} / {long['prefill_ms']:.1f}", f"{short['tokens_per_s']:.0f} / {long['tokens_per_s']:.0f}",
                               f"{row['speedup']:.2f}", f"{long['ratio_to_bound']:.2f}" if "ratio_to_bound" in long else "",
                               "yes" if row["same_first_token"] else "no"])
@@ -1449,8 +1451,9 @@ NOTES = {  # what a section's cells are, above its tables in docs/benchmarks.md
                   "(`long_prefill_chunk=None`) and with the default long chunk of 512 (`prefill_long`), then prefilled by "
                   "`hostswap.llm.Generator` at each budget. Each call streams every weight the budget does not hold, so a prompt costs a "
                   "weight pass per call: calls are counted by the rule the Generator follows (`hostswap.prefill_chunks.prefill_calls`). "
-                  "Over the bus: the streamed weights and the experts read over the bus in the prompt's prefill. Bound: max(the same "
-                  "program's all-resident prefill of the prompt, those bytes / pinned H2D of the same run). The two programs' first "
+                  "Over the bus: the streamed weights and the experts read over the bus in the prompt's prefill; with the expert tables "
+                  "on disk (`expert_host_cache_mb`), also the bytes read from the `.ptd` and their speed, in place of a bound. Bound: "
+                  "max(the same program's all-resident prefill of the prompt, those bytes / pinned H2D of the same run). The two programs' first "
                   "tokens after the prompt are compared, not held equal: a chunk of another length runs other GEMM shapes.",
     "serve": "`hostswap serve` in a subprocess with concurrent streaming `/v1/completions` requests through the `openai` client, against "
              "`BatchGenerator.generate` on the same program and budget (`bench/serve.py`); both timed from the first request to the last "

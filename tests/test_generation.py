@@ -228,8 +228,8 @@ def test_warm_up_pays_the_first_call_at_load_and_changes_no_token(llama):
     prompt = _prompt(7)
     with llm.Generator(llama.pte, llama.ptd, weight_offload_budget_mb=llama.floor / MB, device="cpu") as warm:
         assert warm.warm_up_seconds > 0 and warm.stats["warm_up_s"] == warm.warm_up_seconds
-        assert warm.prefill_chunks == {llm.PREFILL: CHUNK, llm.PREFILL_LONG: MAX_SEQ_LEN}  # "auto": the whole cache, shorter than 512
-        assert warm.module.stats["forwards"] == 3
+        assert warm.prefill_chunks == {llm.PREFILL: CHUNK}  # "auto": no long chunk in a cache shorter than 512
+        assert warm.module.stats["forwards"] == 2
         assert all(int(t.count_nonzero()) == 0 for t in warm.module.state.values())  # the cache as at load
         warm_out = warm.generate(prompt, 8, eos_token_id=[])
         warm_logits = warm._step(llm.DECODE, warm_out[:, -1:], 15)

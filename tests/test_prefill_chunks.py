@@ -63,8 +63,9 @@ def test_a_prompt_takes_one_call_per_long_chunk_and_a_short_one_for_a_short_tail
 
 
 # --- what an export writes -----------------------------------------------------------------
-@pytest.mark.parametrize("max_seq_len,chunk,expected", [(4096, None, 512), (300, None, 300), (128, None, None), (4096, 512, None), (4096, 600, None)])
-def test_auto_writes_512_or_the_whole_cache_where_longer_than_the_short_chunk(max_seq_len, chunk, expected):
+@pytest.mark.parametrize("max_seq_len,chunk,expected", [(4096, None, 512), (512, None, 512), (511, None, None), (300, None, None), (128, None, None),
+                                                        (4096, 512, None), (4096, 600, None), (4096, 256, 512)])
+def test_auto_writes_512_where_the_cache_holds_it_and_the_short_chunk_is_shorter(max_seq_len, chunk, expected):
     chunk = llm.default_prefill_chunk(max_seq_len) if chunk is None else chunk
     assert llm.check_long_prefill_chunk("auto", prefill_chunk=chunk, max_seq_len=max_seq_len) == expected
 
@@ -95,13 +96,15 @@ def test_the_cli_takes_a_number_auto_or_0_for_none():
         _long_chunk("big")
 
 
-def test_a_program_that_names_a_long_chunk_without_its_method_is_refused_at_load(tmp_path):
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_program_that_names_a_long_chunk_without_its_method_is_refused_at_load(tmp_path, batched):
     model = build(BY_NAME["Llama"])[0]
-    programs, constants = llm.export_programs(model, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, long_prefill_chunk=LONG)
+    programs, constants = llm.export_programs(model, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, long_prefill_chunk=LONG,
+                                              max_batch_size=2 if batched else None)
     del programs[PREFILL_LONG]
     pte, ptd = hostswap.save(programs, os.path.join(tmp_path, "m"), constant_methods=constants)
     with pytest.raises(llm.GenerationError, match=r"gives a long prefill chunk but has no method 'prefill_long' that reads weights"):
-        llm.Generator(pte, ptd, device="cpu")
+        (batching.BatchGenerator if batched else llm.Generator)(pte, ptd, device="cpu")
 
 
 # --- generation with it ---------------------------------------------------------------------
@@ -166,11 +169,13 @@ def test_the_activations_of_both_prefill_methods_are_counted(two):
 
 def test_a_batched_program_prefills_long_prompts_in_long_chunks(tmp_path):
     """A batched program with a long chunk: each sequence's tokens are the unbatched
-    Generator's, and a 37-token prompt is three calls, not ten."""
+    Generator's, and a 37-token prompt is three calls, not ten. In a cache of 44 positions its
+    last call (32 to 47) runs past the cache: the padding's positions are clamped into it."""
     torch.manual_seed(0)
     model = build(BY_NAME["Llama"])[0]
-    pte, ptd = batching.export(model, tmp_path / "b", max_seq_len=MAX_SEQ_LEN, max_batch_size=2, prefill_chunk=CHUNK, long_prefill_chunk=LONG)
-    single_pte, single_ptd = llm.export(model, tmp_path / "s", max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, long_prefill_chunk=None)
+    cache = 44
+    pte, ptd = batching.export(model, tmp_path / "b", max_seq_len=cache, max_batch_size=2, prefill_chunk=CHUNK, long_prefill_chunk=LONG)
+    single_pte, single_ptd = llm.export(model, tmp_path / "s", max_seq_len=cache, prefill_chunk=CHUNK, long_prefill_chunk=None)
     prompts = [_prompt(37, 1)[0].tolist(), _prompt(5, 2)[0].tolist()]
     with batching.BatchGenerator(pte, ptd, device="cpu") as b:
         assert b.prefill_chunks == CHUNKS
