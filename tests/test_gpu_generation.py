@@ -421,3 +421,35 @@ def test_speculative_decode_on_the_device_gives_the_plain_greedy_tokens(tmp_path
                 if draft.endswith("target"):
                     # the same weights: every proposal agrees (compiled, within inductor's rounding of fp32 sums)
                     assert g.last_speculation.acceptance == 1.0 if not compiled else g.last_speculation.acceptance > 0.9
+
+
+def test_a_long_prompt_in_long_chunks_gives_the_short_chunks_logits_on_the_device(tmp_path):
+    """fp32 Qwen2-shaped model exported with a long prefill chunk and with the short chunk
+    alone: a 200-token prompt (two long calls and a short one, against seven short calls), at
+    the floor, where each call streams the weights, and all resident, graphed decode after it.
+    The prompt's last logits agree within fp32's rounding of other GEMM shapes, and the greedy
+    tokens after it are the same."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import hostswap.llm as llm
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    model = Qwen2ForCausalLM(config).eval()
+    long = llm.export(model, tmp_path / "long", max_seq_len=256, prefill_chunk=32, long_prefill_chunk=96)
+    short = llm.export(model, tmp_path / "short", max_seq_len=256, prefill_chunk=32, long_prefill_chunk=None)
+    floor = hostswap.schedules.load_floor_bytes(hostswap.schedules.load_weight_schedules(long[0]))
+    prompt = torch.randint(0, VOCAB, (1, 200), generator=torch.Generator().manual_seed(1))
+    for budget in (floor / MB, "auto"):
+        logits, tokens = {}, {}
+        for name, program in (("long", long), ("short", short)):
+            with llm.Generator(*program, weight_offload_budget_mb=budget, device="cuda") as g:
+                assert llm.PREFILL_LONG in g.prefill_chunks if name == "long" else g.long_prefill_chunk is None
+                before = g.module.stats["forwards"]
+                logits[name] = llm.prefill(g._step, prompt, g.prefill_chunks, g.max_seq_len).float().cpu()
+                assert g.module.stats["forwards"] - before == (3 if name == "long" else 7)
+                g.module.reset_state()
+                tokens[name] = g.generate(prompt, 24, eos_token_id=[]).cpu()
+        assert torch.allclose(logits["long"], logits["short"], rtol=1e-4, atol=1e-4), (budget, (logits["long"] - logits["short"]).abs().max())
+        assert torch.equal(tokens["long"], tokens["short"]), budget
