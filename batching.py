@@ -33,8 +33,8 @@ from collections.abc import Callable
 import torch
 
 from hostswap import kv_shapes, llm
-from hostswap.llm import DECODE, PREFILL, GenerationError
-from hostswap.prefill_chunks import PREFILL_LONG, next_chunk
+from hostswap.llm import DECODE, GenerationError
+from hostswap.prefill_chunks import next_chunk
 from hostswap.sampling import SamplingParams, TokenChooser, check_drawn, warm_up_sampling
 
 MAX_BATCH_SIZE = llm.MAX_BATCH_SIZE
@@ -144,16 +144,11 @@ def export_programs(model, *, max_seq_len: int, max_batch_size: int, prefill_chu
 
     llm._check_positive_int("max_seq_len", max_seq_len)
     llm._check_positive_int("max_batch_size", max_batch_size)
-    prefill_chunk = llm.default_prefill_chunk(max_seq_len) if prefill_chunk is None else prefill_chunk
-    llm._check_positive_int("prefill_chunk", prefill_chunk)
-    if prefill_chunk > max_seq_len:
-        raise GenerationError(f"prefill_chunk={prefill_chunk} is longer than max_seq_len={max_seq_len}")
-    long_prefill_chunk = llm.check_long_prefill_chunk(long_prefill_chunk, prefill_chunk=prefill_chunk, max_seq_len=max_seq_len)
+    prefills = llm.check_prefill_chunks(prefill_chunk, long_prefill_chunk, max_seq_len)
     say = progress or (lambda _msg: None)
     llm.prepare_for_export(model)
     decoder = SlotDecoder(model, max_batch_size, max_seq_len)
     programs = {}
-    prefills = llm.prefill_methods(prefill_chunk, long_prefill_chunk)
     for name, rows, tokens in (*((method, 1, chunk) for method, chunk in prefills.items()), (DECODE, max_batch_size, 1)):
         say(f"exporting {name} ({rows} x {tokens} tokens)")
         ids = torch.zeros(rows, tokens, dtype=torch.long, device=device)
@@ -168,8 +163,7 @@ def export_programs(model, *, max_seq_len: int, max_batch_size: int, prefill_chu
         programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host)
     eos = llm._eos_ids(model)
     vocab = model.get_input_embeddings().num_embeddings
-    constants = {llm.MAX_SEQ_LEN: max_seq_len, llm.PREFILL_CHUNK: prefill_chunk, **({llm.LONG_PREFILL_CHUNK: long_prefill_chunk} if long_prefill_chunk else {}),
-                 llm.VOCAB_SIZE: vocab, MAX_BATCH_SIZE: max_batch_size,
+    constants = {llm.MAX_SEQ_LEN: max_seq_len, **llm.prefill_constants(prefills), llm.VOCAB_SIZE: vocab, MAX_BATCH_SIZE: max_batch_size,
                  **({llm.EOS_TOKEN_IDS: eos} if eos else {})}
     return programs, constants
 
@@ -248,10 +242,11 @@ class BatchGenerator:
         self.max_seq_len = constants[llm.MAX_SEQ_LEN][0]
         self.prefill_chunk = constants[llm.PREFILL_CHUNK][0]
         self.long_prefill_chunk = constants[llm.LONG_PREFILL_CHUNK][0] if constants[llm.LONG_PREFILL_CHUNK] else None
-        if self.long_prefill_chunk is not None and PREFILL_LONG not in self.module.schedules:
+        try:  # method -> tokens a call takes
+            self.prefill_chunks = llm.loaded_prefill_methods(self.module, self.prefill_chunk, self.long_prefill_chunk, "hostswap.batching.export")
+        except GenerationError:
             self.module.close()
-            raise GenerationError(f"{pte_path} gives a long prefill chunk but has no method {PREFILL_LONG!r} that reads weights: write it with hostswap.batching.export")
-        self.prefill_chunks = llm.prefill_methods(self.prefill_chunk, self.long_prefill_chunk)  # method -> tokens a call takes
+            raise
         self.vocab_size = constants[llm.VOCAB_SIZE][0]
         self.eos_token_ids = frozenset(constants[llm.EOS_TOKEN_IDS] or ())
         self.slots: list[Sequence | None] = [None] * self.max_batch_size

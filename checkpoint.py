@@ -268,7 +268,7 @@ class _LinearQuantizer:
         return self._last[1][fqn]
 
 
-def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, long_prefill_chunk="auto",
+def export_checkpoint(folder: str | os.PathLike, out: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, long_prefill_chunk: int | str | None = "auto",
                       dtype: torch.dtype | str | None = None, prefetch_depth: int = 1, gather_from_host: bool = True,
                       progress: Callable[[str], None] | None = None, show_bar: bool = False, quantize: str | None = None,
                       max_batch_size: int | None = None, speculate_k: int | None = None, tensor_parallel: int | None = None,

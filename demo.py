@@ -101,8 +101,7 @@ def run_demo(out_dir: str = "out", budget_factor: float = 1.5, device: str | Non
     prompt = chat_prompt(tokenizer, question)
     expected = transformers_tokens(model, prompt, NEW_TOKENS, MAX_SEQ_LEN)  # before export, which changes the model's settings
     start = time.perf_counter()
-    # a chat question fits one 128-token chunk: no long prefill method to write and warm up
-    pte, ptd = llm.export(model, os.path.join(out_dir, "smollm2"), max_seq_len=MAX_SEQ_LEN, long_prefill_chunk=None, progress=lambda m: _say(f"  {m}"))
+    pte, ptd = llm.export(model, os.path.join(out_dir, "smollm2"), max_seq_len=MAX_SEQ_LEN, progress=lambda m: _say(f"  {m}"))
     _say(f"exported prefill and decode in {time.perf_counter() - start:.1f} s: {pte}, {ptd}")
     schedule = hostswap.schedules.load_weight_schedule(pte, "decode")
     budget = int(schedule.floor_bytes * budget_factor)

@@ -221,6 +221,30 @@ def prefill_methods(prefill_chunk: int, long_prefill_chunk: int | None) -> dict[
     return {PREFILL: prefill_chunk, **({PREFILL_LONG: long_prefill_chunk} if long_prefill_chunk else {})}
 
 
+def check_prefill_chunks(prefill_chunk: int | None, long_prefill_chunk, max_seq_len: int) -> dict[str, int]:
+    """The prefill methods an export writes (``prefill_methods``), its chunk arguments checked
+    and their defaults taken: the one check of ``export`` and ``hostswap.batching.export``."""
+    if prefill_chunk is None:
+        prefill_chunk = default_prefill_chunk(max_seq_len)
+    _check_positive_int("prefill_chunk", prefill_chunk)
+    if prefill_chunk > max_seq_len:
+        raise GenerationError(f"prefill_chunk={prefill_chunk} is longer than max_seq_len={max_seq_len}")
+    return prefill_methods(prefill_chunk, check_long_prefill_chunk(long_prefill_chunk, prefill_chunk=prefill_chunk, max_seq_len=max_seq_len))
+
+
+def prefill_constants(chunks: dict[str, int]) -> dict[str, int]:
+    """The constant methods that tell a loaded program's prefill chunks."""
+    return {PREFILL_CHUNK: chunks[PREFILL], **({LONG_PREFILL_CHUNK: chunks[PREFILL_LONG]} if PREFILL_LONG in chunks else {})}
+
+
+def loaded_prefill_methods(module, prefill_chunk: int, long_prefill_chunk: int | None, writer: str) -> dict[str, int]:
+    """``prefill_methods`` of a loaded program, as its constants give them; a long chunk
+    without its method is refused, naming ``writer``, the export that writes both."""
+    if long_prefill_chunk is not None and PREFILL_LONG not in module.schedules:
+        raise GenerationError(f"{module.pte_path} gives a long prefill chunk but has no method {PREFILL_LONG!r} that reads weights: write it with {writer}")
+    return prefill_methods(prefill_chunk, long_prefill_chunk)
+
+
 def export(model, path: str | os.PathLike, *, max_seq_len: int, prefill_chunk: int | None = None, long_prefill_chunk: int | str | None = AUTO, prefetch_depth: int = 1,
            gather_from_host: bool = True, progress: Callable[[str], None] | None = None, max_batch_size: int | None = None,
            speculate_k: int | None = None, tensor_parallel: int | None = None, fuse_linears: bool = False):
@@ -292,12 +316,7 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
                                         long_prefill_chunk=long_prefill_chunk, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host, progress=progress, device=device)
 
     _check_positive_int("max_seq_len", max_seq_len)
-    if prefill_chunk is None:
-        prefill_chunk = default_prefill_chunk(max_seq_len)
-    _check_positive_int("prefill_chunk", prefill_chunk)
-    if prefill_chunk > max_seq_len:
-        raise GenerationError(f"prefill_chunk={prefill_chunk} is longer than max_seq_len={max_seq_len}")
-    long_prefill_chunk = check_long_prefill_chunk(long_prefill_chunk, prefill_chunk=prefill_chunk, max_seq_len=max_seq_len)
+    prefills = check_prefill_chunks(prefill_chunk, long_prefill_chunk, max_seq_len)
     if speculate_k is not None:
         _check_positive_int("speculate_k", speculate_k)
         if speculate_k + 1 > max_seq_len:
@@ -306,7 +325,7 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
     wrapper = static_cache_wrapper(model, max_seq_len)
     programs = {}
     # verify: the last accepted token and k drafted ones, checked in one pass (hostswap/speculative.py)
-    methods = (*prefill_methods(prefill_chunk, long_prefill_chunk).items(), (DECODE, 1)) + (((VERIFY, speculate_k + 1),) if speculate_k is not None else ())
+    methods = (*prefills.items(), (DECODE, 1)) + (((VERIFY, speculate_k + 1),) if speculate_k is not None else ())
     for name, length in methods:
         say(f"exporting {name} ({length} token{'s' if length > 1 else ''})")
         ids = torch.zeros(1, length, dtype=torch.long, device=device)
@@ -320,8 +339,7 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
         programs[name] = apply_weight_offload(ep, prefetch_depth=prefetch_depth, gather_from_host=gather_from_host)
     eos = _eos_ids(model)
     vocab = model.get_input_embeddings().num_embeddings
-    return programs, {MAX_SEQ_LEN: max_seq_len, PREFILL_CHUNK: prefill_chunk, **({LONG_PREFILL_CHUNK: long_prefill_chunk} if long_prefill_chunk else {}),
-                      VOCAB_SIZE: vocab, **({EOS_TOKEN_IDS: eos} if eos else {}),
+    return programs, {MAX_SEQ_LEN: max_seq_len, **prefill_constants(prefills), VOCAB_SIZE: vocab, **({EOS_TOKEN_IDS: eos} if eos else {}),
                       **({SPECULATE_K: speculate_k} if speculate_k is not None else {})}
 
 
@@ -329,15 +347,14 @@ def export_programs(model, *, max_seq_len: int, prefill_chunk: int | None = None
 Step = Callable[[str, torch.Tensor, "int | torch.Tensor"], torch.Tensor]  # (method, token ids, first position or positions)
 
 
-def prefill(step: Step, ids: torch.Tensor, chunks: "int | dict[str, int]", max_seq_len: int) -> torch.Tensor:
+def prefill(step: Step, ids: torch.Tensor, chunks: dict[str, int], max_seq_len: int) -> torch.Tensor:
     """Run the prompt ``ids`` [1, n] through the cache; the logits after its last token.
 
-    ``chunks``: the program's prefill methods and the tokens each takes (``prefill_methods``),
-    or one chunk length for ``prefill`` alone. Each call takes the shortest chunk that holds
+    ``chunks``: the program's prefill methods and the tokens each takes (``prefill_methods``,
+    a Generator's ``prefill_chunks``). Each call takes the shortest chunk that holds
     the rest of the prompt, else the longest (hostswap/prefill_chunks.py); the last one is
     padded (its padding's cache slots come after the prompt: masked, then overwritten by
     decode). Where no chunk fits the cache's room the rest runs token by token through decode."""
-    chunks = {PREFILL: chunks} if isinstance(chunks, int) else chunks
     last = None
     for call in prefill_calls(ids.shape[1], chunks, max_seq_len):
         piece = ids[:, call.start : call.start + call.tokens]
@@ -539,9 +556,8 @@ class Generator:
             self.max_seq_len = self._constant(MAX_SEQ_LEN)
             self.prefill_chunk = self._constant(PREFILL_CHUNK)
             self.long_prefill_chunk = self._constant(LONG_PREFILL_CHUNK) if LONG_PREFILL_CHUNK in self.module.method_names() else None
-            if self.long_prefill_chunk is not None and PREFILL_LONG not in self.module.schedules:
-                raise GenerationError(f"{pte_path} gives a long prefill chunk but has no method {PREFILL_LONG!r} that reads weights: write it with hostswap.llm.export")
-            self.prefill_chunks = prefill_methods(self.prefill_chunk, self.long_prefill_chunk)  # method -> tokens a call takes
+            # method -> tokens a call takes
+            self.prefill_chunks = loaded_prefill_methods(self.module, self.prefill_chunk, self.long_prefill_chunk, "hostswap.llm.export")
             self.vocab_size = self._constant(VOCAB_SIZE)
             self.eos_token_ids = frozenset(self.module.run_method(EOS_TOKEN_IDS, []) if EOS_TOKEN_IDS in self.module.method_names() else [])
             self.device = device
