@@ -34,7 +34,7 @@ import torch
 
 from hostswap import kv_shapes, llm
 from hostswap.llm import DECODE, GenerationError
-from hostswap.prefill_chunks import next_chunk
+from hostswap.prefill_chunks import next_call
 from hostswap.sampling import SamplingParams, TokenChooser, check_drawn, warm_up_sampling
 
 MAX_BATCH_SIZE = llm.MAX_BATCH_SIZE
@@ -302,21 +302,17 @@ class BatchGenerator:
     def prefill_next(self, sequence: Sequence) -> bool:
         """Run ``sequence``'s next prompt chunk through its slot; after the last, choose its
         first token. Returns whether its prompt is all in."""
-        start = sequence.prefilled
-        # no room check: a chunk past the cache clamps its padding's positions into it
-        method = next_chunk(len(sequence.prompt) - start, None, self.prefill_chunks)
-        chunk = self.prefill_chunks[method]
-        piece = torch.tensor([sequence.prompt[start : start + chunk]], dtype=torch.long)
-        n = piece.shape[1]
-        positions = torch.arange(start, start + chunk, dtype=torch.long)[None]
-        if n < chunk:  # padding's keys land after the prompt (clamped into the cache): masked, then overwritten
-            piece = torch.cat([piece, piece[:, -1:].expand(1, chunk - n)], dim=1)
-            positions = positions.clamp(max=self.max_seq_len - 1)
-        (logits,) = self.module.run_method(method, [piece, positions, torch.tensor([sequence.slot], dtype=torch.long)])
-        sequence.prefilled += n
+        call = next_call(sequence.prefilled, len(sequence.prompt), self.prefill_chunks, self.max_seq_len)
+        chunk = self.prefill_chunks[call.method]
+        piece = torch.tensor([sequence.prompt[call.start : call.end]], dtype=torch.long)
+        positions = torch.arange(call.start, call.start + chunk, dtype=torch.long)[None]
+        if call.tokens < chunk:  # padding's keys land after the prompt: masked, then overwritten
+            piece = torch.cat([piece, piece[:, -1:].expand(1, chunk - call.tokens)], dim=1)
+        (logits,) = self.module.run_method(call.method, [piece, positions, torch.tensor([sequence.slot], dtype=torch.long)])
+        sequence.prefilled = call.end
         if sequence.prefilled < len(sequence.prompt):
             return False
-        sequence.take(self._choose(sequence, logits[0, n - 1]))
+        sequence.take(self._choose(sequence, logits[0, call.tokens - 1]))
         return True
 
     def step(self) -> list[Sequence]:

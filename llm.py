@@ -352,15 +352,12 @@ def prefill(step: Step, ids: torch.Tensor, chunks: dict[str, int], max_seq_len: 
 
     ``chunks``: the program's prefill methods and the tokens each takes (``prefill_methods``,
     a Generator's ``prefill_chunks``). Each call takes the shortest chunk that holds
-    the rest of the prompt, else the longest (hostswap/prefill_chunks.py); the last one is
-    padded (its padding's cache slots come after the prompt: masked, then overwritten by
-    decode). Where no chunk fits the cache's room the rest runs token by token through decode."""
+    the rest of the prompt, else the longest, and a last one that would run past the cache
+    starts earlier (hostswap/prefill_chunks.py). The last call is padded: its padding's cache
+    slots come after the prompt, masked, then overwritten by decode."""
     last = None
     for call in prefill_calls(ids.shape[1], chunks, max_seq_len):
-        piece = ids[:, call.start : call.start + call.tokens]
-        if call.method is None:
-            last = step(DECODE, piece, call.start)[0, -1]
-            continue
+        piece = ids[:, call.start : call.end]
         chunk = chunks[call.method]
         if call.tokens < chunk:
             piece = torch.cat([piece, piece[:, -1:].expand(1, chunk - call.tokens)], dim=1)

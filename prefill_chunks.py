@@ -10,7 +10,8 @@ padding. The long chunk's default, 512 tokens, is llama.cpp's default micro-batc
 
 ``next_chunk`` is the one rule both generators follow (``hostswap.llm`` and
 ``hostswap.batching``): the shortest chunk that takes the rest of the prompt in one call,
-else the longest, among those that fit the cache. ``prefill_calls`` lists a whole prompt's.
+else the longest; ``next_call`` places it in the cache, and ``prefill_calls`` lists a whole
+prompt's.
 """
 
 from __future__ import annotations
@@ -46,19 +47,14 @@ def long_prefill_chunk_for(asked, *, prefill_chunk: int, max_seq_len: int) -> in
     return asked
 
 
-def next_chunk(remaining: int, room: int | None, chunks: dict[str, int]) -> str | None:
+def next_chunk(remaining: int, chunks: dict[str, int]) -> str:
     """The method (of ``chunks``: method -> tokens a call takes) that prefills the next part of a
-    prompt with ``remaining`` tokens to go and ``room`` positions left in the cache (None: a
-    chunk may run past the cache, its padding's positions clamped into it).
-
-    The shortest chunk that takes all ``remaining`` tokens, else the longest: the fewest calls,
-    so the fewest weight passes, and the least padding in the last. None where no chunk fits
-    the room (the caller takes the rest a token at a time)."""
+    prompt with ``remaining`` tokens to go: the shortest chunk that takes them all in one call,
+    else the longest. The fewest calls, so the fewest weight passes, and the least padding in
+    the last."""
     if remaining < 1:
         raise ValueError(f"next_chunk: remaining must be positive, got {remaining}")
-    fitting = sorted((length, method) for method, length in chunks.items() if room is None or length <= room)
-    if not fitting:
-        return None
+    fitting = sorted((length, method) for method, length in chunks.items())
     for length, method in fitting:
         if length >= remaining:
             return method
@@ -67,21 +63,45 @@ def next_chunk(remaining: int, room: int | None, chunks: dict[str, int]) -> str 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One prefill call: ``method`` (None: one token through decode) on ``tokens`` prompt
-    tokens from ``start``, padded to the method's chunk."""
+    """One prefill call: ``method`` on the ``tokens`` prompt tokens from position ``start``,
+    padded to the method's chunk; its logits at row ``tokens - 1`` are the prompt's last token's
+    once ``start + tokens`` is the prompt's length."""
 
-    method: str | None
+    method: str
     start: int
     tokens: int
+
+    @property
+    def end(self) -> int:
+        """The prompt position after the call's last token."""
+        return self.start + self.tokens
+
+
+def next_call(position: int, prompt: int, chunks: dict[str, int], max_seq_len: int) -> Call:
+    """The call that prefills a ``prompt``-token prompt from ``position`` into a cache of
+    ``max_seq_len`` positions: ``next_chunk``'s method from ``position``, or, where that chunk
+    would run past the cache, from the position at which it ends at the cache's last one.
+
+    Such a call takes again the last tokens the cache already holds: they are written again
+    at their own positions, from the same tokens before them, so they are the same keys and
+    values, up to the rounding of a matmul of another shape. That is one call for the rest of
+    the prompt, where the chunks that fit the room left could leave a tail no chunk fits,
+    which would take a weight pass per token. It is always the prompt's last call: it ends at
+    the cache's end, and a prompt leaves a position for a new token."""
+    if not 0 <= position < prompt < max_seq_len:
+        raise ValueError(f"next_call: a prompt of {prompt} tokens, from {position}, does not fit a cache of {max_seq_len} with a new token")
+    method = next_chunk(prompt - position, chunks)
+    chunk = chunks[method]
+    if chunk > max_seq_len:
+        raise ValueError(f"next_call: the {method} chunk of {chunk} tokens is longer than the cache of {max_seq_len}")
+    start = min(position, max_seq_len - chunk)
+    return Call(method, start, min(start + chunk, prompt) - start)
 
 
 def prefill_calls(prompt: int, chunks: dict[str, int], max_seq_len: int) -> list[Call]:
     """The calls that prefill a ``prompt``-token prompt into a cache of ``max_seq_len``
-    positions, by ``next_chunk``; where no chunk fits the room left, a token at a time."""
-    calls, position = [], 0
-    while position < prompt:
-        method = next_chunk(prompt - position, max_seq_len - position, chunks)
-        n = 1 if method is None else min(chunks[method], prompt - position)
-        calls.append(Call(method, position, n))
-        position += n
+    positions, by ``next_call``."""
+    calls = [next_call(0, prompt, chunks, max_seq_len)]
+    while calls[-1].end < prompt:
+        calls.append(next_call(calls[-1].end, prompt, chunks, max_seq_len))
     return calls

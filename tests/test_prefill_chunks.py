@@ -12,7 +12,7 @@ import torch
 import hostswap
 import hostswap.llm as llm
 from hostswap import batching
-from hostswap.prefill_chunks import PREFILL_LONG, next_chunk
+from hostswap.prefill_chunks import PREFILL_LONG, next_chunk, prefill_calls
 
 from real_models import BY_NAME, VOCAB, build
 from test_experts import MOE
@@ -27,17 +27,15 @@ def _prompt(n: int, random_state: int = 1) -> torch.Tensor:
 
 
 # --- the rule ------------------------------------------------------------------------------
-@pytest.mark.parametrize("remaining,room,method", [
-    (1, None, llm.PREFILL),  # the short chunk holds it: no long chunk's padding
-    (4, None, llm.PREFILL),
-    (5, None, PREFILL_LONG),  # two short calls or one long: one weight pass
-    (16, None, PREFILL_LONG),
-    (40, None, PREFILL_LONG),  # more than the longest: the longest
-    (40, 10, llm.PREFILL),  # the long chunk would run past the cache
-    (3, 3, None),  # no chunk fits the room: token by token
+@pytest.mark.parametrize("remaining,method", [
+    (1, llm.PREFILL),  # the short chunk holds it: no long chunk's padding
+    (4, llm.PREFILL),
+    (5, PREFILL_LONG),  # two short calls or one long: one weight pass
+    (16, PREFILL_LONG),
+    (40, PREFILL_LONG),  # more than the longest: the longest
 ])
-def test_the_shortest_chunk_that_holds_the_rest_else_the_longest(remaining, room, method):
-    assert next_chunk(remaining, room, CHUNKS) == method
+def test_the_shortest_chunk_that_holds_the_rest_else_the_longest(remaining, method):
+    assert next_chunk(remaining, CHUNKS) == method
 
 
 def test_a_prompt_takes_one_call_per_long_chunk_and_a_short_one_for_a_short_tail():
@@ -56,10 +54,33 @@ def test_a_prompt_takes_one_call_per_long_chunk_and_a_short_one_for_a_short_tail
     # 35 tokens: the last 3 in a short call
     llm.prefill(step, _prompt(35), CHUNKS, MAX_SEQ_LEN)
     assert calls == [(PREFILL_LONG, LONG, 0), (PREFILL_LONG, LONG, 16), (llm.PREFILL, CHUNK, 32)]
-    calls.clear()
-    # a cache of 18: one long call, then 1 token with 2 positions left, too few for any chunk
-    llm.prefill(step, _prompt(17), CHUNKS, 18)
-    assert calls == [(PREFILL_LONG, LONG, 0), (llm.DECODE, 1, 16)]
+
+
+@pytest.mark.parametrize("prompt,cache,calls", [
+    # a short call at 16 would run past a cache of 18: it starts at 14, taking 14 and 15 again
+    (17, 18, [(PREFILL_LONG, 0, 16), (llm.PREFILL, 14, 3)]),
+    (19, 20, [(PREFILL_LONG, 0, 16), (llm.PREFILL, 16, 3)]),  # ends at the cache's end: as it is
+    # the 5 tokens after 16 need a long call, which ends at the cache's end from 6
+    (21, 22, [(PREFILL_LONG, 0, 16), (PREFILL_LONG, 6, 15)]),
+    (3, 4, [(llm.PREFILL, 0, 3)]),
+])
+def test_a_call_that_would_run_past_the_cache_starts_early_enough_to_end_at_it(prompt, cache, calls):
+    """Never a tail that no chunk fits (it took a call per token: a weight pass each)."""
+    assert [(c.method, c.start, c.tokens) for c in prefill_calls(prompt, CHUNKS, cache)] == calls
+    recorded = []
+
+    def step(method, ids, position):
+        recorded.append((method, position))
+        return torch.arange(position, position + ids.shape[1], dtype=torch.float32)[None, :, None]
+
+    last = llm.prefill(step, _prompt(prompt), CHUNKS, cache)
+    assert recorded == [(m, s) for m, s, _ in calls]
+    assert last.tolist() == [prompt - 1.0]  # the logits of the prompt's last position
+
+
+def test_a_prompt_that_leaves_no_room_for_a_new_token_is_refused():
+    with pytest.raises(ValueError, match="a prompt of 18 tokens, from 0, does not fit a cache of 18 with a new token"):
+        prefill_calls(18, CHUNKS, 18)
 
 
 # --- what an export writes -----------------------------------------------------------------
@@ -157,6 +178,29 @@ def test_tokens_equal_transformers_and_the_short_chunk_alone(two, prompt_tokens,
     assert (calls, short) == (long_calls, short_calls)
 
 
+@pytest.mark.parametrize("name,window", [("Llama", None), ("Mistral", 4), ("Gemma3", 4)])
+def test_a_last_call_past_the_cache_gives_transformers_tokens(tmp_path, name, window):
+    """Chunks of 4 and 16 and the longest prompt one new token allows. In a cache of 18, 17
+    tokens take a long call and a short one from 14 (its padding at 17); in a cache of 22, 21
+    tokens two long calls, the second from 6 (it was a long call, a short one and a token
+    through decode, a weight pass each). Sliding windows shorter than the prompt (Mistral; Gemma3 mixes
+    sliding and full layers) read the same cache."""
+
+    def model():
+        m = build(BY_NAME[name])[0].eval()
+        if window is not None:
+            m.config.sliding_window = window
+        return m
+
+    for cache in (18, 22):
+        pte, ptd = llm.export(model(), tmp_path / f"m{cache}", max_seq_len=cache, prefill_chunk=CHUNK, long_prefill_chunk=LONG)
+        prompt = _prompt(cache - 1, cache)
+        expected = transformers_greedy(model(), prompt, 1, cache)
+        out, calls, _ = _generate(pte, ptd, prompt, 1)
+        assert torch.equal(out, expected), (cache, out.tolist(), expected.tolist())
+        assert calls == 2
+
+
 def test_the_activations_of_both_prefill_methods_are_counted(two):
     with llm.Generator(two.pte, two.ptd, device="cpu") as g:
         arenas = {name: m.executor.arena_bytes for name, m in g.module._probed.items()}
@@ -170,7 +214,7 @@ def test_the_activations_of_both_prefill_methods_are_counted(two):
 def test_a_batched_program_prefills_long_prompts_in_long_chunks(tmp_path):
     """A batched program with a long chunk: each sequence's tokens are the unbatched
     Generator's, and a 37-token prompt is three calls, not ten. In a cache of 44 positions its
-    last call (32 to 47) runs past the cache: the padding's positions are clamped into it."""
+    last call would run past the cache from 32: it starts at 28 and ends at the cache's end."""
     torch.manual_seed(0)
     model = build(BY_NAME["Llama"])[0]
     cache = 44
