@@ -243,7 +243,7 @@ class BatchGenerator:
         self.prefill_chunk = constants[llm.PREFILL_CHUNK][0]
         self.long_prefill_chunk = constants[llm.LONG_PREFILL_CHUNK][0] if constants[llm.LONG_PREFILL_CHUNK] else None
         try:  # method -> tokens a call takes
-            self.prefill_chunks = llm.loaded_prefill_methods(self.module, self.prefill_chunk, self.long_prefill_chunk, "hostswap.batching.export")
+            self.prefill_chunks = llm.loaded_prefill_methods(self.module, self.prefill_chunk, self.long_prefill_chunk, self.max_seq_len, "hostswap.batching.export")
         except GenerationError:
             self.module.close()
             raise
@@ -323,9 +323,9 @@ class BatchGenerator:
             # The program steps every slot, and each row writes its key and value at its
             # position. An empty slot's row writes at 0, which a sequence that takes the slot
             # overwrites first. A slot whose prompt is still coming in chunks holds its keys
-            # from 0 on: its row writes at the last position, which no sequence writes (a
-            # prompt and its new tokens but the last fill at most max_seq_len - 1 positions)
-            # and none attends to. Rows of no sequence taking tokens read no routed experts
+            # from 0 on: its row writes at the last position, which no sequence's tokens fill
+            # (a prompt and its new tokens but the last fill at most max_seq_len - 1
+            # positions; only padding lands there) and none attends to. Rows of no sequence taking tokens read no routed experts
             # (``live_rows``): an MoE step moves its live rows' experts alone.
             ids = torch.zeros(self.max_batch_size, 1, dtype=torch.long)
             positions = torch.tensor([[0 if s is None else self.max_seq_len - 1] for s in self.slots], dtype=torch.long)

@@ -237,11 +237,15 @@ def prefill_constants(chunks: dict[str, int]) -> dict[str, int]:
     return {PREFILL_CHUNK: chunks[PREFILL], **({LONG_PREFILL_CHUNK: chunks[PREFILL_LONG]} if PREFILL_LONG in chunks else {})}
 
 
-def loaded_prefill_methods(module, prefill_chunk: int, long_prefill_chunk: int | None, writer: str) -> dict[str, int]:
+def loaded_prefill_methods(module, prefill_chunk: int, long_prefill_chunk: int | None, max_seq_len: int, writer: str) -> dict[str, int]:
     """``prefill_methods`` of a loaded program, as its constants give them; a long chunk
-    without its method is refused, naming ``writer``, the export that writes both."""
+    without its method, or a chunk the cache cannot hold, is refused, naming ``writer``, the
+    export that writes both."""
     if long_prefill_chunk is not None and PREFILL_LONG not in module.schedules:
         raise GenerationError(f"{module.pte_path} gives a long prefill chunk but has no method {PREFILL_LONG!r} that reads weights: write it with {writer}")
+    for name, chunk in (("prefill_chunk", prefill_chunk), ("long_prefill_chunk", long_prefill_chunk)):
+        if chunk is not None and not 1 <= chunk <= max_seq_len:
+            raise GenerationError(f"{module.pte_path} gives {name}={chunk}, which a cache of max_seq_len={max_seq_len} positions cannot take: write it with {writer}")
     return prefill_methods(prefill_chunk, long_prefill_chunk)
 
 
@@ -554,7 +558,7 @@ class Generator:
             self.prefill_chunk = self._constant(PREFILL_CHUNK)
             self.long_prefill_chunk = self._constant(LONG_PREFILL_CHUNK) if LONG_PREFILL_CHUNK in self.module.method_names() else None
             # method -> tokens a call takes
-            self.prefill_chunks = loaded_prefill_methods(self.module, self.prefill_chunk, self.long_prefill_chunk, "hostswap.llm.export")
+            self.prefill_chunks = loaded_prefill_methods(self.module, self.prefill_chunk, self.long_prefill_chunk, self.max_seq_len, "hostswap.llm.export")
             self.vocab_size = self._constant(VOCAB_SIZE)
             self.eos_token_ids = frozenset(self.module.run_method(EOS_TOKEN_IDS, []) if EOS_TOKEN_IDS in self.module.method_names() else [])
             self.device = device

@@ -15,7 +15,7 @@ from hostswap.schedules import load_weight_schedules
 from real_models import BY_NAME, VOCAB, build
 
 MB = 2**20
-MAX_SEQ_LEN = 30  # not a multiple of the chunk: a prompt ending near it runs its rest token by token
+MAX_SEQ_LEN = 30  # not a multiple of the chunk: a prompt ending near it takes a last call that starts early
 CHUNK = 4
 # the decoder LMs of the support table that generation supports (Gemma3: local/global layers)
 GENERATION_ARCHITECTURES = ["Llama", "Qwen2", "Qwen3", "Mistral", "Phi-3", "Gemma", "GPT-2", "Gemma3", "Falcon"]
@@ -114,8 +114,8 @@ def test_logits_bitwise_equal_to_the_exported_program(exported):
             assert torch.equal(got, want), (method, (got - want).abs().max().item())
 
 
-def test_prompt_ending_near_max_seq_len_runs_its_rest_token_by_token(llama):
-    prompt = _prompt(MAX_SEQ_LEN - 1)  # 28 tokens in chunks; the 29th would need positions past the cache
+def test_prompt_ending_near_max_seq_len_takes_a_last_call_that_starts_early(llama):
+    prompt = _prompt(MAX_SEQ_LEN - 1)  # 28 tokens in chunks; a call from 28 would run past the cache: the last starts at 26
     expected = llama.transformers_tokens(prompt, 1)
     with llm.Generator(llama.pte, llama.ptd, weight_offload_budget_mb=llama.floor / MB, device="cpu") as g:
         assert torch.equal(g.generate(prompt, 1, eos_token_id=[]), expected)

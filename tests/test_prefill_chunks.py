@@ -128,6 +128,23 @@ def test_a_program_that_names_a_long_chunk_without_its_method_is_refused_at_load
         (batching.BatchGenerator if batched else llm.Generator)(pte, ptd, device="cpu")
 
 
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("constant,value,message", [
+    (llm.LONG_PREFILL_CHUNK, MAX_SEQ_LEN + 1, rf"gives long_prefill_chunk={MAX_SEQ_LEN + 1}, which a cache of max_seq_len={MAX_SEQ_LEN} positions cannot take"),
+    (llm.PREFILL_CHUNK, 0, rf"gives prefill_chunk=0, which a cache of max_seq_len={MAX_SEQ_LEN} positions cannot take"),
+])
+def test_a_program_whose_chunk_the_cache_cannot_take_is_refused_at_load(tmp_path, batched, constant, value, message):
+    """Export refuses such chunks; a program written otherwise is refused at load, not at its
+    first prompt."""
+    model = build(BY_NAME["Llama"])[0]
+    programs, constants = llm.export_programs(model, max_seq_len=MAX_SEQ_LEN, prefill_chunk=CHUNK, long_prefill_chunk=LONG,
+                                              max_batch_size=2 if batched else None)
+    constants[constant] = value
+    pte, ptd = hostswap.save(programs, os.path.join(tmp_path, "m"), constant_methods=constants)
+    with pytest.raises(llm.GenerationError, match=message):
+        (batching.BatchGenerator if batched else llm.Generator)(pte, ptd, device="cpu")
+
+
 # --- generation with it ---------------------------------------------------------------------
 class TwoChunkPrograms:
     """One model written twice: with the long chunk and with the short chunk alone."""
@@ -178,27 +195,58 @@ def test_tokens_equal_transformers_and_the_short_chunk_alone(two, prompt_tokens,
     assert (calls, short) == (long_calls, short_calls)
 
 
+def _windowed(name: str, window: int | None):
+    model = build(BY_NAME[name])[0].eval()
+    if window is not None:
+        model.config.sliding_window = window
+    return model
+
+
 @pytest.mark.parametrize("name,window", [("Llama", None), ("Mistral", 4), ("Gemma3", 4)])
-def test_a_last_call_past_the_cache_gives_transformers_tokens(tmp_path, name, window):
+def test_a_last_call_past_the_cache_gives_transformers_logits_and_tokens(tmp_path, name, window):
     """Chunks of 4 and 16 and the longest prompt one new token allows. In a cache of 18, 17
     tokens take a long call and a short one from 14 (its padding at 17); in a cache of 22, 21
-    tokens two long calls, the second from 6 (it was a long call, a short one and a token
-    through decode, a weight pass each). Sliding windows shorter than the prompt (Mistral; Gemma3 mixes
+    tokens two long calls, the second from 6 (the room left after 16 takes a short call, not
+    the 5 tokens: the chunks that fit it would leave one for decode). The prompt's last logits are transformers' (the
+    tokens taken again are written as they were: wrong ones there move them by 0.07 or more),
+    and so is the token. Sliding windows shorter than the prompt (Mistral; Gemma3 mixes
     sliding and full layers) read the same cache."""
-
-    def model():
-        m = build(BY_NAME[name])[0].eval()
-        if window is not None:
-            m.config.sliding_window = window
-        return m
-
     for cache in (18, 22):
-        pte, ptd = llm.export(model(), tmp_path / f"m{cache}", max_seq_len=cache, prefill_chunk=CHUNK, long_prefill_chunk=LONG)
+        pte, ptd = llm.export(_windowed(name, window), tmp_path / f"m{cache}", max_seq_len=cache, prefill_chunk=CHUNK, long_prefill_chunk=LONG)
         prompt = _prompt(cache - 1, cache)
-        expected = transformers_greedy(model(), prompt, 1, cache)
+        with torch.no_grad():
+            want = _windowed(name, window)(prompt).logits[0, -1]
+        with llm.Generator(pte, ptd, device="cpu") as g:
+            got = llm.prefill(g._step, prompt, g.prefill_chunks, g.max_seq_len)
+            g.module.reset_state()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        expected = transformers_greedy(_windowed(name, window), prompt, 1, cache)
         out, calls, _ = _generate(pte, ptd, prompt, 1)
         assert torch.equal(out, expected), (cache, out.tolist(), expected.tolist())
         assert calls == 2
+
+
+def test_a_batched_last_call_that_starts_early_beside_decoding_sequences_gives_transformers_tokens(tmp_path):
+    """A 21-token prompt in a batched cache of 22 joins while another sequence decodes: its two
+    calls (the second from 6) come between decode steps, which write every slot's row; its
+    token, and the other sequence's, are transformers'. Mistral with a window of 4."""
+    cache = 22
+    pte, ptd = batching.export(_windowed("Mistral", 4), tmp_path / "b", max_seq_len=cache, max_batch_size=2, prefill_chunk=CHUNK, long_prefill_chunk=LONG)
+    short, long = _prompt(5, 3)[0].tolist(), _prompt(cache - 1, 4)[0].tolist()
+    with batching.BatchGenerator(pte, ptd, device="cpu") as b:
+        first = b.begin(short, 8, eos_token_id=[])
+        while not b.prefill_next(first):
+            pass
+        b.step()
+        second = b.begin(long, 1, eos_token_id=[])
+        assert not b.prefill_next(second) and second.prefilled == 16
+        b.step()  # the first sequence decodes between the second's calls
+        assert b.prefill_next(second) and second.prefilled == cache - 1
+        while first.decoding:
+            b.step()
+        got = (list(first.tokens), list(second.tokens))
+    for prompt, tokens, new in ((short, got[0], 8), (long, got[1], 1)):
+        assert tokens == transformers_greedy(_windowed("Mistral", 4), torch.tensor([prompt]), new, cache)[0, len(prompt):].tolist()
 
 
 def test_the_activations_of_both_prefill_methods_are_counted(two):
