@@ -218,6 +218,7 @@ def _generate(args) -> int:
     import torch
 
     import hostswap.llm as llm
+    from hostswap.text_stream import TokenPrinter
 
     base = args.program[:-4] if args.program.endswith(".pte") else args.program
     from hostswap.tensor_parallel import TensorParallelError, rank_program
@@ -266,10 +267,11 @@ def _generate(args) -> int:
             print(f"loaded{f' rank {rank}' if g.tensor_parallel else ''}: {g.memory_report()}", file=sys.stderr, flush=True)
             if tokenizer is not None and shown:
                 print(args.prompt, end="", flush=True)
-            g.generate(ids, args.max_new_tokens, sampling=sampling,
-                       on_token=llm.print_tokens(tokenizer.decode if tokenizer else None, ids[0].tolist()) if shown else None)
+            printer = TokenPrinter(tokenizer.decode if tokenizer else None, ids[0].tolist()) if shown else None
+            g.generate(ids, args.max_new_tokens, sampling=sampling, on_token=printer)
             if not shown:
                 return 0
+            printer.finish()
             print()
             line = g.summary()
             if g.last_speculation is not None:

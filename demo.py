@@ -88,6 +88,7 @@ def run_demo(out_dir: str = "out", budget_factor: float = 1.5, device: str | Non
              model_module: str = MODEL_MODULE) -> int:
     import hostswap
     import hostswap.llm as llm
+    from hostswap.text_stream import TokenPrinter
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
@@ -114,7 +115,9 @@ def run_demo(out_dir: str = "out", budget_factor: float = 1.5, device: str | Non
               f"--prompt {question!r} --max-new-tokens {NEW_TOKENS} --device {device}")
         with llm.Generator(pte, ptd, weight_offload_budget_mb=budget / 2**20, device=device, policy=policy) as g:
             print(f"user: {question}\nassistant: ", end="", flush=True)
-            out = g.generate(prompt, NEW_TOKENS, on_token=llm.print_tokens(text, prompt[0].tolist()))
+            printer = TokenPrinter(text, prompt[0].tolist())
+            out = g.generate(prompt, NEW_TOKENS, on_token=printer)
+            printer.finish()
             print()
             same = torch.equal(out.cpu(), expected)
             failures += not same

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -784,23 +783,3 @@ def _open_draft(draft, device: torch.device, compiled: bool, where_possible: boo
     resident = max(s.all_resident_budget_bytes for s in schedules.values())
     return Generator(base + ".pte", base + ".ptd", weight_offload_budget_mb=resident / 2**20, device=device, compiled=(DECODE,) if compiled else False,
                      compiled_where_possible=where_possible)
-
-
-def print_tokens(decode: Callable[[list[int]], str] | None = None, prompt_ids=(), stream=None) -> Callable[[int], None]:
-    """An ``on_token`` callback that writes each token to ``stream`` as it comes: the text it
-    adds to the decoded prompt ``prompt_ids`` with ``decode`` (a tokenizer's), else its id."""
-    stream = stream or sys.stdout
-    seen: list[int] = [int(t) for t in prompt_ids]
-    printed = [decode(seen) if decode is not None else ""]
-
-    def on_token(token: int) -> None:
-        if decode is None:
-            stream.write(f"{token} ")
-        else:
-            seen.append(token)
-            text = decode(seen)
-            stream.write(text[len(printed[0]):] if text.startswith(printed[0]) else text)
-            printed[0] = text
-        stream.flush()
-
-    return on_token

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
 
 class SamplingError(ValueError):
     """A sampling parameter out of its range; the message names it."""
@@ -41,8 +43,8 @@ class SamplingParams:
         number("repetition_penalty", 0.0, low_open=True)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise SamplingError(f"top_k must be an int, 0 (every token) or more, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise SamplingError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise SamplingError(f"seed must be an int from {SEED_RANGE[0]} to {SEED_RANGE[1]} or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

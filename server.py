@@ -33,9 +33,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from hostswap.runtime.expert_cache import DEFAULT_POLICY
 from hostswap.sampling import SamplingError, SamplingParams
+from hostswap.text_stream import TextStream
 
 MAX_BODY_BYTES = 1 << 20  # a request body beyond this is refused with 413
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; a chat's is the rest of the context
 
 
 class ApiError(Exception):
@@ -55,40 +56,6 @@ class _Cancelled(Exception):
 
 class _Stopped(Exception):
     """A stop string appeared: the completion ends before it."""
-
-
-class TextStream:
-    """Text of the tokens generated so far, released in deltas: an incomplete character and a
-    tail that may begin a stop string are held back; a stop string ends the text before it."""
-
-    def __init__(self, decode, stop: tuple[str, ...]):
-        self.decode, self.stop = decode, stop
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0  # characters released
-
-    def push(self, token: int) -> tuple[str, bool]:
-        """(text to release, whether a stop string ended the completion)."""
-        self.ids.append(token)
-        text = self.decode(self.ids)
-        if text.endswith("\ufffd"):  # a character split across tokens: wait for its rest
-            return "", False
-        self.text = text
-        hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
-        if hits:
-            end = min(hits)
-            delta, self.sent = text[self.sent:end], end
-            self.text = text[:end]
-            return delta, True
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        upto = max(self.sent, len(text) - hold)
-        delta, self.sent = text[self.sent:upto], upto
-        return delta, False
-
-    def rest(self) -> str:
-        """What was held back, released at the end of a completion no stop string ended."""
-        delta, self.sent = self.text[self.sent:], len(self.text)
-        return delta
 
 
 @dataclasses.dataclass
@@ -159,6 +126,7 @@ class Engine:
                 self.metrics.cancelled += 1
                 continue
             self.active = 1
+            self.metrics.peak_active = max(self.metrics.peak_active, 1)
             try:
                 self._run(job)
             finally:
@@ -388,16 +356,17 @@ class Parser:
         if model != self.model_id:
             raise ApiError(404, f"model '{model}' does not exist; this server serves '{self.model_id}'", param="model", code="model_not_found")
 
-    def _job(self, body: dict, prompt_ids: list[int], loop) -> Job:
-        max_tokens = _field(body, "max_tokens", (int,), DEFAULT_MAX_TOKENS)
-        if "max_completion_tokens" in body:
-            max_tokens = _field(body, "max_completion_tokens", (int,), DEFAULT_MAX_TOKENS)
-        if max_tokens < 1:
-            raise ApiError(400, f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+    def _job(self, body: dict, prompt_ids: list[int], loop, chat: bool = False) -> Job:
         limit = self.engine.max_seq_len
         if len(prompt_ids) >= limit:
             raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context is {limit} tokens (max_seq_len)", param="prompt",
                            code="context_length_exceeded")
+        default = limit - len(prompt_ids) if chat else DEFAULT_MAX_TOKENS
+        max_tokens = _field(body, "max_tokens", (int,), default)
+        if "max_completion_tokens" in body:
+            max_tokens = _field(body, "max_completion_tokens", (int,), default)
+        if max_tokens < 1:
+            raise ApiError(400, f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
         if len(prompt_ids) + max_tokens > limit:
             raise ApiError(400, f"the prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds this model's context of {limit} "
                                 f"tokens; ask for at most {limit - len(prompt_ids)}", param="max_tokens", code="context_length_exceeded")
@@ -437,7 +406,7 @@ class Parser:
             raise ApiError(400, f"model '{self.model_id}' has no chat template; use /v1/completions", param="messages")
         ids = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return self._job(body, ids, loop)
+        return self._job(body, ids, loop, chat=True)
 
 
 # --- the application -------------------------------------------------------------------------

@@ -17,7 +17,8 @@ LOGITS = torch.tensor([2.0, 1.5, 0.5, -1.0, -3.0])
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
-                                          ("top_k", 1.5), ("top_k", True), ("repetition_penalty", 0.0), ("seed", "x"), ("temperature", "hot")])
+                                          ("top_k", 1.5), ("top_k", True), ("repetition_penalty", 0.0), ("seed", "x"), ("seed", 2**64),
+                                          ("seed", -(2**63) - 1), ("temperature", "hot")])
 def test_bad_parameters_are_named(field, value):
     with pytest.raises(SamplingError, match=field):
         SamplingParams(**{field: value})

@@ -177,6 +177,20 @@ def test_chat_completion_uses_the_chat_template(server, program, reference):
     assert streamed == expected
 
 
+def test_a_chat_without_max_tokens_may_fill_the_context(server, program, reference):
+    """As OpenAI's chat endpoint: no max_tokens is the rest of the context, not the 16 tokens
+    of a legacy completion."""
+    tokenizer = program[1]
+    messages = [{"role": "user", "content": "Tell me a long story."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    reply = server.client().chat.completions.create(model=MODEL, messages=messages)
+    assert reply.choices[0].message.content == reference(ids, MAX_SEQ_LEN - len(ids))
+    assert reply.usage.completion_tokens > 16 or reply.choices[0].finish_reason == "stop"
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == MAX_SEQ_LEN or reply.choices[0].finish_reason == "stop"
+    assert server.metrics()["hostswap_peak_active_sequences"] >= 1
+
+
 def test_seeded_sampling_is_reproducible_and_differs_between_seeds(server, program, reference):
     tokenizer = program[1]
     ask = lambda seed: server.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=1.5, seed=seed, extra_body={"top_k": 50}).choices[0].text  # noqa: E731
@@ -196,6 +210,7 @@ def test_seeded_sampling_is_reproducible_and_differs_between_seeds(server, progr
     ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, r"exceeds this model's context of 96 tokens"),
     ({"model": MODEL, "prompt": "word " * 200, "max_tokens": 1}, 400, "this model's context is 96 tokens"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature must be"),
+    ({"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed must be an int from"),
     ({"model": MODEL, "prompt": [1, 10**7]}, 400, "outside the vocabulary"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "'stream' must be bool"),
     ({"model": MODEL, "prompt": "x", "n": 2}, 400, "'n' must be 1"),
