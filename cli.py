@@ -113,6 +113,13 @@ def _export_llm(args) -> int:
     from hostswap.checkpoint import export_checkpoint, has_safetensors
 
     speculate_k = args.speculate_k if args.speculate_k is not None else (4 if args.draft else None)
+    if not os.path.isdir(args.checkpoint):
+        print(f"hostswap export-llm: no checkpoint folder at {args.checkpoint} (a folder with the model's config.json and weights)", file=sys.stderr)
+        return 2
+    if args.out.endswith(("/", os.sep)) or os.path.isdir(args.out):
+        print(f"hostswap export-llm: --out is a path prefix (it writes <out>.pte, <out>.ptd, <out>.tokenizer), and {args.out} names a folder: "
+              f"give a name in it, e.g. {os.path.join(args.out, 'model')}", file=sys.stderr)
+        return 2
     if args.draft and args.quantize:
         print("hostswap export-llm: --draft quantizes a copy of the full-precision weights; export the target without --quantize", file=sys.stderr)
         return 2
@@ -229,6 +236,12 @@ def _generate(args) -> int:
         print(f"hostswap generate: {e}", file=sys.stderr)
         return 2
     shown = rank == 0  # under torchrun every rank generates the same tokens; rank 0 shows them
+    if not os.path.isfile(program + ".pte"):
+        print(f"hostswap generate: no program at {program}.pte: give the path prefix export-llm wrote (its --out)", file=sys.stderr)
+        return 2
+    if args.speculate_k is not None and args.draft is None:
+        print("hostswap generate: --speculate-k sets the draft's tokens per round: give --draft too", file=sys.stderr)
+        return 2
     tokenizer = None
     if args.prompt_ids is None:
         if args.prompt is None:
@@ -237,6 +250,8 @@ def _generate(args) -> int:
         try:
             from transformers import AutoTokenizer
 
+            if not os.path.isdir(base + ".tokenizer"):  # a name that is no folder would be looked up on the Hugging Face hub
+                raise OSError(base + ".tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(base + ".tokenizer")
         except (OSError, ValueError):
             print(f"hostswap generate: no tokenizer at {base}.tokenizer: give --prompt-ids 1,2,3", file=sys.stderr)

@@ -41,7 +41,7 @@ def long_prefill_chunk_for(asked, *, prefill_chunk: int, max_seq_len: int) -> in
     if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
         raise ChunkError(f"long_prefill_chunk must be a positive int, 'auto' or None, got {asked!r}")
     if asked <= prefill_chunk:
-        raise ChunkError(f"long_prefill_chunk={asked} is not longer than prefill_chunk={prefill_chunk}: give a longer one, or None for the short chunk alone")
+        raise ChunkError(f"long_prefill_chunk={asked} is not longer than prefill_chunk={prefill_chunk}: give a longer one, or None (0 on the command line) for the short chunk alone")
     if asked > max_seq_len:
         raise ChunkError(f"long_prefill_chunk={asked} is longer than max_seq_len={max_seq_len}")
     return asked

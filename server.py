@@ -560,11 +560,13 @@ def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", h
         raise ValueError(f"max_queue must be a positive int, got {max_queue!r}")
     from hostswap import tensor_parallel
 
+    program, rank, device = tensor_parallel.rank_program(base, device)  # under torchrun: this rank's program and GPU
+    if not os.path.isfile(program + ".pte"):
+        raise FileNotFoundError(f"no program at {program}.pte: give the path prefix export-llm wrote (its --out)")
     tokenizer_dir = base + ".tokenizer"
     if not os.path.isdir(tokenizer_dir):
         raise FileNotFoundError(f"no tokenizer at {tokenizer_dir}: export-llm saves the checkpoint's tokenizer there; the server needs it to read prompts")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    program, rank, device = tensor_parallel.rank_program(base, device)  # under torchrun: this rank's program and GPU
     batched = batching.is_batched(program + ".pte")  # continuous batching over the program's slots
     generator = (batching.BatchGenerator if batched else llm.Generator)(program + ".pte", program + ".ptd", weight_offload_budget_mb=budget_mb,
                                                                         device=device, expert_prefetch=expert_prefetch,

@@ -1,5 +1,6 @@
 """Every example and the demo run end to end."""
 
+import os
 import subprocess
 import sys
 
@@ -63,6 +64,22 @@ def test_export_llm_and_generate_commands(tmp_path):
     assert refused.returncode == 2 and "no tokenizer" in refused.stderr
     low = run("generate", str(tmp_path / "llama"), "--budget-mb", "0.01", "--prompt-ids", "1", "--device", "cpu")
     assert low.returncode == 2 and "below this program's floor" in low.stderr
+    no_draft = run("generate", str(tmp_path / "llama"), "--speculate-k", "3", "--prompt-ids", "1", "--device", "cpu")
+    assert no_draft.returncode == 2 and "--speculate-k sets the draft's tokens per round: give --draft too" in no_draft.stderr
+
+
+def test_mistyped_paths_are_named_before_any_work(tmp_path):
+    """A program, checkpoint or output path that is not what the command takes is named at once:
+    no model is loaded, no file written, and no name is looked up on the Hugging Face hub."""
+    run = lambda *a: subprocess.run([sys.executable, "-m", "hostswap.cli", *a], capture_output=True, text=True, timeout=600)
+    missing = run("generate", str(tmp_path / "nope"), "--prompt", "Hi", "--device", "cpu")
+    assert missing.returncode == 2 and f"no program at {tmp_path / 'nope'}.pte" in missing.stderr
+    no_checkpoint = run("export-llm", str(tmp_path / "no-ckpt"), "--out", str(tmp_path / "m"), "--max-seq-len", "32")
+    assert no_checkpoint.returncode == 2 and f"no checkpoint folder at {tmp_path / 'no-ckpt'}" in no_checkpoint.stderr
+    (tmp_path / "ckpt").mkdir()
+    folder = run("export-llm", str(tmp_path / "ckpt"), "--out", str(tmp_path) + "/", "--max-seq-len", "32")
+    assert folder.returncode == 2 and "--out is a path prefix" in folder.stderr and "names a folder" in folder.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
 def test_train_with_activation_offload_example(capsys, tmp_path):

@@ -339,3 +339,10 @@ def test_a_server_with_decode_compiled_answers_as_the_program_does(program, refe
         assert done.choices[0].text == reference(ids, 12)
     finally:
         s.stop()
+
+
+def test_a_mistyped_program_is_named_before_anything_loads(tmp_path):
+    from hostswap.server import serve
+
+    with pytest.raises(FileNotFoundError, match=f"no program at {tmp_path / 'nope'}.pte: give the path prefix export-llm wrote"):
+        serve(str(tmp_path / "nope"), device="cpu", port=0)
