@@ -263,6 +263,17 @@ def _generate(args) -> int:
         except ValueError:
             print(f"hostswap generate: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
             return 2
+    from hostswap.schedules.pte_program import constant_method_outputs, read_program
+
+    try:  # before a load, which for a large model takes minutes
+        max_seq_len = (constant_method_outputs(read_program(program + ".pte"), llm.MAX_SEQ_LEN) or [None])[0]
+    except (OSError, ValueError):
+        max_seq_len = None  # the load names what is wrong with the file
+    if max_seq_len is not None and ids.shape[1] + args.max_new_tokens > max_seq_len:
+        print(f"hostswap generate: the prompt ({ids.shape[1]} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the program's "
+              f"max_seq_len={max_seq_len}: ask for at most {max(0, max_seq_len - ids.shape[1])} new tokens, or export with a larger --max-seq-len",
+              file=sys.stderr)
+        return 2
     from hostswap.sampling import SamplingError, SamplingParams
 
     try:

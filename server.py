@@ -23,6 +23,7 @@ import json
 import math
 import queue
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -71,6 +72,7 @@ class Job:
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    include_usage: bool = False  # a stream ends with a chunk of the usage alone (OpenAI's stream_options)
 
     def emit(self, kind: str, value=None) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
@@ -314,6 +316,13 @@ def _sampling(body: dict) -> SamplingParams:
         raise ApiError(400, str(e), param=str(e).split()[0]) from None
 
 
+def _include_usage(body: dict) -> bool:
+    options = _field(body, "stream_options", (dict,), {})
+    if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
+        raise ApiError(400, "'stream_options' takes 'include_usage' (true or false) alone", param="stream_options")
+    return options.get("include_usage", False)
+
+
 def _stop(body: dict) -> tuple[str, ...]:
     stop = _field(body, "stop", (str, list), ())
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -373,7 +382,7 @@ class Parser:
         n = _field(body, "n", (int,), 1)
         if n != 1:
             raise ApiError(400, f"'n' must be 1 (one completion per request), got {n}", param="n")
-        return Job(prompt_ids, max_tokens, _sampling(body), _stop(body), loop, asyncio.Queue())
+        return Job(prompt_ids, max_tokens, _sampling(body), _stop(body), loop, asyncio.Queue(), include_usage=_include_usage(body))
 
     def completion(self, body: dict, loop) -> Job:
         _check_fields(body, COMPLETION_FIELDS)
@@ -513,9 +522,10 @@ async def _events(job: Job, kind: str, model_id: str):
                 yield f"data: {json.dumps(value.body())}\n\n"
                 break
             else:
-                final = _chunk(job, kind, model_id, None, value["finish_reason"])
-                final["usage"] = value["usage"]
-                yield f"data: {json.dumps(final)}\n\n"
+                yield f"data: {json.dumps(_chunk(job, kind, model_id, None, value['finish_reason']))}\n\n"
+                if job.include_usage:  # as OpenAI sends it: a last chunk of no choices
+                    usage = _chunk(job, kind, model_id, None, None) | {"choices": [], "usage": value["usage"]}
+                    yield f"data: {json.dumps(usage)}\n\n"
                 break
         yield "data: [DONE]\n\n"
     finally:
@@ -558,6 +568,13 @@ def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", h
         raise ValueError(f"port must be 0..65535, got {port}")
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
         raise ValueError(f"max_queue must be a positive int, got {max_queue!r}")
+    if int(port):  # before the load, which for a large model takes minutes
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closed connection's port is free
+                probe.bind((host, int(port)))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; give another --port or --host") from None
     from hostswap import tensor_parallel
 
     program, rank, device = tensor_parallel.rank_program(base, device)  # under torchrun: this rank's program and GPU

@@ -296,7 +296,7 @@ def test_generate_cli_reads_from_disk_below_the_host_budget(program):
                   "--budget-mb", program.floor / MB + 0.01, "--host-budget-mb", 0)
     assert result.returncode == 0, result.stderr
     assert "read from the disk" in result.stderr and "MiB/token from disk" in result.stderr
-    bad = _cli("generate", prefix, "--prompt-ids", "1", "--device", "cpu", "--host-budget-mb", "-3")
+    bad = _cli("generate", prefix, "--prompt-ids", "1", "--max-new-tokens", 2, "--device", "cpu", "--host-budget-mb", "-3")
     assert bad.returncode == 2 and "host_memory_budget_mb" in bad.stderr
 
 

@@ -62,8 +62,11 @@ def test_export_llm_and_generate_commands(tmp_path):
     assert len(generated.stdout.split()) == 6 and "ms/token" in generated.stderr and "loaded: cpu: weights 20.0 MiB" in generated.stderr
     refused = run("generate", str(tmp_path / "llama"), "--budget-mb", "20", "--prompt", "hello", "--device", "cpu")
     assert refused.returncode == 2 and "no tokenizer" in refused.stderr
-    low = run("generate", str(tmp_path / "llama"), "--budget-mb", "0.01", "--prompt-ids", "1", "--device", "cpu")
+    low = run("generate", str(tmp_path / "llama"), "--budget-mb", "0.01", "--prompt-ids", "1", "--max-new-tokens", "4", "--device", "cpu")
     assert low.returncode == 2 and "below this program's floor" in low.stderr
+    long = run("generate", str(tmp_path / "llama"), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "60", "--device", "cpu")
+    assert long.returncode == 2 and "the prompt (5 tokens) + --max-new-tokens (60) exceeds the program's max_seq_len=64: ask for at most 59" in long.stderr
+    assert "loaded" not in long.stderr  # refused before the load
     no_draft = run("generate", str(tmp_path / "llama"), "--speculate-k", "3", "--prompt-ids", "1", "--device", "cpu")
     assert no_draft.returncode == 2 and "--speculate-k sets the draft's tokens per round: give --draft too" in no_draft.stderr
 

@@ -138,13 +138,18 @@ def test_eight_concurrent_streams_each_get_their_own_greedy_text(server, program
     expected = [reference(tokenizer(p).input_ids, n) for p, n in zip(PROMPTS, lengths)]
 
     def stream(i: int) -> tuple[str, str | None, int]:
-        chunks = server.client().completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=lengths[i], temperature=0, stream=True)
+        chunks = server.client().completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=lengths[i], temperature=0, stream=True,
+                                                    stream_options={"include_usage": i % 2 == 0})
         text, finish, usage = "", None, None
         for chunk in chunks:
+            if not chunk.choices:  # the usage, last, where asked for (OpenAI's stream_options)
+                usage = chunk.usage
+                continue
+            assert chunk.usage is None
             text += chunk.choices[0].text
             finish = chunk.choices[0].finish_reason or finish
-            usage = getattr(chunk, "usage", None) or usage
-        return text, finish, usage.completion_tokens
+        assert (usage is not None) == (i % 2 == 0)
+        return text, finish, usage.completion_tokens if usage is not None else lengths[i]
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(stream, range(8)))
@@ -211,6 +216,7 @@ def test_seeded_sampling_is_reproducible_and_differs_between_seeds(server, progr
     ({"model": MODEL, "prompt": "word " * 200, "max_tokens": 1}, 400, "this model's context is 96 tokens"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature must be"),
     ({"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed must be an int from"),
+    ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "'stream_options' takes 'include_usage'"),
     ({"model": MODEL, "prompt": [1, 10**7]}, 400, "outside the vocabulary"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "'stream' must be bool"),
     ({"model": MODEL, "prompt": "x", "n": 2}, 400, "'n' must be 1"),
@@ -346,3 +352,16 @@ def test_a_mistyped_program_is_named_before_anything_loads(tmp_path):
 
     with pytest.raises(FileNotFoundError, match=f"no program at {tmp_path / 'nope'}.pte: give the path prefix export-llm wrote"):
         serve(str(tmp_path / "nope"), device="cpu", port=0)
+
+
+def test_a_port_in_use_is_named_before_anything_loads(tmp_path):
+    import socket
+
+    from hostswap.server import serve
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: .*give another --port"):
+            serve(str(tmp_path / "nope"), device="cpu", port=port)
