@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 
@@ -101,6 +102,11 @@ def _demo(args) -> int:
     return run_demo(out_dir=args.out, budget_factor=args.budget_factor, device=args.device)
 
 
+# a Hugging Face hub repository name, which export-llm loads (downloading it) where no folder has
+# that name; any other name that is no folder is a mistyped path, refused before the hub is asked
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def _export_llm(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM
@@ -113,8 +119,9 @@ def _export_llm(args) -> int:
     from hostswap.checkpoint import export_checkpoint, has_safetensors
 
     speculate_k = args.speculate_k if args.speculate_k is not None else (4 if args.draft else None)
-    if not os.path.isdir(args.checkpoint):
-        print(f"hostswap export-llm: no checkpoint folder at {args.checkpoint} (a folder with the model's config.json and weights)", file=sys.stderr)
+    if not os.path.isdir(args.checkpoint) and not HUB_NAME.fullmatch(args.checkpoint):
+        print(f"hostswap export-llm: no checkpoint folder at {args.checkpoint} (a folder with the model's config.json and weights, "
+              "or a Hugging Face hub name, owner/model)", file=sys.stderr)
         return 2
     if args.out.endswith(("/", os.sep)) or os.path.isdir(args.out):
         print(f"hostswap export-llm: --out is a path prefix (it writes <out>.pte, <out>.ptd, <out>.tokenizer), and {args.out} names a folder: "

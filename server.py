@@ -175,6 +175,8 @@ class Engine:
         rest = "" if stopped else text.rest()
         if rest:
             job.emit("text", rest)
+        if text.stopped:  # a stop string the held-back end completed
+            finish = "stop"
         self.metrics.completed += 1
         self.metrics.prompt_tokens += len(job.prompt_ids)
         self.metrics.generated_tokens += count
@@ -501,12 +503,13 @@ def create_app(engine: Engine, model_id: str, *, api_key: str | None = None, max
 
 
 def _chunk(job: Job, kind: str, model_id: str, text: str | None, finish: str | None, first: bool = False) -> dict:
+    usage = {"usage": None} if job.include_usage else {}  # OpenAI's chunks before the usage's, where it is asked for
     if kind == "chat":
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created, "model": model_id, "choices": [choice]}
+        return {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk", "created": job.created, "model": model_id, "choices": [choice]} | usage
     return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created, "model": model_id,
-            "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]} | usage
 
 
 async def _events(job: Job, kind: str, model_id: str):
@@ -550,6 +553,21 @@ async def _whole(job: Job, kind: str, model_id: str) -> dict:
             "choices": [{"index": 0, "text": text, "finish_reason": value["finish_reason"], "logprobs": None}], "usage": value["usage"]}
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Bind every address ``host`` names on ``port`` as asyncio's server does (uvicorn's), then
+    let go: an address in use is refused before the load."""
+    try:
+        addresses = {(family, address) for family, _, _, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)}
+        for family, address in addresses:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's port is free
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # the IPv4 side is its own address
+                probe.bind(address)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; give another --port or --host") from None
+
+
 def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_queue: int = 64, model_id: str | None = None, graceful_seconds: float = 30.0,
           on_ready=None, expert_prefetch: int = 0, compiled: bool = False, expert_host_cache_mb: float | str = "auto",
@@ -569,12 +587,7 @@ def serve(base: str, *, budget_mb: float | str = "auto", device: str = "cuda", h
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
         raise ValueError(f"max_queue must be a positive int, got {max_queue!r}")
     if int(port):  # before the load, which for a large model takes minutes
-        try:
-            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closed connection's port is free
-                probe.bind((host, int(port)))
-        except OSError as e:
-            raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; give another --port or --host") from None
+        _check_port_free(host, int(port))
     from hostswap import tensor_parallel
 
     program, rank, device = tensor_parallel.rank_program(base, device)  # under torchrun: this rank's program and GPU

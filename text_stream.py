@@ -30,6 +30,7 @@ class TextStream:
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters released
+        self.stopped = False  # a stop string ended the text
 
     def _decoded(self) -> str:
         return self.decode(self.context + self.ids)[self.skip :]
@@ -51,6 +52,7 @@ class TextStream:
             end = max(min(hits), self.sent)
             delta, self.sent = text[self.sent : end], end
             self.text = text[:end]
+            self.stopped = True
             return delta, True
         hold = 0 if final else max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         upto = max(self.sent, len(text) - hold)

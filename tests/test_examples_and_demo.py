@@ -71,6 +71,13 @@ def test_export_llm_and_generate_commands(tmp_path):
     assert no_draft.returncode == 2 and "--speculate-k sets the draft's tokens per round: give --draft too" in no_draft.stderr
 
 
+def test_a_checkpoint_is_a_folder_or_a_hub_name():
+    from hostswap.cli import HUB_NAME
+
+    assert HUB_NAME.fullmatch("HuggingFaceTB/SmolLM2-135M-Instruct") and HUB_NAME.fullmatch("Qwen/Qwen3-30B-A3B")
+    assert not any(HUB_NAME.fullmatch(p) for p in ("/data/ckpt", "./ckpt", "out/x/y", "ckpt", "~/ckpt", "a/"))
+
+
 def test_mistyped_paths_are_named_before_any_work(tmp_path):
     """A program, checkpoint or output path that is not what the command takes is named at once:
     no model is loaded, no file written, and no name is looked up on the Hugging Face hub."""

@@ -88,3 +88,12 @@ def test_without_a_tokenizer_the_printer_writes_ids():
     printer(8)
     printer.finish()
     assert out.getvalue() == "7 8 "
+
+
+def test_a_stop_string_the_end_completes_ends_the_text_there():
+    """A stop string ending in U+FFFD is whole only in the end's text: it still ends the text,
+    and the stream says so (the server then reports finish_reason "stop")."""
+    stream = TextStream(byte_level, stop=("x\ufffd",))
+    assert "".join(_pushed(stream, tokens("ab x") + tokens("😀")[:2])) == "ab "
+    assert not stream.stopped
+    assert stream.rest() == "" and stream.stopped
