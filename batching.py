@@ -34,7 +34,7 @@ import torch
 
 from hostswap import kv_shapes, llm
 from hostswap.llm import DECODE, GenerationError
-from hostswap.prefill_chunks import next_call
+from hostswap.prefill_chunks import next_call, padded
 from hostswap.sampling import SamplingParams, TokenChooser, check_drawn, warm_up_sampling
 
 MAX_BATCH_SIZE = llm.MAX_BATCH_SIZE
@@ -304,10 +304,8 @@ class BatchGenerator:
         first token. Returns whether its prompt is all in."""
         call = next_call(sequence.prefilled, len(sequence.prompt), self.prefill_chunks, self.max_seq_len)
         chunk = self.prefill_chunks[call.method]
-        piece = torch.tensor([sequence.prompt[call.start : call.end]], dtype=torch.long)
+        piece = padded(torch.tensor([sequence.prompt[call.start : call.end]], dtype=torch.long), chunk)
         positions = torch.arange(call.start, call.start + chunk, dtype=torch.long)[None]
-        if call.tokens < chunk:  # padding's keys land after the prompt: masked, then overwritten
-            piece = torch.cat([piece, piece[:, -1:].expand(1, chunk - call.tokens)], dim=1)
         (logits,) = self.module.run_method(call.method, [piece, positions, torch.tensor([sequence.slot], dtype=torch.long)])
         sequence.prefilled = call.end
         if sequence.prefilled < len(sequence.prompt):
@@ -325,8 +323,9 @@ class BatchGenerator:
             # overwrites first. A slot whose prompt is still coming in chunks holds its keys
             # from 0 on: its row writes at the last position, which no sequence's tokens fill
             # (a prompt and its new tokens but the last fill at most max_seq_len - 1
-            # positions; only padding lands there) and none attends to. Rows of no sequence taking tokens read no routed experts
-            # (``live_rows``): an MoE step moves its live rows' experts alone.
+            # positions; only padding lands there) and none attends to. Rows of no sequence
+            # taking tokens read no routed experts (``live_rows``): an MoE step moves its live
+            # rows' experts alone.
             ids = torch.zeros(self.max_batch_size, 1, dtype=torch.long)
             positions = torch.tensor([[0 if s is None else self.max_seq_len - 1] for s in self.slots], dtype=torch.long)
             live = torch.zeros(self.max_batch_size, dtype=torch.bool)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from hostswap import kv_shapes
-from hostswap.prefill_chunks import AUTO, PREFILL_LONG, ChunkError, long_prefill_chunk_for, prefill_calls
+from hostswap.prefill_chunks import AUTO, PREFILL_LONG, ChunkError, long_prefill_chunk_for, padded, prefill_calls
 from hostswap.sampling import SamplingParams, TokenChooser, check_drawn, warm_up_sampling
 
 PREFIX = "hostswap_llm_"
@@ -360,11 +360,7 @@ def prefill(step: Step, ids: torch.Tensor, chunks: dict[str, int], max_seq_len: 
     slots come after the prompt, masked, then overwritten by decode."""
     last = None
     for call in prefill_calls(ids.shape[1], chunks, max_seq_len):
-        piece = ids[:, call.start : call.end]
-        chunk = chunks[call.method]
-        if call.tokens < chunk:
-            piece = torch.cat([piece, piece[:, -1:].expand(1, chunk - call.tokens)], dim=1)
-        last = step(call.method, piece, call.start)[0, call.tokens - 1]
+        last = step(call.method, padded(ids[:, call.start : call.end], chunks[call.method]), call.start)[0, call.tokens - 1]
     return last
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 PREFILL_LONG = "prefill_long"  # the long chunk's method, beside ``prefill``
 DEFAULT_LONG_PREFILL_CHUNK = 512
 AUTO = "auto"
@@ -96,6 +98,13 @@ def next_call(position: int, prompt: int, chunks: dict[str, int], max_seq_len: i
         raise ValueError(f"next_call: the {method} chunk of {chunk} tokens is longer than the cache of {max_seq_len}")
     start = min(position, max_seq_len - chunk)
     return Call(method, start, min(start + chunk, prompt) - start)
+
+
+def padded(piece: torch.Tensor, chunk: int) -> torch.Tensor:
+    """A call's prompt tokens ``piece`` [1, n] padded to its method's ``chunk`` by repeating the
+    last: the padding's keys land after the prompt, masked, then overwritten by decode."""
+    n = piece.shape[1]
+    return piece if n == chunk else torch.cat([piece, piece[:, -1:].expand(1, chunk - n)], dim=1)
 
 
 def prefill_calls(prompt: int, chunks: dict[str, int], max_seq_len: int) -> list[Call]:
